@@ -1,0 +1,64 @@
+"""`kvpilot` — one command, one subcommand per job.
+
+Each area of the package contributes its subcommands through a `commands` module with a
+`register(subparsers)` function.  Those modules import their heavy dependencies inside the
+handlers, so `kvpilot --help` and `kvpilot validate` stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from kvpilot import __version__
+
+# Order is the order subcommands appear in `--help`.
+_COMMAND_MODULES = (
+    "kvpilot.api.commands",
+    "kvpilot.operator.commands",
+    "kvpilot.twin.commands",
+    "kvpilot.slo.commands",
+    "kvpilot.tuner.commands",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvpilot",
+        description=(
+            "Run vLLM on Kubernetes with chunked prefill, and keep tuning it: an operator for the "
+            "InferenceService resource, an SLO-constrained Optuna tuner, SLO rules and dashboards, "
+            "and an engine twin that simulates vLLM without a GPU."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"kvpilot {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in _COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue  # an area without commands of its own (yet)
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        result = args.handler(args)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # `kvpilot render ... | head` is fine; silence the interpreter's complaint at exit.
+        sys.stderr.close()
+        return 0
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
