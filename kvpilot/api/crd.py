@@ -1,0 +1,237 @@
+"""The InferenceService CustomResourceDefinition, generated from the pydantic models.
+
+Pydantic emits JSON Schema 2020-12; Kubernetes wants a *structural* OpenAPI v3 schema: no
+`$ref`, `nullable: true` instead of `anyOf` with null, boolean `exclusiveMinimum`, every node
+typed.  `structural()` does that translation; the cross-field rules CEL can express ride along
+as `x-kubernetes-validations`.  crds/ in git is this output and nothing else (a test diffs it).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import yaml
+
+from kvpilot.api import vllm
+from kvpilot.api.models import (
+    GROUP,
+    KIND,
+    PLURAL,
+    SHORT_NAMES,
+    SINGULAR,
+    VERSION,
+    InferenceServiceSpec,
+    InferenceServiceStatus,
+)
+
+CRD_NAME = f"{PLURAL}.{GROUP}"
+CRD_FILENAME = f"{CRD_NAME}.yaml"
+
+_DROP = frozenset({"title", "discriminator"})
+
+# Rules that CEL can express cheaply, keyed by the path of the object they sit on.
+# The same rules live in rules.py for `kvpilot validate` and the operator; keep the messages alike.
+_CEL_RULES: dict[tuple[str, ...], list[dict[str, str]]] = {
+    ("spec",): [
+        {
+            "rule": "self.replicas != 1 || self.rollout.maxSurge != 0 || self.rollout.allowDowntime",
+            "message": "with replicas 1, rollout.maxSurge 0 takes the service down on every rollout; "
+            "use maxSurge >= 1 or set rollout.allowDowntime: true",
+            "fieldPath": ".rollout.maxSurge",
+        },
+        {
+            "rule": "self.engine.kind != 'vllm' || self.resources.gpus >= self.engine.tensorParallelSize",
+            "message": "resources.gpus must be at least engine.tensorParallelSize",
+            "fieldPath": ".resources.gpus",
+        },
+    ],
+    ("spec", "engine"): [
+        {
+            "rule": "self.maxNumBatchedTokens >= self.maxNumSeqs",
+            "message": "maxNumBatchedTokens must be at least maxNumSeqs (vLLM refuses to start otherwise)",
+            "fieldPath": ".maxNumBatchedTokens",
+        },
+        {
+            "rule": "!(has(self.gpuMemoryUtilization) && has(self.kvCacheMemoryBytes))",
+            "message": "set either gpuMemoryUtilization or kvCacheMemoryBytes, not both",
+            "fieldPath": ".kvCacheMemoryBytes",
+        },
+    ],
+    ("spec", "rollout"): [
+        {
+            "rule": "self.progressDeadlineSeconds > self.startupTimeoutSeconds",
+            "message": "progressDeadlineSeconds must be longer than startupTimeoutSeconds",
+            "fieldPath": ".progressDeadlineSeconds",
+        },
+    ],
+    ("spec", "slo"): [
+        {
+            "rule": "double(self.ttftSeconds) in [" + ", ".join(f"{e!r}" for e in vllm.TTFT_BUCKETS) + "]",
+            "message": "ttftSeconds must be a bucket edge of vllm:time_to_first_token_seconds: "
+            + ", ".join(f"{e:g}" for e in vllm.TTFT_BUCKETS),
+            "fieldPath": ".ttftSeconds",
+        },
+        {
+            "rule": "double(self.itlSeconds) in [" + ", ".join(f"{e!r}" for e in vllm.ITL_BUCKETS) + "]",
+            "message": "itlSeconds must be a bucket edge of vllm:inter_token_latency_seconds: "
+            + ", ".join(f"{e:g}" for e in vllm.ITL_BUCKETS),
+            "fieldPath": ".itlSeconds",
+        },
+    ],
+    ("spec", "tuning", "space"): [
+        {
+            "rule": f"self.{name}[0] < self.{name}[1]",
+            "message": f"{name}: min must be less than max",
+            "fieldPath": f".{name}",
+        }
+        for name in ("maxNumBatchedTokens", "gpuMemoryUtilization", "maxNumSeqs")
+    ],
+}
+
+PRINTER_COLUMNS: list[dict[str, Any]] = [
+    {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas", "description": "Replicas ready"},
+    {"name": "Chunk", "type": "integer", "jsonPath": ".spec.engine.maxNumBatchedTokens",
+     "description": "--max-num-batched-tokens (chunked-prefill token budget)"},
+    {"name": "KV%", "type": "number", "jsonPath": ".spec.engine.gpuMemoryUtilization",
+     "description": "--gpu-memory-utilization (empty: vLLM's default)"},
+    {"name": "P99-TTFT", "type": "number", "jsonPath": ".status.slo.ttftP99Seconds",
+     "description": "p99 time to first token, seconds"},
+    {"name": "Burn", "type": "number", "jsonPath": ".status.slo.burnRate.1h",
+     "description": "Worst SLO burn rate over 1h"},
+    {"name": "Tuning", "type": "string", "jsonPath": ".status.tuning.phase", "description": "Tuner phase"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+
+def structural(schema: dict[str, Any]) -> dict[str, Any]:
+    """Translate a pydantic JSON schema (with $defs) into a structural OpenAPI v3 schema."""
+    defs = schema.get("$defs", {})
+
+    def walk(node: dict[str, Any]) -> dict[str, Any]:
+        if "$ref" in node:
+            target = defs[node["$ref"].rsplit("/", 1)[-1]]
+            merged = {**walk(copy.deepcopy(target)), **{k: v for k, v in node.items() if k != "$ref"}}
+            return walk_keys(merged)
+        return walk_keys(node)
+
+    def walk_keys(node: dict[str, Any]) -> dict[str, Any]:
+        node = dict(node)
+        nullable = False
+        if "anyOf" in node:
+            options = [o for o in node.pop("anyOf") if o.get("type") != "null"]
+            if len(options) != 1:
+                raise ValueError(f"cannot express a union of {len(options)} types structurally: {options}")
+            node = {**walk(options[0]), **node}
+            nullable = True
+        if node.get("default", 0) is None:
+            del node["default"]
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            if key in _DROP or key == "$defs":
+                continue
+            if key == "properties":
+                out["properties"] = {name: walk(sub) for name, sub in value.items()}
+            elif key == "items":
+                out["items"] = walk(value)
+            elif key == "additionalProperties" and isinstance(value, dict):
+                out["additionalProperties"] = walk(value)
+            elif key == "additionalProperties" and value is False:
+                continue  # structural schemas prune unknown fields already
+            elif key in ("exclusiveMinimum", "exclusiveMaximum") and not isinstance(value, bool):
+                bound = "minimum" if key == "exclusiveMinimum" else "maximum"
+                out[bound] = value
+                out[key] = True
+            elif key == "const":
+                out["enum"] = [value]
+            else:
+                out[key] = value
+        if "enum" in out and "type" not in out:
+            kinds = {type(v) for v in out["enum"]}
+            out["type"] = "integer" if kinds == {int} else "string" if kinds == {str} else "number"
+        if out.get("type") == "object" and "properties" not in out and "additionalProperties" not in out:
+            out["x-kubernetes-preserve-unknown-fields"] = True
+        if nullable:
+            out["nullable"] = True
+        return out
+
+    return walk(schema)
+
+
+def _object_defaults(node: dict[str, Any]) -> None:
+    """Give nested objects `default: {}` so the API server fills their fields' defaults too."""
+    for sub in node.get("properties", {}).values():
+        if sub.get("type") == "object" and "properties" in sub and not sub.get("nullable"):
+            sub.setdefault("default", {})
+        _object_defaults(sub)
+
+
+def _attach_rules(spec_schema: dict[str, Any]) -> None:
+    for path, rules in _CEL_RULES.items():
+        node = spec_schema
+        for part in path[1:]:
+            node = node["properties"][part]
+        node["x-kubernetes-validations"] = rules
+
+
+def openapi_schema() -> dict[str, Any]:
+    spec = structural(InferenceServiceSpec.model_json_schema(by_alias=True, mode="validation"))
+    _object_defaults(spec)
+    _attach_rules(spec)
+    spec["description"] = "Desired state: the model, the engine and its flags, rollout, SLOs and tuning."
+    status = structural(InferenceServiceStatus.model_json_schema(by_alias=True, mode="serialization"))
+    status["description"] = "Observed state, written by the operator and the tuner."
+    conditions = status["properties"]["conditions"]
+    conditions["x-kubernetes-list-type"] = "map"
+    conditions["x-kubernetes-list-map-keys"] = ["type"]
+    return {
+        "type": "object",
+        "description": "An InferenceService runs a model on vLLM with chunked prefill, rolls out changes "
+        "without downtime, and lets kvpilot tune the engine against its SLOs.",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec,
+            "status": status,
+        },
+    }
+
+
+def crd() -> dict[str, Any]:
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": CRD_NAME,
+            "labels": {"app.kubernetes.io/name": "kvpilot", "app.kubernetes.io/component": "crd"},
+        },
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": list(SHORT_NAMES),
+                "categories": ["all", "kvpilot"],
+            },
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": openapi_schema()},
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": PRINTER_COLUMNS,
+                }
+            ],
+        },
+    }
+
+
+def crd_yaml() -> str:
+    header = "# Generated by `kvpilot crd --write` from kvpilot/api/models.py. Do not edit by hand.\n"
+    return header + yaml.safe_dump(crd(), sort_keys=False, width=120, allow_unicode=True)

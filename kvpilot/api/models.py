@@ -1,0 +1,336 @@
+"""The InferenceService resource: pydantic models for its spec and status.
+
+These models are the single source of truth: the CRD schema is generated from them
+(`kvpilot crd`), `kvpilot validate` and the operator validate with them, and the tuner
+reads the tuning space from them.  camelCase on the wire, snake_case in Python.
+
+Cross-field rules live in `rules.py` as plain functions; each model's after-validator
+calls them and raises every finding at once with its own field path.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+from kvpilot.api import rules, vllm
+
+GROUP = "kvpilot.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+SINGULAR = "inferenceservice"
+SHORT_NAMES = ("kvis",)
+
+# Bounds vLLM itself accepts (or that no real deployment goes past); the tuning space must stay inside.
+MAX_BATCHED_TOKENS_LIMIT = 1 << 20
+MAX_NUM_SEQS_LIMIT = 1 << 16
+MAX_MODEL_LEN_LIMIT = 1 << 24
+
+TUNED_ENGINE_FIELDS = ("maxNumBatchedTokens", "gpuMemoryUtilization", "maxNumSeqs")
+
+
+class _Wire(BaseModel):
+    """Base: camelCase aliases, unknown fields refused (a typo must not be silently ignored)."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        frozen=False,
+        use_attribute_docstrings=False,
+    )
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+class TwinSpec(_Wire):
+    gpu: str = Field(
+        "H100-80GB",
+        min_length=1,
+        description="GPU preset the engine twin simulates (A100-80GB, H100-80GB, H200, L40S, L4, A10G).",
+    )
+    startup_delay_seconds: float = Field(
+        0.0, ge=0, le=3600, description="Seconds the twin waits before opening its port, mimicking model load."
+    )
+
+
+class EngineSpec(_Wire):
+    kind: Literal["vllm", "twin"] = Field(
+        "vllm", description="vllm runs the vLLM image; twin runs kvpilot's GPU-less engine twin with the same flags."
+    )
+    image: str = Field(vllm.DEFAULT_IMAGE, min_length=1, description="vLLM container image (engine.kind vllm).")
+    max_num_batched_tokens: int = Field(
+        2048,
+        ge=1,
+        le=MAX_BATCHED_TOKENS_LIMIT,
+        description="--max-num-batched-tokens: the per-step token budget, i.e. the chunked-prefill chunk size. Tuned.",
+    )
+    gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description=(
+            "--gpu-memory-utilization: fraction of GPU memory vLLM may use (weights, activations, KV cache). "
+            f"Unset means vLLM's default {vllm.DEFAULT_GPU_MEMORY_UTILIZATION}. Not together with kvCacheMemoryBytes. Tuned."
+        ),
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="--kv-cache-memory-bytes: a fixed KV-cache size; overrides gpuMemoryUtilization, so not both.",
+    )
+    max_num_seqs: int = Field(
+        256, ge=1, le=MAX_NUM_SEQS_LIMIT, description="--max-num-seqs: most sequences running at once. Tuned."
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, le=MAX_MODEL_LEN_LIMIT, description="--max-model-len: longest prompt plus output; unset = model's own."
+    )
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="--tensor-parallel-size: GPUs per replica.")
+    block_size: Literal[1, 8, 16, 32, 64, 128, 256] = Field(
+        16, description="--block-size: tokens per KV-cache block."
+    )
+    kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla"] = Field(
+        "auto", description="--kv-cache-dtype: data type of the KV cache."
+    )
+    long_prefill_token_threshold: int = Field(
+        0, ge=0, le=MAX_BATCHED_TOKENS_LIMIT, description="--long-prefill-token-threshold: cap on one request's chunk (0 = none)."
+    )
+    extra_args: list[str] = Field(
+        default_factory=list,
+        max_length=256,
+        description="More `vllm serve` arguments, passed through after the typed flags; may not repeat a typed flag.",
+    )
+    twin: TwinSpec = Field(default_factory=TwinSpec, description="Settings for engine.kind twin only.")
+
+    @property
+    def effective_gpu_memory_utilization(self) -> float | None:
+        if self.kv_cache_memory_bytes is not None:
+            return None
+        if self.gpu_memory_utilization is None:
+            return vllm.DEFAULT_GPU_MEMORY_UTILIZATION
+        return self.gpu_memory_utilization
+
+    @model_validator(mode="after")
+    def _cross_fields(self) -> EngineSpec:
+        rules.raise_issues("EngineSpec", rules.engine_issues(self), self)
+        return self
+
+
+class SecretKeyRef(_Wire):
+    name: str = Field(..., min_length=1, max_length=253, description="Name of a Secret in the same namespace.")
+    key: str = Field("HF_TOKEN", min_length=1, description="Key in that Secret.")
+
+
+_Quantity = Annotated[
+    str, Field(pattern=r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$", max_length=64)
+]
+
+
+class ResourcesSpec(_Wire):
+    gpus: int = Field(1, ge=0, le=64, description="GPUs per replica; at least engine.tensorParallelSize for vllm.")
+    gpu_resource: str = Field(
+        "nvidia.com/gpu", min_length=1, max_length=253, description="Extended resource name of the GPU."
+    )
+    cpu: _Quantity | None = Field(None, description="CPU request and limit per replica (a Kubernetes quantity).")
+    memory: _Quantity = Field("32Gi", description="Memory request and limit per replica (a Kubernetes quantity).")
+    shm_size: _Quantity = Field("8Gi", description="Size of the memory-backed /dev/shm volume.")
+
+
+class RolloutSpec(_Wire):
+    max_surge: int = Field(
+        1, ge=0, le=64, description="Extra replicas during a rollout; 0 with one replica means downtime (see allowDowntime)."
+    )
+    shutdown_timeout_seconds: int = Field(
+        30, ge=0, le=3600, description="--shutdown-timeout: seconds vLLM drains in-flight requests after SIGTERM."
+    )
+    pre_stop_seconds: int = Field(
+        10, ge=0, le=600, description="preStop sleep so endpoints drop the pod before it gets SIGTERM."
+    )
+    startup_timeout_seconds: int = Field(
+        1800, ge=10, le=86400, description="Longest a model may take to load before the startup probe gives up."
+    )
+    progress_deadline_seconds: int = Field(
+        3600,
+        ge=30,
+        le=172800,
+        description="Deployment progressDeadlineSeconds; past it the operator rolls back to lastGoodEngine.",
+    )
+    allow_downtime: bool = Field(
+        False, description="Accept rollouts that take the service down (one replica and maxSurge 0)."
+    )
+
+
+class SLOSpec(_Wire):
+    ttft_seconds: float = Field(
+        0.5, description="Time-to-first-token target; must be a bucket edge of vllm:time_to_first_token_seconds."
+    )
+    itl_seconds: float = Field(
+        0.05, description="Inter-token latency target; must be a bucket edge of vllm:inter_token_latency_seconds."
+    )
+    objective: float = Field(0.99, gt=0, lt=1, description="Fraction of requests that must meet both targets.")
+    period: str = Field(
+        "30d", pattern=r"^[1-9][0-9]*[dhw]$", description="SLO period for the error budget, e.g. 30d, 4w, 720h."
+    )
+
+    @model_validator(mode="after")
+    def _edges(self) -> SLOSpec:
+        rules.raise_issues("SLOSpec", rules.slo_issues(self), self)
+        return self
+
+
+class TuningSpace(_Wire):
+    max_num_batched_tokens: list[int] = Field(
+        default_factory=lambda: [256, 16384],
+        min_length=2,
+        max_length=2,
+        description="[min, max] of engine.maxNumBatchedTokens the tuner may try.",
+    )
+    gpu_memory_utilization: list[float] = Field(
+        default_factory=lambda: [0.70, 0.95],
+        min_length=2,
+        max_length=2,
+        description="[min, max] of engine.gpuMemoryUtilization the tuner may try.",
+    )
+    max_num_seqs: list[int] = Field(
+        default_factory=lambda: [64, 1024],
+        min_length=2,
+        max_length=2,
+        description="[min, max] of engine.maxNumSeqs the tuner may try.",
+    )
+
+
+class TuningSpec(_Wire):
+    enabled: bool = Field(False, description="Let the tuner change the tuned engine fields of this service.")
+    goal: Literal["latency", "capacity"] = Field(
+        "latency",
+        description="latency: minimise p99 TTFT and ITL against the SLO, live; capacity: maximise the rate within SLO, on the twin.",
+    )
+    space: TuningSpace = Field(default_factory=TuningSpace, description="Ranges the tuner searches.")
+    max_trials: int = Field(30, ge=1, le=1000, description="Trials before the tuner settles on the best.")
+    trial_seconds: int = Field(600, ge=10, le=86400, description="Measurement window of one trial.")
+    warmup_seconds: int = Field(120, ge=0, le=86400, description="Wait after a rollout before measuring.")
+    storage: str | None = Field(
+        None, max_length=2048, description="Optuna storage URL (sqlite:///..., postgresql://...); unset = the tuner's default."
+    )
+
+    @model_validator(mode="after")
+    def _space(self) -> TuningSpec:
+        rules.raise_issues("TuningSpec", rules.tuning_issues(self), self)
+        return self
+
+
+class InferenceServiceSpec(_Wire):
+    model: str = Field(
+        ..., min_length=1, max_length=512, description="Model to serve: a Hugging Face id or a path in the image."
+    )
+    served_model_name: str | None = Field(
+        None, min_length=1, max_length=512, description="Name clients use in requests; defaults to model."
+    )
+    replicas: int = Field(1, ge=0, le=1000, description="Engine replicas (pods).")
+    engine: EngineSpec = Field(default_factory=EngineSpec, description="The inference engine and its flags.")
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Per-replica resources.")
+    hf_token_secret: SecretKeyRef | None = Field(
+        None, description="Secret key holding a Hugging Face token, exposed to the engine as HF_TOKEN."
+    )
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="How changes roll out without downtime.")
+    slo: SLOSpec = Field(default_factory=SLOSpec, description="Latency objectives: alerts page on them, the tuner steers by them.")
+    tuning: TuningSpec = Field(default_factory=TuningSpec, description="The closed-loop tuner's settings.")
+
+    @model_validator(mode="after")
+    def _cross_fields(self) -> InferenceServiceSpec:
+        rules.raise_issues("InferenceServiceSpec", rules.spec_issues(self), self)
+        return self
+
+
+class ObjectMeta(BaseModel):
+    """The part of Kubernetes object metadata kvpilot reads; everything else is kept as given."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True, alias_generator=to_camel)
+
+    name: str = Field(
+        ...,
+        min_length=1,
+        max_length=63,
+        pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$",
+        description="DNS-1035 label: it names the Deployment and Service too.",
+    )
+    namespace: str = Field("default", min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+    uid: str | None = None
+    generation: int | None = None
+    resource_version: str | None = None
+
+
+# ---- status ----------------------------------------------------------------------------------
+
+
+class _Status(_Wire):
+    # Status is written by the operator and the tuner; an unknown key from a newer one must not break reads.
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+
+class Condition(_Status):
+    type: str = Field(..., description="Ready, Progressing, Degraded, SLOBurning or Tuning.")
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field("", description="CamelCase reason for the last transition.")
+    message: str = Field("", description="Human-readable details.")
+    last_transition_time: str | None = Field(None, description="RFC 3339 time of the last status change.")
+    observed_generation: int | None = None
+
+
+class BurnRates(_Status):
+    # Keys are the PromQL windows, as SREs read them.
+    five_minutes: float | None = Field(None, alias="5m")
+    one_hour: float | None = Field(None, alias="1h")
+    six_hours: float | None = Field(None, alias="6h")
+
+
+class SLOStatus(_Status):
+    ttft_p99_seconds: float | None = None
+    itl_p99_seconds: float | None = None
+    burn_rate: BurnRates | None = Field(None, description="Worst of the TTFT and ITL burn rates per window.")
+
+
+class TuningBest(_Status):
+    trial: int | None = None
+    value: float | None = None
+    params: dict[str, float] = Field(default_factory=dict)
+
+
+class TuningStatus(_Status):
+    phase: str | None = Field(None, description="Idle, WarmStart, Applying, WarmingUp, Measuring, Paused, Done or Failed.")
+    trial: int | None = Field(None, description="Number of the trial in progress or last finished.")
+    study: str | None = None
+    best: TuningBest | None = None
+    message: str | None = None
+
+
+class InferenceServiceStatus(_Status):
+    observed_generation: int | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+    replicas: int | None = None
+    ready_replicas: int | None = None
+    updated_replicas: int | None = None
+    engine_args: list[str] = Field(default_factory=list, description="The engine command line in force.")
+    config_hash: str | None = None
+    last_good_engine: dict[str, Any] | None = Field(
+        None, description="spec.engine of the last rollout that completed with every replica ready."
+    )
+    slo: SLOStatus | None = None
+    tuning: TuningStatus | None = None
+
+
+class InferenceService(_Wire):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+    api_version: Literal["kvpilot.dev/v1alpha1"] = Field(API_VERSION, alias="apiVersion")
+    kind: Literal["InferenceService"] = KIND
+    metadata: ObjectMeta
+    spec: InferenceServiceSpec
+    status: InferenceServiceStatus | None = None

@@ -1,0 +1,242 @@
+"""Cross-field rules of the InferenceService spec.
+
+Plain functions over already-typed models: each returns the issues it finds as
+(location, message, offending value), the location relative to the model checked and
+spelled as on the wire.  The models' after-validators raise them all at once, so a user
+sees every problem in one pass, each under its own field path.
+
+The checks are ordered cheapest-first and allocate nothing when all is well: they run on
+every validation (the operator, the webhook, `kvpilot validate`), so they must cost next to nothing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from kvpilot.api import vllm
+
+if TYPE_CHECKING:
+    from kvpilot.api.models import EngineSpec, InferenceServiceSpec, SLOSpec, TuningSpec
+
+Issue = tuple[tuple[str | int, ...], str, Any]
+
+_TTFT_EDGES = frozenset(vllm.TTFT_BUCKETS)
+_ITL_EDGES = frozenset(vllm.ITL_BUCKETS)
+_TTFT_EDGES_TEXT = ", ".join(f"{e:g}" for e in vllm.TTFT_BUCKETS)
+_ITL_EDGES_TEXT = ", ".join(f"{e:g}" for e in vllm.ITL_BUCKETS)
+
+_TYPED_FLAG_FIELDS = {flag: field for field, flag in vllm.TYPED_FLAGS.items()}
+_TYPED_FLAG_FIELDS.update({alias: _TYPED_FLAG_FIELDS[flag] for alias, flag in vllm.FLAG_ALIASES.items()})
+
+# Legal ranges of the tuned fields (the models' own bounds), used to check the tuning space.
+_SPACE_LIMITS: dict[str, tuple[float, float]] = {
+    "maxNumBatchedTokens": (1, 1 << 20),
+    "gpuMemoryUtilization": (0.0, 1.0),  # exclusive at both ends, as the field itself
+    "maxNumSeqs": (1, 1 << 16),
+}
+
+
+def raise_issues(title: str, issues: list[Issue], _model: object) -> None:
+    if not issues:
+        return
+    raise ValidationError.from_exception_data(
+        title,
+        [
+            InitErrorDetails(
+                type=PydanticCustomError("kvpilot_rule", "{rule}", {"rule": message}),
+                loc=loc,
+                input=value,
+            )
+            for loc, message, value in issues
+        ],
+    )
+
+
+def _flag_name(arg: str) -> str:
+    return arg.split("=", 1)[0]
+
+
+def engine_issues(engine: EngineSpec) -> list[Issue]:
+    issues: list[Issue] = []
+    if engine.max_num_batched_tokens < engine.max_num_seqs:
+        issues.append(
+            (
+                ("maxNumBatchedTokens",),
+                f"must be at least maxNumSeqs ({engine.max_num_seqs}); vLLM refuses to start otherwise "
+                f"(got {engine.max_num_batched_tokens})",
+                engine.max_num_batched_tokens,
+            )
+        )
+    if engine.gpu_memory_utilization is not None and engine.kv_cache_memory_bytes is not None:
+        issues.append(
+            (
+                ("kvCacheMemoryBytes",),
+                "set either gpuMemoryUtilization or kvCacheMemoryBytes, not both "
+                "(vLLM ignores gpuMemoryUtilization when kvCacheMemoryBytes is given)",
+                engine.kv_cache_memory_bytes,
+            )
+        )
+    if engine.extra_args:
+        for i, arg in enumerate(engine.extra_args):
+            if not arg.startswith("-"):
+                continue
+            flag = _flag_name(arg)
+            if flag in _TYPED_FLAG_FIELDS:
+                issues.append(
+                    (
+                        ("extraArgs", i),
+                        f"{flag} is set by the typed field engine.{_TYPED_FLAG_FIELDS[flag]}; set it there instead",
+                        arg,
+                    )
+                )
+            elif flag in vllm.REMOVED_FLAGS:
+                issues.append((("extraArgs", i), f"{flag} was {vllm.REMOVED_FLAGS[flag]}", arg))
+            elif flag in vllm.OWNED_FLAGS:
+                issues.append(
+                    (
+                        ("extraArgs", i),
+                        f"{flag} is set by kvpilot (the model, port and served name come from spec.model, "
+                        "spec.servedModelName and the Service)",
+                        arg,
+                    )
+                )
+    return issues
+
+
+def slo_issues(slo: SLOSpec) -> list[Issue]:
+    issues: list[Issue] = []
+    if slo.ttft_seconds not in _TTFT_EDGES:
+        issues.append(
+            (
+                ("ttftSeconds",),
+                f"must be a bucket edge of vllm:time_to_first_token_seconds (a latency SLO read from buckets is "
+                f"exact only there); allowed: {_TTFT_EDGES_TEXT}",
+                slo.ttft_seconds,
+            )
+        )
+    if slo.itl_seconds not in _ITL_EDGES:
+        issues.append(
+            (
+                ("itlSeconds",),
+                f"must be a bucket edge of vllm:inter_token_latency_seconds; allowed: {_ITL_EDGES_TEXT}",
+                slo.itl_seconds,
+            )
+        )
+    return issues
+
+
+def tuning_issues(tuning: TuningSpec) -> list[Issue]:
+    issues: list[Issue] = []
+    space = tuning.space
+    for name, bounds in (
+        ("maxNumBatchedTokens", space.max_num_batched_tokens),
+        ("gpuMemoryUtilization", space.gpu_memory_utilization),
+        ("maxNumSeqs", space.max_num_seqs),
+    ):
+        low, high = bounds
+        legal_low, legal_high = _SPACE_LIMITS[name]
+        if not low < high:
+            issues.append((("space", name), f"min must be less than max (got [{low}, {high}])", bounds))
+        elif name == "gpuMemoryUtilization" and not (legal_low < low and high < legal_high):
+            issues.append((("space", name), f"must lie inside (0, 1) (got [{low}, {high}])", bounds))
+        elif not (legal_low <= low and high <= legal_high):
+            issues.append(
+                (("space", name), f"must lie inside [{legal_low:g}, {legal_high:g}] (got [{low}, {high}])", bounds)
+            )
+    if space.max_num_batched_tokens[1] < space.max_num_seqs[0]:
+        issues.append(
+            (
+                ("space", "maxNumBatchedTokens"),
+                f"max ({space.max_num_batched_tokens[1]}) is below the smallest maxNumSeqs "
+                f"({space.max_num_seqs[0]}): no point of the space satisfies maxNumBatchedTokens >= maxNumSeqs",
+                space.max_num_batched_tokens,
+            )
+        )
+    if tuning.warmup_seconds >= tuning.trial_seconds:
+        issues.append(
+            (
+                ("warmupSeconds",),
+                f"must be shorter than trialSeconds ({tuning.trial_seconds}) so a trial measures anything",
+                tuning.warmup_seconds,
+            )
+        )
+    return issues
+
+
+def spec_issues(spec: InferenceServiceSpec) -> list[Issue]:
+    issues: list[Issue] = []
+    rollout = spec.rollout
+    if spec.replicas == 1 and rollout.max_surge == 0 and not rollout.allow_downtime:
+        issues.append(
+            (
+                ("rollout", "maxSurge"),
+                "with replicas 1, maxSurge 0 takes the service down on every rollout; use maxSurge >= 1 "
+                "(one spare GPU during rollouts), more replicas, or set rollout.allowDowntime: true",
+                rollout.max_surge,
+            )
+        )
+    if rollout.progress_deadline_seconds <= rollout.startup_timeout_seconds:
+        issues.append(
+            (
+                ("rollout", "progressDeadlineSeconds"),
+                f"must be longer than rollout.startupTimeoutSeconds ({rollout.startup_timeout_seconds}), or every "
+                "slow model load would count as a failed rollout and be rolled back",
+                rollout.progress_deadline_seconds,
+            )
+        )
+    engine = spec.engine
+    if engine.kind == "vllm" and spec.resources.gpus < engine.tensor_parallel_size:
+        issues.append(
+            (
+                ("resources", "gpus"),
+                f"must be at least engine.tensorParallelSize ({engine.tensor_parallel_size}); got {spec.resources.gpus}",
+                spec.resources.gpus,
+            )
+        )
+    tuning = spec.tuning
+    if tuning.enabled:
+        space = tuning.space
+        tokens_low, tokens_high = space.max_num_batched_tokens
+        if not tokens_low <= engine.max_num_batched_tokens <= tokens_high:
+            issues.append(
+                (
+                    ("engine", "maxNumBatchedTokens"),
+                    f"{engine.max_num_batched_tokens} is outside tuning.space.maxNumBatchedTokens "
+                    f"[{tokens_low}, {tokens_high}]; the tuner starts from the current value",
+                    engine.max_num_batched_tokens,
+                )
+            )
+        seqs_low, seqs_high = space.max_num_seqs
+        if not seqs_low <= engine.max_num_seqs <= seqs_high:
+            issues.append(
+                (
+                    ("engine", "maxNumSeqs"),
+                    f"{engine.max_num_seqs} is outside tuning.space.maxNumSeqs [{seqs_low}, {seqs_high}]",
+                    engine.max_num_seqs,
+                )
+            )
+        if engine.kv_cache_memory_bytes is not None:
+            issues.append(
+                (
+                    ("engine", "kvCacheMemoryBytes"),
+                    "the tuner adjusts gpuMemoryUtilization, which kvCacheMemoryBytes overrides; "
+                    "unset kvCacheMemoryBytes or disable tuning",
+                    engine.kv_cache_memory_bytes,
+                )
+            )
+        else:
+            util = engine.effective_gpu_memory_utilization
+            util_low, util_high = space.gpu_memory_utilization
+            if util is not None and not util_low <= util <= util_high:
+                issues.append(
+                    (
+                        ("engine", "gpuMemoryUtilization"),
+                        f"{util} is outside tuning.space.gpuMemoryUtilization [{util_low}, {util_high}]"
+                        + (" (vLLM's default, as the field is unset)" if engine.gpu_memory_utilization is None else ""),
+                        util,
+                    )
+                )
+    return issues

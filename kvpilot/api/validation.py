@@ -1,0 +1,172 @@
+"""Validation of InferenceService manifests, as users (and the admission path) see it.
+
+One function, `validate_object`, turns anything (a parsed YAML document) into a list of
+issues, each naming the field path and what is allowed.  `kvpilot validate`, the operator's
+InvalidSpec condition and a future admission webhook all print exactly these messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from kvpilot.api.models import API_VERSION, KIND, InferenceService
+
+
+@dataclass(frozen=True, slots=True)
+class ValidationIssue:
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}" if self.path else self.message
+
+
+@dataclass(frozen=True, slots=True)
+class DocumentResult:
+    index: int  # 0-based position in the YAML stream
+    name: str | None  # namespace/name when the document got that far
+    issues: list[ValidationIssue]
+
+    @property
+    def valid(self) -> bool:
+        return not self.issues
+
+    @property
+    def label(self) -> str:
+        return f"document {self.index + 1}" + (f" ({self.name})" if self.name else "")
+
+
+def format_path(loc: tuple[str | int, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _model_at(loc: tuple[str | int, ...]) -> type[BaseModel] | None:
+    """The model class whose field `loc` names (for listing the allowed fields)."""
+    model: Any = InferenceService
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return None
+        field = next((f for n, f in model.model_fields.items() if (f.alias or n) == part), None)
+        if field is None:
+            return None
+        model = _unwrap(field.annotation)
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _unwrap(annotation: Any) -> Any:
+    # `X | None` and `list[X]` lead to X, which is where nested fields live.
+    for arg in get_args(annotation) if get_origin(annotation) is not None else ():
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return annotation
+
+
+def _message(error: dict[str, Any]) -> str:
+    kind = error["type"]
+    if kind == "kvpilot_rule":
+        return str(error["msg"])
+    if kind == "extra_forbidden":
+        parent = _model_at(tuple(error["loc"][:-1]))
+        allowed = sorted((f.alias or n) for n, f in parent.model_fields.items()) if parent else []
+        return "unknown field" + (f"; allowed here: {', '.join(allowed)}" if allowed else "")
+    if kind == "missing":
+        return "required field is missing"
+    message = str(error["msg"])
+    if kind.endswith("_type") or kind.endswith("_parsing") or kind in ("literal_error", "string_pattern_mismatch"):
+        message += f" (got {_short(error.get('input'))})"
+    return message
+
+
+def issues_from_error(error: ValidationError) -> list[ValidationIssue]:
+    return [
+        ValidationIssue(format_path(tuple(e["loc"])), _message(e))
+        for e in error.errors(include_url=False)
+    ]
+
+
+def validate_object(obj: Any) -> list[ValidationIssue]:
+    """Every problem with one InferenceService document; an empty list means valid."""
+    if not isinstance(obj, dict):
+        return [ValidationIssue("", f"an InferenceService must be a mapping (got {type(obj).__name__})")]
+    head: list[ValidationIssue] = []
+    if obj.get("apiVersion") != API_VERSION:
+        head.append(ValidationIssue("apiVersion", f"must be {API_VERSION} (got {_short(obj.get('apiVersion'))})"))
+    if obj.get("kind") != KIND:
+        head.append(ValidationIssue("kind", f"must be {KIND} (got {_short(obj.get('kind'))})"))
+    if head:
+        # Another kind's fields would only bury the real problem under noise.
+        return head
+    try:
+        InferenceService.model_validate(obj)
+    except ValidationError as exc:
+        return issues_from_error(exc)
+    return []
+
+
+def parse_inference_service(obj: Any) -> InferenceService:
+    """The typed object, or ValueError whose message lists every issue with its path."""
+    issues = validate_object(obj)
+    if issues:
+        raise InvalidInferenceService(issues)
+    return InferenceService.model_validate(obj)
+
+
+class InvalidInferenceService(ValueError):
+    def __init__(self, issues: list[ValidationIssue]) -> None:
+        self.issues = issues
+        super().__init__("; ".join(str(i) for i in issues))
+
+
+def _name_of(obj: Any) -> str | None:
+    if not isinstance(obj, dict):
+        return None
+    meta = obj.get("metadata")
+    if not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
+        return None
+    namespace = meta.get("namespace")
+    return f"{namespace}/{meta['name']}" if isinstance(namespace, str) else meta["name"]
+
+
+def load_documents(text: str) -> Iterator[Any]:
+    """YAML documents of a stream, skipping empty ones (a trailing `---` is common)."""
+    for doc in yaml.safe_load_all(text):
+        if doc is not None:
+            yield doc
+
+
+def validate_text(text: str) -> list[DocumentResult]:
+    """Validate a multi-document YAML stream; a YAML error becomes one issue with its line and column."""
+    results: list[DocumentResult] = []
+    index = 0
+    try:
+        for doc in load_documents(text):
+            results.append(DocumentResult(index, _name_of(doc), validate_object(doc)))
+            index += 1
+    except yaml.YAMLError as exc:
+        where = ""
+        mark = getattr(exc, "problem_mark", None)
+        if mark is not None:
+            where = f" at line {mark.line + 1}, column {mark.column + 1}"
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        results.append(DocumentResult(index, None, [ValidationIssue("", f"not valid YAML{where}: {problem}")]))
+    if not results:
+        results.append(DocumentResult(0, None, [ValidationIssue("", "no YAML document found")]))
+    return results
