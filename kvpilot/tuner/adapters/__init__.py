@@ -1,0 +1,1 @@
+"""Adapters: where a trial is applied and where its signals come from."""

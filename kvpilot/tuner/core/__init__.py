@@ -1,0 +1,1 @@
+"""The tuner core: pure search logic, no kopf, no kubernetes, no transport."""

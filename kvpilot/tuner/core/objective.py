@@ -1,0 +1,133 @@
+"""Scoring: what a measurement is worth to Optuna, and which constraints it violates.
+
+Two goals:
+- `latency` (online): minimise max(p99 TTFT / TTFT SLO, p99 ITL / ITL SLO); the SLO burn rates over
+  the trial window are constraints (burn <= 1 means the window spent no more than its share of
+  the error budget).
+- `capacity` (offline, on the twin): maximise the highest request rate at which both p99s stay
+  within the SLO.
+
+A config that cannot start, runs out of memory, or fails its rollout is still told to Optuna as
+a COMPLETE trial, with a penalty value and a violated constraint: Optuna's samplers read
+constraints only from completed trials, so a FAIL would teach the sampler nothing and it would
+keep proposing the same region.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class Goal(str, Enum):
+    LATENCY = "latency"
+    CAPACITY = "capacity"
+
+    @property
+    def direction(self) -> str:
+        return "minimize" if self is Goal.LATENCY else "maximize"
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_seconds: float = 0.5
+    itl_seconds: float = 0.05
+
+    def __post_init__(self) -> None:
+        for name, v in (("ttftSeconds", self.ttft_seconds), ("itlSeconds", self.itl_seconds)):
+            if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
+                raise ValueError(f"spec.slo.{name}: must be a positive number of seconds, got {v!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> SLO:
+        """`ttft=0.5,itl=0.05` (either may be left out)."""
+        values: dict[str, float] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, raw = part.partition("=")
+            key = key.strip().lower()
+            if not sep or key not in ("ttft", "itl"):
+                raise ValueError(f"--slo: expected ttft=SECONDS,itl=SECONDS, got {part!r}")
+            try:
+                values[key] = float(raw)
+            except ValueError:
+                raise ValueError(f"--slo: {key} must be a number of seconds, got {raw!r}") from None
+        return cls(ttft_seconds=values.get("ttft", 0.5), itl_seconds=values.get("itl", 0.05))
+
+
+# Values told for infeasible configs: worse than anything a running engine can score, but finite
+# (TPE sorts by value within the infeasible group, and inf breaks its density estimates).
+LATENCY_PENALTY = 100.0
+CAPACITY_PENALTY = 0.0
+# Constraint value for a config that could not run at all: far beyond any burn-rate violation.
+INFEASIBLE_VIOLATION = 1000.0
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What a trial window measured.  Optional fields are None where the source cannot tell."""
+
+    ttft_p99: float
+    itl_p99: float
+    request_rate: float  # the offered load during the window (req/s): drift is judged on it
+    burn_rate: float | None = None  # SLO burn over the trial window (1.0 = spending exactly on budget)
+    burn_rate_5m: float | None = None
+    sample_count: int | None = None
+    capacity: float | None = None  # capacity goal: highest rate within SLO (req/s)
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Measurement:
+        known = {k: d.get(k) for k in cls.__dataclass_fields__ if k in d}
+        return cls(**known)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What to tell Optuna about one trial."""
+
+    value: float
+    constraints: tuple[float, ...]
+    feasible: bool
+    reason: str  # short CamelCase reason, as in Kubernetes conditions
+    message: str = ""
+    measurement: Measurement | None = None
+
+
+def latency_score(m: Measurement, slo: SLO) -> float:
+    """The worse of the two p99s relative to its SLO: 1.0 is exactly on the SLO."""
+    return max(m.ttft_p99 / slo.ttft_seconds, m.itl_p99 / slo.itl_seconds)
+
+
+def score(goal: Goal, m: Measurement, slo: SLO) -> Outcome:
+    if goal is Goal.LATENCY:
+        value = latency_score(m, slo)
+        if not math.isfinite(value):
+            return infeasible(goal, "NoLatency", "the window produced no finite p99", m)
+        # Burn over the window above 1 spends budget faster than the objective allows.
+        burn = m.burn_rate if m.burn_rate is not None else value  # no burn signal: p99 vs SLO stands in
+        constraints = (burn - 1.0,)
+        feasible = constraints[0] <= 0
+        reason = "WithinSLO" if feasible else "BurningBudget"
+        return Outcome(value, constraints, feasible, reason, f"score {value:.3f}, burn {burn:.2f}x", m)
+    cap = m.capacity if m.capacity is not None else 0.0
+    if cap <= 0:
+        # Even the lightest load misses the SLO: a real constraint violation, graded by how far.
+        over = max(latency_score(m, slo) - 1.0, 0.0) + 1.0
+        return Outcome(CAPACITY_PENALTY, (over,), False, "SLOUnreachable", "misses the SLO at any load", m)
+    return Outcome(cap, (-1.0,), True, "WithinSLO", f"capacity {cap:.3f} req/s", m)
+
+
+def infeasible(goal: Goal, reason: str, message: str, m: Measurement | None = None) -> Outcome:
+    """A config that could not run (start-up failure, OOM, failed rollout)."""
+    value = LATENCY_PENALTY if goal is Goal.LATENCY else CAPACITY_PENALTY
+    return Outcome(value, (INFEASIBLE_VIOLATION,), False, reason, message, m)
+
+
+def better(goal: Goal, a: float, b: float) -> bool:
+    """Is value a strictly better than b under this goal."""
+    return a < b if goal is Goal.LATENCY else a > b

@@ -1,0 +1,243 @@
+"""The search space: vLLM's token budget, KV-cache memory fraction and sequence cap.
+
+Names follow the InferenceService's `spec.engine` fields (camelCase), so a trial's params read
+exactly like the engine block they become.
+
+`maxNumBatchedTokens >= maxNumSeqs` must hold (vLLM refuses to start otherwise).  The space keeps
+both ranges fixed and clamps the token budget up to the sequence cap after sampling, rather than
+making the token range depend on the sampled sequence cap: a conditional range changes the
+distribution from trial to trial, and Optuna's multivariate TPE then falls back to sampling each
+parameter on its own, losing exactly the correlation (bigger budget <-> fewer KV blocks) it
+should learn.  Rejecting would waste trials.  Clamping maps a bad corner onto its nearest valid
+config; the raw draw stays in the trial's params and the applied engine in its user attrs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvpilot.api import vllm
+
+PARAM_TOKENS = "maxNumBatchedTokens"
+PARAM_GPU_UTIL = "gpuMemoryUtilization"
+PARAM_SEQS = "maxNumSeqs"
+TUNED_FIELDS: tuple[str, ...] = (PARAM_TOKENS, PARAM_GPU_UTIL, PARAM_SEQS)
+
+GPU_UTIL_STEP = 0.01
+
+
+class SpaceError(ValueError):
+    """A search space or engine setting that cannot be used; `path` names the field."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = path
+        self.message = message
+
+
+@dataclass(frozen=True, order=True)
+class EngineParams:
+    """The three tuned engine settings, as vLLM takes them."""
+
+    max_num_batched_tokens: int
+    gpu_memory_utilization: float
+    max_num_seqs: int
+
+    def __post_init__(self) -> None:
+        # Normalise the fraction to its 0.01 grid so equal configs compare (and hash) equal.
+        object.__setattr__(self, "gpu_memory_utilization", round(float(self.gpu_memory_utilization), 4))
+        object.__setattr__(self, "max_num_batched_tokens", int(self.max_num_batched_tokens))
+        object.__setattr__(self, "max_num_seqs", int(self.max_num_seqs))
+
+    def as_spec(self) -> dict[str, Any]:
+        """The `spec.engine` fields (camelCase, as on the wire)."""
+        return {
+            PARAM_TOKENS: self.max_num_batched_tokens,
+            PARAM_GPU_UTIL: self.gpu_memory_utilization,
+            PARAM_SEQS: self.max_num_seqs,
+        }
+
+    def as_flags(self) -> list[str]:
+        """The `vllm serve` / `kvpilot twin serve` flags."""
+        return [
+            vllm.TYPED_FLAGS[PARAM_TOKENS], str(self.max_num_batched_tokens),
+            vllm.TYPED_FLAGS[PARAM_GPU_UTIL], f"{self.gpu_memory_utilization:g}",
+            vllm.TYPED_FLAGS[PARAM_SEQS], str(self.max_num_seqs),
+        ]
+
+    def label(self) -> str:
+        return (
+            f"tokens={self.max_num_batched_tokens} util={self.gpu_memory_utilization:.2f} "
+            f"seqs={self.max_num_seqs}"
+        )
+
+    @classmethod
+    def from_spec(cls, engine: Mapping[str, Any]) -> EngineParams:
+        """From a camelCase engine mapping (a trial's params, a spec.engine dict, user attrs)."""
+        try:
+            return cls(
+                max_num_batched_tokens=int(engine[PARAM_TOKENS]),
+                gpu_memory_utilization=float(engine[PARAM_GPU_UTIL]),
+                max_num_seqs=int(engine[PARAM_SEQS]),
+            )
+        except KeyError as exc:
+            raise SpaceError(f"spec.engine.{exc.args[0]}", "is required for tuning") from None
+        except (TypeError, ValueError) as exc:
+            raise SpaceError("spec.engine", f"tuned fields must be numbers: {exc}") from None
+
+    @classmethod
+    def vllm_defaults(cls, large_gpu: bool = True) -> EngineParams:
+        """What `vllm serve` resolves when none of the three flags is given."""
+        if large_gpu:
+            tokens, seqs = vllm.DEFAULT_BATCHED_TOKENS_LARGE_GPU, vllm.DEFAULT_MAX_NUM_SEQS_LARGE_GPU
+        else:
+            tokens, seqs = vllm.DEFAULT_BATCHED_TOKENS_SMALL_GPU, vllm.DEFAULT_MAX_NUM_SEQS_SMALL_GPU
+        return cls(tokens, vllm.DEFAULT_GPU_MEMORY_UTILIZATION, seqs)
+
+
+class _Suggester(Protocol):
+    """The part of `optuna.Trial` the space uses (kept narrow so tests can drive it)."""
+
+    def suggest_int(self, name: str, low: int, high: int, *, step: int = 1, log: bool = False) -> int: ...
+
+    def suggest_float(
+        self, name: str, low: float, high: float, *, step: float | None = None, log: bool = False
+    ) -> float: ...
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Ranges for the three tuned fields, as in `spec.tuning.space` ([min, max] each)."""
+
+    max_num_batched_tokens: tuple[int, int] = (256, 16384)
+    gpu_memory_utilization: tuple[float, float] = (0.70, 0.95)
+    max_num_seqs: tuple[int, int] = (64, 1024)
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            path, message = problems[0]
+            raise SpaceError(path, message)
+        lo, hi = self.gpu_memory_utilization
+        object.__setattr__(self, "gpu_memory_utilization", (round(lo, 2), round(hi, 2)))
+
+    def problems(self) -> list[tuple[str, str]]:
+        """Every reason this space cannot be searched, as (field path, message)."""
+        out: list[tuple[str, str]] = []
+        base = "spec.tuning.space"
+        for name, (lo, hi), floor, ceil in (
+            (PARAM_TOKENS, self.max_num_batched_tokens, 1, None),
+            (PARAM_GPU_UTIL, self.gpu_memory_utilization, GPU_UTIL_STEP, 1.0),
+            (PARAM_SEQS, self.max_num_seqs, 1, None),
+        ):
+            path = f"{base}.{name}"
+            if not lo < hi:
+                out.append((path, f"needs [min, max] with min < max, got [{lo}, {hi}]"))
+            if lo < floor:
+                out.append((path, f"min must be >= {floor}, got {lo}"))
+            if ceil is not None and hi > ceil:
+                out.append((path, f"max must be <= {ceil}, got {hi}"))
+        if self.max_num_batched_tokens[1] < self.max_num_seqs[0]:
+            out.append((
+                f"{base}.{PARAM_TOKENS}",
+                f"max {self.max_num_batched_tokens[1]} is below maxNumSeqs min {self.max_num_seqs[0]}: "
+                "vLLM needs maxNumBatchedTokens >= maxNumSeqs, so no config in this space can start",
+            ))
+        return out
+
+    @classmethod
+    def from_spec(cls, space: Any) -> SearchSpace:
+        """From `spec.tuning.space`: a pydantic model (snake_case attrs) or a camelCase dict.
+
+        A missing range keeps its default.  Raises SpaceError naming the field.
+        """
+        def pick(snake: str, camel: str) -> Any:
+            if space is None:
+                return None
+            if isinstance(space, Mapping):
+                return space.get(camel, space.get(snake))
+            return getattr(space, snake, None)
+
+        kwargs: dict[str, Any] = {}
+        for snake, camel, kind in (
+            ("max_num_batched_tokens", PARAM_TOKENS, int),
+            ("gpu_memory_utilization", PARAM_GPU_UTIL, float),
+            ("max_num_seqs", PARAM_SEQS, int),
+        ):
+            value = pick(snake, camel)
+            if value is None:
+                continue
+            try:
+                lo, hi = value
+                kwargs[snake] = (kind(lo), kind(hi))
+            except (TypeError, ValueError):
+                raise SpaceError(
+                    f"spec.tuning.space.{camel}", f"must be a [min, max] pair of numbers, got {value!r}"
+                ) from None
+        return cls(**kwargs)
+
+    def as_spec(self) -> dict[str, list[float]]:
+        return {
+            PARAM_TOKENS: list(self.max_num_batched_tokens),
+            PARAM_GPU_UTIL: list(self.gpu_memory_utilization),
+            PARAM_SEQS: list(self.max_num_seqs),
+        }
+
+    def digest(self) -> str:
+        """A short stable hash: a changed space is a new study, never a mix of two."""
+        blob = json.dumps(self.as_spec(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:10]
+
+    # -- sampling -------------------------------------------------------------------------
+    def suggest(self, trial: _Suggester) -> EngineParams:
+        """Draw one config.  Sequence cap first, then the token budget clamped up to it."""
+        seqs = trial.suggest_int(PARAM_SEQS, *self.max_num_seqs, log=True)
+        util = trial.suggest_float(PARAM_GPU_UTIL, *self.gpu_memory_utilization, step=GPU_UTIL_STEP)
+        tokens = trial.suggest_int(PARAM_TOKENS, *self.max_num_batched_tokens, log=True)
+        return self.resolve({PARAM_TOKENS: tokens, PARAM_GPU_UTIL: util, PARAM_SEQS: seqs})
+
+    def resolve(self, raw: Mapping[str, Any]) -> EngineParams:
+        """The engine a raw draw becomes: token budget clamped up to the sequence cap."""
+        p = EngineParams.from_spec(raw)
+        return EngineParams(max(p.max_num_batched_tokens, p.max_num_seqs), p.gpu_memory_utilization, p.max_num_seqs)
+
+    def clip(self, params: EngineParams) -> EngineParams:
+        """The nearest config inside the space (for enqueuing an engine that lies outside it)."""
+        def c(v: float, bounds: tuple[float, float]) -> float:
+            return min(max(v, bounds[0]), bounds[1])
+
+        seqs = int(c(params.max_num_seqs, self.max_num_seqs))
+        tokens = int(c(params.max_num_batched_tokens, self.max_num_batched_tokens))
+        util = round(c(params.gpu_memory_utilization, self.gpu_memory_utilization) / GPU_UTIL_STEP) * GPU_UTIL_STEP
+        return EngineParams(max(tokens, seqs), min(util, self.gpu_memory_utilization[1]), seqs)
+
+    def contains(self, params: EngineParams) -> bool:
+        t, u, s = params.max_num_batched_tokens, params.gpu_memory_utilization, params.max_num_seqs
+        return (
+            self.max_num_batched_tokens[0] <= t <= self.max_num_batched_tokens[1]
+            and self.gpu_memory_utilization[0] - 1e-9 <= u <= self.gpu_memory_utilization[1] + 1e-9
+            and self.max_num_seqs[0] <= s <= self.max_num_seqs[1]
+            and t >= s
+        )
+
+    def grid(self, util_step: float = 0.05) -> Iterator[EngineParams]:
+        """Powers of two for both integer knobs x the fraction by `util_step`; skips tokens < seqs.
+
+        The grid the quality benchmark searches exhaustively for its optimum.
+        """
+        def pow2(lo: int, hi: int) -> list[int]:
+            return [2**k for k in range(math.ceil(math.log2(lo)), math.floor(math.log2(hi)) + 1)]
+
+        lo, hi = self.gpu_memory_utilization
+        n = int(round((hi - lo) / util_step))
+        utils = [round(lo + i * util_step, 2) for i in range(n + 1)]
+        for tokens in pow2(*self.max_num_batched_tokens):
+            for util in utils:
+                for seqs in pow2(*self.max_num_seqs):
+                    if tokens >= seqs:
+                        yield EngineParams(tokens, util, seqs)

@@ -1,0 +1,264 @@
+"""The Optuna study: naming, storage, ask-and-tell, and resuming after a restart.
+
+Ask-and-tell keeps Optuna apart from transport (as Katib does): the loop asks for a config,
+applies and measures it however it likes, and tells the result.  Telling a trial twice is
+harmless (`skip_if_finished`), so a retry after a crash between "told" and "recorded
+elsewhere" does not corrupt the study.
+
+Resume: every trial lives in the storage (SQLite by default, any Optuna URL).  On open, a trial
+still RUNNING was cut off mid-window by a crash or restart: it is marked FAIL (so it counts for
+nothing and teaches the sampler nothing) and its params are enqueued again, so that config is
+measured again rather than lost.  The trial budget counts only COMPLETE and PRUNED trials of
+kind "trial", so nothing is counted twice.  This assumes one tuner per study at a time (the
+in-cluster tuner runs one replica per InferenceService).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from kvpilot.tuner.core.objective import SLO, Goal, Measurement, Outcome, better
+from kvpilot.tuner.core.space import EngineParams, SearchSpace
+
+log = logging.getLogger(__name__)
+
+# Trial user attrs (camelCase like the rest of kvpilot's wire names).
+ATTR_ENGINE = "engine"  # the applied engine (after clamping), camelCase dict
+ATTR_CONSTRAINTS = "constraints"
+ATTR_REASON = "reason"
+ATTR_MESSAGE = "message"
+ATTR_MEASUREMENT = "measurement"
+ATTR_SOURCE = "source"  # current | vllmDefaults | warmStart | resume | remeasure
+ATTR_KIND = "kind"  # trial | remeasure
+ATTR_REMEASURE_OF = "remeasureOf"
+# Study user attrs.
+STUDY_INCUMBENT = "incumbent"
+
+KIND_TRIAL = "trial"
+KIND_REMEASURE = "remeasure"
+
+
+def study_name(namespace: str, name: str, space: SearchSpace, goal: Goal | str) -> str:
+    """`<namespace>.<name>.<goal>.<space hash>`: a changed space or goal starts a new study."""
+    goal_s = goal.value if isinstance(goal, Goal) else str(goal)
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "-", f"{namespace}.{name}")
+    return f"{safe}.{goal_s}.{space.digest()}"
+
+
+# Constraint names, as Optuna stores them (`Trial.set_constraint`, Optuna >= 5; its samplers read
+# them from every trial, so no `constraints_func` is needed).
+CONSTRAINT_NAMES = ("slo",)
+
+
+def constraints_of(trial: FrozenTrial) -> tuple[float, ...]:
+    """The constraints told with a trial (empty for a trial not yet told)."""
+    return tuple(float(v) for v in trial.constraints.values())
+
+
+def make_sampler(seed: int | None, n_trials: int, sampler: str = "tpe") -> optuna.samplers.BaseSampler:
+    if sampler == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if sampler != "tpe":
+        raise ValueError(f"sampler: expected 'tpe' or 'random', got {sampler!r}")
+    # A short budget cannot afford TPE's default 10 random start-up trials; the enqueued seeds
+    # (current engine, vLLM defaults, warm start) already cover the start.
+    startup = max(3, min(10, n_trials // 4))
+    return optuna.samplers.TPESampler(
+        multivariate=True,
+        seed=seed,
+        n_startup_trials=startup,
+    )
+
+
+@dataclass(frozen=True)
+class Incumbent:
+    """The best config known so far and the load it was measured under."""
+
+    params: EngineParams
+    value: float
+    request_rate: float
+    trial: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "params": self.params.as_spec(), "value": self.value,
+            "requestRate": self.request_rate, "trial": self.trial,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Incumbent:
+        return cls(EngineParams.from_spec(d["params"]), float(d["value"]), float(d["requestRate"]), int(d["trial"]))
+
+
+class TunerStudy:
+    """One InferenceService's study."""
+
+    def __init__(
+        self,
+        *,
+        storage: str | optuna.storages.BaseStorage | None,
+        name: str,
+        goal: Goal,
+        space: SearchSpace,
+        slo: SLO,
+        seed: int | None = 0,
+        n_trials: int = 30,
+        sampler: str = "tpe",
+    ) -> None:
+        self.goal, self.space, self.slo, self.name = goal, space, slo, name
+        self.study = optuna.create_study(
+            storage=storage,
+            study_name=name,
+            direction=goal.direction,
+            sampler=make_sampler(seed, n_trials, sampler),
+            load_if_exists=True,
+        )
+        attrs = self.study.user_attrs
+        if "space" not in attrs:
+            self.study.set_user_attr("space", space.as_spec())
+            self.study.set_user_attr("goal", goal.value)
+            self.study.set_user_attr("slo", {"ttftSeconds": slo.ttft_seconds, "itlSeconds": slo.itl_seconds})
+        self._open: dict[int, optuna.Trial] = {}
+        self.resumed = self.recover()
+
+    # -- resume ---------------------------------------------------------------------------
+    def recover(self) -> list[int]:
+        """Fail trials cut off mid-window and enqueue their configs again.  Returns their numbers."""
+        cut: list[int] = []
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            self.study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
+            attrs = {ATTR_SOURCE: "resume", ATTR_KIND: t.user_attrs.get(ATTR_KIND, KIND_TRIAL)}
+            if ATTR_REMEASURE_OF in t.user_attrs:
+                attrs[ATTR_REMEASURE_OF] = t.user_attrs[ATTR_REMEASURE_OF]
+            self.study.enqueue_trial(dict(t.params), user_attrs=attrs)
+            cut.append(t.number)
+            log.info("trial %d was cut off mid-window; its config is queued to be measured again", t.number)
+        return cut
+
+    # -- seeding --------------------------------------------------------------------------
+    def enqueue(self, params: EngineParams, source: str) -> bool:
+        """Queue a known config (clipped into the space).  False if it was already tried or queued."""
+        p = self.space.clip(params)
+        before = len(self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+        self.study.enqueue_trial(p.as_spec(), user_attrs={ATTR_SOURCE: source, ATTR_KIND: KIND_TRIAL}, skip_if_exists=True)
+        after = len(self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+        return after > before
+
+    # -- ask and tell ---------------------------------------------------------------------
+    def ask(self) -> tuple[int, EngineParams]:
+        trial = self.study.ask()
+        params = self.space.suggest(trial)
+        trial.set_user_attr(ATTR_ENGINE, params.as_spec())
+        if ATTR_KIND not in trial.user_attrs:
+            trial.set_user_attr(ATTR_KIND, KIND_TRIAL)
+        if ATTR_SOURCE not in trial.user_attrs:
+            trial.set_user_attr(ATTR_SOURCE, "sampler")
+        self._open[trial.number] = trial
+        return trial.number, params
+
+    def ask_remeasure(self, incumbent: Incumbent) -> tuple[int, EngineParams]:
+        """A trial that measures the incumbent again (after load drift)."""
+        self.study.enqueue_trial(
+            incumbent.params.as_spec(),
+            user_attrs={ATTR_SOURCE: "remeasure", ATTR_KIND: KIND_REMEASURE, ATTR_REMEASURE_OF: incumbent.trial},
+        )
+        return self.ask()
+
+    def _trial(self, number: int) -> optuna.Trial:
+        if number in self._open:
+            return self._open[number]
+        frozen = self.study.get_trials(deepcopy=False)[number]
+        return optuna.Trial(self.study, frozen._trial_id)
+
+    def tell(self, number: int, outcome: Outcome) -> FrozenTrial:
+        """Record an outcome.  Idempotent: a second tell of a finished trial changes nothing."""
+        frozen = self.study.get_trials(deepcopy=False)[number]
+        if frozen.state.is_finished():
+            return frozen
+        trial = self._trial(number)
+        _set_constraints(trial, outcome.constraints)
+        trial.set_user_attr(ATTR_REASON, outcome.reason)
+        trial.set_user_attr(ATTR_MESSAGE, outcome.message)
+        if outcome.measurement is not None:
+            trial.set_user_attr(ATTR_MEASUREMENT, outcome.measurement.as_dict())
+        done = self.study.tell(number, outcome.value, skip_if_finished=True)
+        self._open.pop(number, None)
+        return done
+
+    def prune(self, number: int, reason: str, message: str, constraints: Iterable[float] = (1.0,)) -> FrozenTrial:
+        frozen = self.study.get_trials(deepcopy=False)[number]
+        if frozen.state.is_finished():
+            return frozen
+        trial = self._trial(number)
+        _set_constraints(trial, tuple(constraints))
+        trial.set_user_attr(ATTR_REASON, reason)
+        trial.set_user_attr(ATTR_MESSAGE, message)
+        done = self.study.tell(number, state=TrialState.PRUNED, skip_if_finished=True)
+        self._open.pop(number, None)
+        return done
+
+    # -- reading --------------------------------------------------------------------------
+    def trials(self, kinds: tuple[str, ...] = (KIND_TRIAL,)) -> list[FrozenTrial]:
+        return [t for t in self.study.get_trials(deepcopy=False) if t.user_attrs.get(ATTR_KIND, KIND_TRIAL) in kinds]
+
+    def finished_count(self) -> int:
+        """Trials that count towards the budget: COMPLETE or PRUNED, kind trial."""
+        return sum(1 for t in self.trials() if t.state in (TrialState.COMPLETE, TrialState.PRUNED))
+
+    def feasible(self) -> list[FrozenTrial]:
+        return [
+            t for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if all(c <= 0 for c in constraints_of(t))
+        ]
+
+    def best_trial(self) -> FrozenTrial | None:
+        """Best feasible completed trial by value (ignores load drift; see `incumbent`)."""
+        best: FrozenTrial | None = None
+        for t in self.feasible():
+            if t.value is not None and (best is None or better(self.goal, t.value, best.value or 0.0)):
+                best = t
+        return best
+
+    def engine_of(self, trial: FrozenTrial) -> EngineParams:
+        if ATTR_ENGINE in trial.user_attrs:
+            return EngineParams.from_spec(trial.user_attrs[ATTR_ENGINE])
+        return self.space.resolve(trial.params)
+
+    def measurement_of(self, trial: FrozenTrial) -> Measurement | None:
+        raw = trial.user_attrs.get(ATTR_MEASUREMENT)
+        return Measurement.from_dict(raw) if raw else None
+
+    @property
+    def incumbent(self) -> Incumbent | None:
+        raw = self.study.user_attrs.get(STUDY_INCUMBENT)
+        return Incumbent.from_dict(raw) if raw else None
+
+    @incumbent.setter
+    def incumbent(self, inc: Incumbent | None) -> None:
+        self.study.set_user_attr(STUDY_INCUMBENT, inc.as_dict() if inc else None)
+
+    def best_engine(self) -> tuple[EngineParams, float] | None:
+        """The recommendation: the incumbent if one is recorded, else the best feasible trial."""
+        inc = self.incumbent
+        if inc is not None:
+            return inc.params, inc.value
+        best = self.best_trial()
+        if best is None or best.value is None:
+            return None
+        return self.engine_of(best), best.value
+
+
+def _set_constraints(trial: optuna.Trial, values: tuple[float, ...]) -> None:
+    """Store the constraints where Optuna's samplers read them (> 0 means violated)."""
+    done = trial.storage.get_trial_system_attrs(trial._trial_id)
+    for i, v in enumerate(values):
+        key = CONSTRAINT_NAMES[i] if i < len(CONSTRAINT_NAMES) else f"c{i}"
+        if f"constraints:{key}" not in done:  # telling twice is harmless
+            trial.set_constraint(key, float(v))
