@@ -1,0 +1,287 @@
+"""The engine twin: vLLM's scheduler, paged KV cache and a step-time model, one step at a time.
+
+Interface (stable; the HTTP server and the offline runner both drive it):
+
+    config = EngineConfig(model=resolve_model("meta-llama/Llama-3.1-8B-Instruct"), gpu=resolve_gpu("H100-80GB"),
+                          max_num_batched_tokens=2048)      # None knobs resolve as `vllm serve` does
+    engine = Engine(config)            # sizes the KV cache; raises EngineStartupError like vLLM
+    engine.num_gpu_blocks              # int, as vLLM logs it
+    engine.add_request(request_id, prompt_tokens, max_tokens, arrival_time)   # ValueError if invalid
+    engine.abort_request(request_id)   # unknown or finished ids are ignored
+    engine.has_unfinished_requests()
+    out = engine.step()                # StepOutput:
+        out.duration_s                 #   simulated time of this step, seconds
+        out.outputs                    #   list[RequestOutput], one per request scheduled this step
+        out.num_running, out.num_waiting, out.kv_cache_usage (0..1),
+        out.num_preemptions            #   in this step
+        out.num_scheduled_tokens
+    RequestOutput: request_id, new_token_count (0 or 1), finished, finish_reason ('length' or None),
+                   num_prompt_tokens, num_computed_prompt_tokens
+
+The engine holds no clock: the server sleeps `duration_s` between steps (real time) and the
+offline runner adds it to a virtual clock.  Tokens of a step exist at the step's end.
+`add_request` also takes optional `prefix_key`/`prefix_tokens` to model a shared prompt prefix
+for prefix caching.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from kvpilot.api import vllm as vllm_facts
+from kvpilot.twin.hardware import GiB, GpuSpec, resolve_gpu
+from kvpilot.twin.memory import EngineStartupError, MemoryPlan, kv_dtype_bytes, plan_memory
+from kvpilot.twin.models import ModelSpec, resolve_model
+from kvpilot.twin.scheduler import RUNNING, Request, Scheduler
+from kvpilot.twin.steptime import CALIBRATED, StepTimeModel, StepTimeParams
+
+__all__ = [
+    "Engine", "EngineConfig", "EngineStartupError", "RequestOutput", "StepOutput", "default_batching",
+]
+
+
+def default_batching(gpu: GpuSpec) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) that `vllm serve` picks when the flags are absent:
+    the larger pair on GPUs with >= 70 GiB that are not A100s."""
+    if gpu.total_memory_bytes >= 70 * GiB and not gpu.name.upper().startswith("A100"):
+        return vllm_facts.DEFAULT_BATCHED_TOKENS_LARGE_GPU, vllm_facts.DEFAULT_MAX_NUM_SEQS_LARGE_GPU
+    return vllm_facts.DEFAULT_BATCHED_TOKENS_SMALL_GPU, vllm_facts.DEFAULT_MAX_NUM_SEQS_SMALL_GPU
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that decides the engine's behaviour.  `None` knobs resolve as vLLM resolves
+    them (in `__post_init__`), so a constructed config holds concrete values only."""
+
+    model: ModelSpec = field(default_factory=lambda: resolve_model("Llama-3.1-8B"))
+    gpu: GpuSpec = field(default_factory=resolve_gpu)
+    max_num_batched_tokens: int | None = None  # type: ignore[assignment]
+    max_num_seqs: int | None = None  # type: ignore[assignment]
+    gpu_memory_utilization: float | None = vllm_facts.DEFAULT_GPU_MEMORY_UTILIZATION
+    kv_cache_memory_bytes: int | None = None
+    max_model_len: int | None = None  # type: ignore[assignment]
+    tensor_parallel_size: int = 1
+    block_size: int = vllm_facts.DEFAULT_BLOCK_SIZE
+    kv_cache_dtype: str = "auto"
+    long_prefill_token_threshold: int = vllm_facts.DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD
+    enable_prefix_caching: bool = True  # V1's default
+    served_model_name: str | None = None
+    seed: int = 0
+    scheduler_reserve_full_isl: bool = True
+    watermark: float = 0.0
+    step_time_params: StepTimeParams = CALIBRATED
+
+    def __post_init__(self) -> None:
+        tokens, seqs = default_batching(self.gpu)
+        if self.max_num_batched_tokens is None:
+            object.__setattr__(self, "max_num_batched_tokens", tokens)
+        if self.max_num_seqs is None:
+            object.__setattr__(self, "max_num_seqs", seqs)
+        if self.max_model_len is None:
+            object.__setattr__(self, "max_model_len", self.model.max_position_embeddings)
+        if self.kv_cache_memory_bytes is not None:
+            object.__setattr__(self, "gpu_memory_utilization", None)
+        elif self.gpu_memory_utilization is None:
+            object.__setattr__(self, "gpu_memory_utilization", vllm_facts.DEFAULT_GPU_MEMORY_UTILIZATION)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model.name
+
+    def with_(self, **changes: object) -> EngineConfig:
+        """A copy with some knobs changed (None re-resolves the default)."""
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+    def validate(self) -> None:
+        """Raise EngineStartupError for a configuration `vllm serve` refuses before loading."""
+        m = self.model
+        tp = self.tensor_parallel_size
+        if tp < 1:
+            raise EngineStartupError(f"tensor_parallel_size ({tp}) must be >= 1")
+        if m.num_attention_heads % tp:
+            raise EngineStartupError(
+                f"Total number of attention heads ({m.num_attention_heads}) must be divisible by tensor "
+                f"parallel size ({tp})."
+            )
+        if self.block_size not in vllm_facts.BLOCK_SIZES:
+            raise EngineStartupError(
+                f"block_size ({self.block_size}) must be one of {list(vllm_facts.BLOCK_SIZES)}")
+        if self.kv_cache_dtype not in vllm_facts.KV_CACHE_DTYPES:
+            raise EngineStartupError(
+                f"kv_cache_dtype ({self.kv_cache_dtype!r}) must be one of {list(vllm_facts.KV_CACHE_DTYPES)}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:  # type: ignore[operator]
+            raise EngineStartupError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:  # type: ignore[operator]
+            raise EngineStartupError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be greater than or equal to "
+                f"max_num_seqs ({self.max_num_seqs})."
+            )
+        if self.max_model_len < 1 or self.max_model_len > m.max_position_embeddings:  # type: ignore[operator]
+            raise EngineStartupError(
+                f"User-specified max_model_len ({self.max_model_len}) is greater than the derived max_model_len "
+                f"(max_position_embeddings={m.max_position_embeddings} in model's config.json). This may lead "
+                "to incorrect model outputs or CUDA errors."
+            )
+        util = self.gpu_memory_utilization
+        if util is not None and not 0.0 < util <= 1.0:
+            raise EngineStartupError(f"gpu_memory_utilization ({util}) must be in (0, 1]")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise EngineStartupError("kv_cache_memory_bytes must be positive")
+        if self.long_prefill_token_threshold < 0:
+            raise EngineStartupError("long_prefill_token_threshold must be >= 0")
+        if not 0.0 <= self.watermark < 1.0:
+            raise EngineStartupError("watermark must be in [0, 1)")
+
+    def memory_plan(self) -> MemoryPlan:
+        self.validate()
+        return plan_memory(
+            self.model, self.gpu,
+            tensor_parallel_size=self.tensor_parallel_size,
+            max_num_batched_tokens=self.max_num_batched_tokens,  # type: ignore[arg-type]
+            max_num_seqs=self.max_num_seqs,  # type: ignore[arg-type]
+            max_model_len=self.max_model_len,  # type: ignore[arg-type]
+            block_size=self.block_size,
+            kv_cache_dtype=self.kv_cache_dtype,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+        )
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "model": self.model.name, "gpu": self.gpu.name, "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_num_seqs": self.max_num_seqs, "gpu_memory_utilization": self.gpu_memory_utilization,
+            "kv_cache_memory_bytes": self.kv_cache_memory_bytes, "max_model_len": self.max_model_len,
+            "tensor_parallel_size": self.tensor_parallel_size, "block_size": self.block_size,
+            "kv_cache_dtype": self.kv_cache_dtype, "long_prefill_token_threshold": self.long_prefill_token_threshold,
+            "enable_prefix_caching": self.enable_prefix_caching,
+        }
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_count: int
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_computed_prompt_tokens: int
+
+
+@dataclass(slots=True)
+class StepOutput:
+    duration_s: float
+    outputs: list[RequestOutput]
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    num_scheduled_tokens: int
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.memory = config.memory_plan()  # raises EngineStartupError
+        self.num_gpu_blocks = self.memory.num_gpu_blocks
+        self.scheduler = Scheduler(
+            num_gpu_blocks=self.num_gpu_blocks,
+            block_size=config.block_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,  # type: ignore[arg-type]
+            max_num_seqs=config.max_num_seqs,  # type: ignore[arg-type]
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            enable_prefix_caching=config.enable_prefix_caching,
+            reserve_full_isl=config.scheduler_reserve_full_isl,
+            watermark=config.watermark,
+        )
+        self.step_model = StepTimeModel(
+            config.model, config.gpu, config.tensor_parallel_size, config.step_time_params,
+            kv_dtype_bytes(config.kv_cache_dtype, config.model),
+        )
+        self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
+        self.num_steps = 0
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_tokens: int, max_tokens: int, arrival_time: float = 0.0, *,
+                    prefix_key: str | None = None, prefix_tokens: int = 0) -> None:
+        """Queue a request.  ValueError (with vLLM's wording) when it cannot be served."""
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"Request id {request_id} already running.")
+        if prompt_tokens < 1:
+            raise ValueError("The prompt must contain at least one token.")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}.")
+        if prompt_tokens + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
+                "completion). Please reduce the length of the messages or completion."
+            )
+        prefix_blocks = min(prefix_tokens, prompt_tokens) // self.config.block_size if prefix_key else 0
+        self.scheduler.add(Request(request_id, prompt_tokens, max_tokens, arrival_time,
+                                   prefix_key if prefix_blocks else None, prefix_blocks))
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        s = self.scheduler
+        return bool(s.running or s.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def kv_cache_usage(self) -> float:
+        return self.scheduler.kv_cache_usage()
+
+    # -- the step -------------------------------------------------------------------------------
+    def _run_step(self) -> tuple[float, list[Request], list[Request], int, int]:
+        """Schedule, price and apply one step.  Returns (duration, scheduled, finished,
+        preemptions, tokens); requests that sampled a token have `sched` < 0 afterwards:
+        the scheduler's `sched` is negated as a cheap 'sampled' mark."""
+        sched = self.scheduler
+        scheduled, tokens, preempted = sched.schedule()
+        self.num_steps += 1
+        pairs = 0.0
+        decode_kv = 0
+        sampled = 0
+        finished: list[Request] = []
+        for req in scheduled:
+            n = req.sched
+            ctx = req.context
+            if n == 1:
+                decode_kv += ctx + 1
+            else:
+                pairs += n * (ctx + (n + 1) * 0.5)
+            computed = ctx + n
+            req.num_computed = computed
+            if computed == req.num_tokens:
+                sampled += 1
+                req.num_tokens = computed + 1
+                out = req.num_output + 1
+                req.num_output = out
+                req.sched = -n
+                if out >= req.max_tokens:
+                    finished.append(req)
+        duration = self.step_model.step_time(tokens, len(scheduled), sampled, pairs, decode_kv)
+        if finished:
+            for req in finished:
+                sched.finish(req, "length")
+            sched.running = [r for r in sched.running if r.status == RUNNING]
+        return duration, scheduled, finished, preempted, tokens
+
+    def step(self) -> StepOutput:
+        duration, scheduled, _finished, preempted, tokens = self._run_step()
+        outputs = []
+        for req in scheduled:
+            sampled = req.sched < 0
+            outputs.append(RequestOutput(
+                req.request_id, 1 if sampled else 0, req.finish_reason is not None,
+                req.finish_reason, req.prompt_tokens, min(req.num_computed, req.prompt_tokens),
+            ))
+        s = self.scheduler
+        return StepOutput(duration, outputs, len(s.running), len(s.waiting), s.kv_cache_usage(), preempted, tokens)

@@ -1,0 +1,100 @@
+"""GPU presets for the engine twin.
+
+Figures are the vendors' datasheet numbers for the SXM / standard boards: dense (no sparsity)
+bf16 tensor-core FLOP/s, HBM/GDDR bandwidth, and NVLink bandwidth per GPU (one direction,
+0 where the board has none and talks over PCIe).  `total_memory_bytes` is what CUDA reports as
+the device's total memory (somewhat below the marketing figure), because that is what vLLM
+multiplies `--gpu-memory-utilization` by.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+GiB = 1 << 30
+
+# Environment variable the twin reads when `--gpu` is not given.
+GPU_ENV = "KVPILOT_TWIN_GPU"
+DEFAULT_GPU = "H100-80GB"
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSpec:
+    name: str
+    total_memory_bytes: int
+    bf16_flops: float  # dense bf16 FLOP/s
+    hbm_bandwidth: float  # bytes/s
+    nvlink_bandwidth: float  # bytes/s per direction; 0 -> PCIe only
+    pcie_bandwidth: float = 32e9  # bytes/s per direction (gen4 x16 ~ 32 GB/s, gen5 ~ 64 GB/s)
+    # What the CUDA context and the driver take before vLLM allocates anything: memory that is
+    # "used by other processes" from vLLM's point of view when it checks free memory at start-up.
+    cuda_context_bytes: int = int(0.5 * GiB)
+    architecture: str = ""
+
+    @property
+    def total_memory_gib(self) -> float:
+        return self.total_memory_bytes / GiB
+
+    @property
+    def interconnect_bandwidth(self) -> float:
+        return self.nvlink_bandwidth or self.pcie_bandwidth
+
+
+def _gib(x: float) -> int:
+    return int(x * GiB)
+
+
+GPU_PRESETS: dict[str, GpuSpec] = {
+    g.name: g
+    for g in (
+        GpuSpec("A100-80GB", _gib(79.15), 312e12, 2.039e12, 300e9, architecture="ampere"),
+        GpuSpec("H100-80GB", _gib(79.19), 989e12, 3.35e12, 450e9, 64e9, architecture="hopper"),
+        GpuSpec("H200", _gib(139.80), 989e12, 4.8e12, 450e9, 64e9, architecture="hopper"),
+        GpuSpec("L40S", _gib(44.39), 362e12, 0.864e12, 0.0, architecture="ada"),
+        GpuSpec("L4", _gib(22.03), 121e12, 0.300e12, 0.0, architecture="ada"),
+        GpuSpec("A10G", _gib(22.19), 70e12, 0.600e12, 0.0, architecture="ampere"),
+    )
+}
+
+# Other spellings people type (and that `nvidia-smi` prints) -> preset name.
+_ALIASES: dict[str, str] = {
+    "a100": "A100-80GB",
+    "a100-80g": "A100-80GB",
+    "a100-sxm4-80gb": "A100-80GB",
+    "nvidia-a100-80gb": "A100-80GB",
+    "h100": "H100-80GB",
+    "h100-80g": "H100-80GB",
+    "h100-sxm": "H100-80GB",
+    "h100-sxm5-80gb": "H100-80GB",
+    "nvidia-h100-80gb-hbm3": "H100-80GB",
+    "h200-141gb": "H200",
+    "nvidia-h200": "H200",
+    "l40s-48gb": "L40S",
+    "nvidia-l40s": "L40S",
+    "l4-24gb": "L4",
+    "nvidia-l4": "L4",
+    "a10g-24gb": "A10G",
+    "nvidia-a10g": "A10G",
+}
+
+
+class UnknownGpuError(ValueError):
+    """A GPU name that is neither a preset nor a known alias."""
+
+
+def _norm(name: str) -> str:
+    return name.strip().lower().replace("_", "-").replace(" ", "-")
+
+
+def resolve_gpu(name: str | None = None) -> GpuSpec:
+    """The preset for `name` (case-insensitive; common aliases), `$KVPILOT_TWIN_GPU`, or H100-80GB."""
+    if name is None:
+        name = os.environ.get(GPU_ENV) or DEFAULT_GPU
+    key = _norm(name)
+    for preset in GPU_PRESETS.values():
+        if _norm(preset.name) == key:
+            return preset
+    if key in _ALIASES:
+        return GPU_PRESETS[_ALIASES[key]]
+    raise UnknownGpuError(f"unknown GPU {name!r}; the twin knows: {', '.join(GPU_PRESETS)}")

@@ -1,0 +1,290 @@
+"""vLLM 0.33's V1 scheduler and its KV block pool, for the engine twin.
+
+One `schedule()` per engine step, as vLLM does it (see ../shared/notes/toolchain.md):
+
+1. RUNNING requests first, in order.  Each wants `num_tokens - num_computed` tokens (1 for a
+   decode, the rest of the prompt for a prefill in progress), capped by
+   `long_prefill_token_threshold` when it is > 0 and more than one request is eligible, and by
+   what is left of the step's token budget (`max_num_batched_tokens`).  Blocks are allocated for
+   the tokens scheduled; when none are left the LAST running request is preempted (its blocks
+   freed, its progress dropped: it recomputes later) and the allocation retried.  If the victim
+   is the request itself it is not scheduled this step.
+2. Only if nothing was preempted this step: WAITING requests, first come first served, while
+   budget remains and fewer than `max_num_seqs` run.  A prompt is chunked into what is left of
+   the budget; with `reserve_full_isl` (vLLM's default) a request is admitted only if its whole
+   prompt fits in the free blocks.  A preempted request goes back to the FRONT of the queue.
+
+After the step, every request whose tokens are all computed samples one token.  A partial
+prefill samples nothing.  The pool keeps one block back (vLLM's null block).
+
+Prefix caching: a request may name a shared prefix (`prefix_key`, `prefix_tokens`); the full
+blocks of that prefix are cached once computed and reused by later requests with the same key,
+evicted least-recently-freed first when the pool runs short.
+
+This module holds no time: the engine prices each step with the step-time model.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+WAITING, RUNNING, FINISHED = 0, 1, 2
+
+
+class Request:
+    """A request as the scheduler sees it: token counts, no content."""
+
+    __slots__ = (
+        "request_id", "prompt_tokens", "max_tokens", "arrival_time", "num_computed", "num_tokens",
+        "num_output", "num_blocks", "status", "prefix_key", "prefix_blocks", "shared", "register_ok",
+        "num_preemptions", "sched", "context", "finish_reason", "first_scheduled", "user",
+    )
+
+    def __init__(self, request_id: str, prompt_tokens: int, max_tokens: int, arrival_time: float,
+                 prefix_key: str | None = None, prefix_blocks: int = 0) -> None:
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.arrival_time = arrival_time
+        self.num_computed = 0  # tokens whose KV is in the cache
+        self.num_tokens = prompt_tokens  # prompt + sampled tokens so far
+        self.num_output = 0
+        self.num_blocks = 0  # blocks held, shared prefix blocks included
+        self.status = WAITING
+        self.prefix_key = prefix_key
+        self.prefix_blocks = prefix_blocks  # full blocks of the shareable prefix
+        self.shared = 0  # leading blocks held through the prefix cache
+        self.register_ok = True
+        self.num_preemptions = 0
+        self.sched = 0  # tokens scheduled in the current step
+        self.context = 0  # num_computed before the current step
+        self.finish_reason: str | None = None
+        self.first_scheduled = False
+        self.user: object = None  # free slot for the driver (offline runner bookkeeping)
+
+
+class Scheduler:
+    def __init__(self, *, num_gpu_blocks: int, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
+                 long_prefill_token_threshold: int = 0, enable_prefix_caching: bool = True,
+                 reserve_full_isl: bool = True, watermark: float = 0.0) -> None:
+        self.num_gpu_blocks = num_gpu_blocks
+        self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.enable_prefix_caching = enable_prefix_caching
+        self.reserve_full_isl = reserve_full_isl
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.usable_blocks = max(0, num_gpu_blocks - 1)  # one null block
+        self.free = self.usable_blocks  # blocks holding nothing
+        self.cache: dict[tuple[str, int], int] = {}  # prefix block -> reference count
+        self.evictable: OrderedDict[tuple[str, int], None] = OrderedDict()  # cached, unreferenced
+        self.running: list[Request] = []
+        self.waiting: deque[Request] = deque()
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions_total = 0
+        self.prefix_hit_tokens = 0
+        self.prefix_query_tokens = 0
+
+    # -- block pool -----------------------------------------------------------------------
+    def num_free_blocks(self) -> int:
+        return self.free + len(self.evictable)
+
+    def kv_cache_usage(self) -> float:
+        if not self.usable_blocks:
+            return 0.0
+        return 1.0 - (self.free + len(self.evictable)) / self.usable_blocks
+
+    def _take(self, n: int) -> None:
+        """Take n blocks, evicting cached prefix blocks (least recently freed) when needed."""
+        if n <= self.free:
+            self.free -= n
+            return
+        n -= self.free
+        self.free = 0
+        ev, cache = self.evictable, self.cache
+        for _ in range(n):
+            key, _none = ev.popitem(last=False)
+            del cache[key]
+
+    def _release(self, req: Request) -> None:
+        shared = req.shared
+        self.free += req.num_blocks - shared
+        if shared:
+            cache, ev, key = self.cache, self.evictable, req.prefix_key
+            for i in range(shared):
+                k = (key, i)
+                c = cache[k] - 1
+                cache[k] = c
+                if c == 0:
+                    ev[k] = None
+        req.num_blocks = 0
+        req.shared = 0
+
+    def _prefix_hits(self, req: Request) -> tuple[int, int]:
+        """(leading prefix blocks in the cache, how many of them are unreferenced now)."""
+        cache, key = self.cache, req.prefix_key
+        limit = min(req.prefix_blocks, (req.num_tokens - 1) // self.block_size)  # compute >= 1 token
+        hits = idle = 0
+        while hits < limit:
+            c = cache.get((key, hits))
+            if c is None:
+                break
+            if c == 0:
+                idle += 1
+            hits += 1
+        return hits, idle
+
+    def _register(self, req: Request, upto_tokens: int) -> None:
+        """Put the request's newly full prefix blocks into the cache."""
+        full = min(req.prefix_blocks, upto_tokens // self.block_size)
+        cache, key = self.cache, req.prefix_key
+        while req.shared < full:
+            k = (key, req.shared)
+            if k in cache:  # another request computed it meanwhile: ours stays private
+                req.register_ok = False
+                return
+            cache[k] = 1
+            req.shared += 1
+
+    # -- requests ---------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status == RUNNING:
+            self.running.remove(req)
+        elif req.status == WAITING:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status = FINISHED
+        req.finish_reason = "abort"
+        return req
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        req.num_computed = 0
+        req.status = WAITING
+        req.num_preemptions += 1
+        req.register_ok = True
+        self.waiting.appendleft(req)
+        self.num_preemptions_total += 1
+
+    # -- the step ---------------------------------------------------------------------------
+    def schedule(self) -> tuple[list[Request], int, int]:
+        """Choose this step's requests and token counts (set on `req.sched`, context on
+        `req.context`); returns (scheduled, total tokens, preemptions in this step)."""
+        budget = self.max_num_batched_tokens
+        bs = self.block_size
+        running, waiting = self.running, self.waiting
+        thr = self.long_prefill_token_threshold
+        cap = thr > 0 and len(running) + len(waiting) > 1
+        scheduled: list[Request] = []
+        preempted = 0
+        prefix = self.enable_prefix_caching
+
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = req.num_tokens - req.num_computed
+            if cap and n > thr:
+                n = thr
+            if n > budget:
+                n = budget
+            computed = req.num_computed
+            need = (computed + n + bs - 1) // bs - req.num_blocks
+            if need > 0:
+                victim = None
+                while need > self.free + len(self.evictable):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    preempted += 1
+                    if victim is req:
+                        break
+                if victim is req:
+                    break
+                self._take(need)
+                req.num_blocks += need
+                if prefix and req.prefix_key is not None and req.register_ok:
+                    self._register(req, computed + n)
+            req.sched = n
+            req.context = computed
+            scheduled.append(req)
+            budget -= n
+            i += 1
+
+        if not preempted:
+            max_seqs = self.max_num_seqs
+            wm = self.watermark_blocks
+            while waiting and budget > 0 and len(running) < max_seqs:
+                req = waiting[0]
+                hits = idle = 0
+                if prefix and req.prefix_key is not None:
+                    hits, idle = self._prefix_hits(req)
+                computed = hits * bs
+                n = req.num_tokens - computed
+                if cap and n > thr:
+                    n = thr
+                if n > budget:
+                    n = budget
+                free = self.free + len(self.evictable) - idle - wm
+                need = (computed + n + bs - 1) // bs - hits
+                if self.reserve_full_isl:
+                    if (req.num_tokens + bs - 1) // bs - hits > free:
+                        break
+                elif need > free:
+                    break
+                waiting.popleft()
+                if hits:
+                    cache, ev, key = self.cache, self.evictable, req.prefix_key
+                    for j in range(hits):
+                        k = (key, j)
+                        c = cache[k]
+                        if c == 0:
+                            del ev[k]
+                        cache[k] = c + 1
+                    self.prefix_hit_tokens += computed
+                if req.prefix_key is not None:
+                    self.prefix_query_tokens += req.num_tokens
+                req.shared = hits
+                req.num_blocks = hits
+                req.num_computed = computed
+                self._take(need)
+                req.num_blocks += need
+                if prefix and req.prefix_key is not None and req.register_ok:
+                    self._register(req, computed + n)
+                req.status = RUNNING
+                running.append(req)
+                req.sched = n
+                req.context = computed
+                scheduled.append(req)
+                budget -= n
+
+        return scheduled, self.max_num_batched_tokens - budget, preempted
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Free a request that sampled its last token (the caller drops it from `running`)."""
+        self._release(req)
+        req.status = FINISHED
+        req.finish_reason = reason
+        del self.requests[req.request_id]
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the block accounting is inconsistent (for tests)."""
+        held_private = sum(r.num_blocks - r.shared for r in self.running)
+        for r in self.waiting:
+            assert r.num_blocks == 0, f"waiting request {r.request_id} holds blocks"
+        used = held_private + len(self.cache)
+        assert self.free >= 0 and used + self.free == self.usable_blocks, (used, self.free, self.usable_blocks)
+        assert len(self.running) <= self.max_num_seqs
+        refs: dict[tuple[str, int], int] = {}
+        for r in self.running:
+            for j in range(r.shared):
+                refs[(r.prefix_key, j)] = refs.get((r.prefix_key, j), 0) + 1  # type: ignore[index]
+        for k, c in self.cache.items():
+            assert refs.get(k, 0) == c, (k, c, refs.get(k, 0))
+            assert (c == 0) == (k in self.evictable)

@@ -1,0 +1,204 @@
+"""How long one engine step takes: the twin's cost model.
+
+A step runs every layer once over all scheduled tokens.  Per layer and per tensor-parallel rank:
+
+- linear layers (QKV, O, gate/up, down) as GEMMs, each a roofline of compute against memory
+  traffic (weights + activations), with a kernel launch/latency floor;
+- the element-wise ops around them (two RMSNorms, RoPE, SiLU-and-mul, residual add), memory
+  bound, also with a floor;
+- attention: prefill chunks cost FLOPs that grow with their context (FlashAttention is
+  compute bound), decodes read their whole KV cache (memory bound);
+- two all-reduces of the hidden states when tensor parallel (ring: 2(tp-1)/tp of the bytes);
+
+then the LM head over the sequences that sample a token, and a fixed CPU overhead per step
+(scheduling, input preparation, sampling, detokenisation) plus a little per request.
+
+The constants are relative to each GPU's datasheet peak (fraction of FLOP/s, of bandwidth) plus
+absolute floors, so they carry to GPUs the calibration never saw.  `CALIBRATED` was fitted by
+`benchmarks/twin_calibration.py` (which re-derives it) on the Vidur per-layer profiles in
+../shared/data/vidur-profiles (A100 and H100, Llama-2-7B and Llama-3-8B, TP 1-8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from kvpilot.twin.hardware import GpuSpec
+from kvpilot.twin.models import ModelSpec
+
+
+@dataclass(frozen=True, slots=True)
+class StepTimeParams:
+    """Constants of the cost model.  Efficiencies are fractions of the datasheet peak."""
+
+    gemm_compute_eff: float = 0.72  # share of dense bf16 FLOP/s a large GEMM reaches
+    gemm_memory_eff: float = 0.80  # share of HBM bandwidth a weight-bound GEMM reaches
+    gemm_floor_s: float = 4e-6  # launch + latency floor of one GEMM kernel
+    gemm_sharpness: float = 3.0  # p of the smooth max (c^p + m^p)^(1/p) between the two bounds
+    norm_eff: float = 0.30  # RMSNorm share of bandwidth (the profiled kernel is not fused)
+    rope_eff: float = 0.35
+    act_eff: float = 0.55
+    add_eff: float = 0.90
+    elementwise_floor_s: float = 3e-6
+    # Attention and the rest (not in the Vidur linear profiles; chosen from FlashAttention figures).
+    attn_prefill_eff: float = 0.45
+    attn_decode_eff: float = 0.70
+    attn_floor_s: float = 8e-6
+    allreduce_latency_s: float = 8e-6
+    allreduce_eff: float = 0.70
+    cpu_overhead_s: float = 2.0e-3
+    cpu_per_request_s: float = 8e-6
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+# Fitted by benchmarks/twin_calibration.py; see its docstring for the method.
+CALIBRATED = StepTimeParams()
+
+
+def _gemm_time(p: StepTimeParams, gpu: GpuSpec, tokens: float, k: int, n: int, b: int) -> float:
+    compute = 2.0 * tokens * k * n / (p.gemm_compute_eff * gpu.bf16_flops)
+    memory = (k * n + tokens * (k + n)) * b / (p.gemm_memory_eff * gpu.hbm_bandwidth)
+    s = p.gemm_sharpness
+    return p.gemm_floor_s + (compute**s + memory**s) ** (1.0 / s)
+
+
+def _elementwise_time(p: StepTimeParams, gpu: GpuSpec, nbytes: float, eff: float) -> float:
+    return p.elementwise_floor_s + nbytes / (eff * gpu.hbm_bandwidth)
+
+
+def linear_layer_breakdown(
+    model: ModelSpec, gpu: GpuSpec, tp: int, tokens: int, params: StepTimeParams = CALIBRATED
+) -> dict[str, float]:
+    """Seconds per layer, per op, for `tokens` tokens on one rank (the ops Vidur profiles)."""
+    p, b, h = params, model.dtype_bytes, model.hidden_size
+    q = model.q_size // tp
+    kv = model.kv_heads_per_rank(tp) * model.head_dim
+    i = model.intermediate_size // tp
+    up_n = (2 if model.gated_mlp else 1) * i
+    t = float(tokens)
+    return {
+        "input_layernorm": _elementwise_time(p, gpu, 2 * t * h * b, p.norm_eff),
+        "attn_pre_proj": _gemm_time(p, gpu, t, h, q + 2 * kv, b),
+        "attn_rope": _elementwise_time(p, gpu, 2 * t * (q + kv) * b, p.rope_eff),
+        "attn_post_proj": _gemm_time(p, gpu, t, q, h, b),
+        "post_attention_layernorm": _elementwise_time(p, gpu, 2 * t * h * b, p.norm_eff),
+        "mlp_up_proj": _gemm_time(p, gpu, t, h, up_n, b),
+        "mlp_act": _elementwise_time(p, gpu, t * (up_n + i) * b, p.act_eff),
+        "mlp_down_proj": _gemm_time(p, gpu, t, i, h, b),
+        "add": _elementwise_time(p, gpu, 3 * t * h * b, p.add_eff),
+    }
+
+
+def per_layer_linear_time(
+    model: ModelSpec, gpu: GpuSpec, tp: int, tokens: int, params: StepTimeParams = CALIBRATED
+) -> float:
+    return sum(linear_layer_breakdown(model, gpu, tp, tokens, params).values())
+
+
+class StepTimeModel:
+    """Step time for one (model, GPU, TP) with the token-count-only part cached.
+
+    The engine calls `step_time` once per step with aggregate figures it accumulates while
+    scheduling, so the per-step cost is a few float operations and one list lookup.
+    """
+
+    __slots__ = (
+        "model", "gpu", "tp", "params", "_linear", "_layers", "_attn_flops_coef", "_attn_prefill_rate",
+        "_kv_bytes_per_token_layer", "_attn_decode_rate", "_lm_head_per_seq", "_lm_head_floor",
+    )
+
+    def __init__(self, model: ModelSpec, gpu: GpuSpec, tp: int = 1, params: StepTimeParams = CALIBRATED,
+                 kv_dtype_bytes: int | None = None) -> None:
+        self.model, self.gpu, self.tp, self.params = model, gpu, tp, params
+        self._linear: dict[int, float] = {}
+        self._layers = model.num_hidden_layers
+        heads = model.num_attention_heads // tp
+        # QK^T and PV: 2 GEMMs x 2 FLOPs per multiply-add, per head dim, per (query, key) pair.
+        self._attn_flops_coef = 4.0 * heads * model.head_dim
+        self._attn_prefill_rate = params.attn_prefill_eff * gpu.bf16_flops
+        kvb = model.dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
+        self._kv_bytes_per_token_layer = 2 * model.kv_heads_per_rank(tp) * model.head_dim * kvb
+        self._attn_decode_rate = params.attn_decode_eff * gpu.hbm_bandwidth
+        vocab = model.vocab_size // tp
+        # LM head: weight read once per step, then 2*h*vocab FLOPs per sampled sequence.
+        self._lm_head_floor = model.hidden_size * vocab * model.dtype_bytes / (params.gemm_memory_eff * gpu.hbm_bandwidth)
+        self._lm_head_per_seq = 2.0 * model.hidden_size * vocab / (params.gemm_compute_eff * gpu.bf16_flops)
+
+    def linear_time(self, tokens: int) -> float:
+        """Linear + element-wise time of all layers for `tokens` tokens (cached)."""
+        t = self._linear.get(tokens)
+        if t is None:
+            t = self._layers * per_layer_linear_time(self.model, self.gpu, self.tp, tokens, self.params)
+            self._linear[tokens] = t
+        return t
+
+    def allreduce_time(self, tokens: int) -> float:
+        if self.tp == 1 or tokens == 0:
+            return 0.0
+        p, tp = self.params, self.tp
+        nbytes = tokens * self.model.hidden_size * self.model.dtype_bytes
+        one = p.allreduce_latency_s + 2 * (tp - 1) / tp * nbytes / (p.allreduce_eff * self.gpu.interconnect_bandwidth)
+        return 2 * self._layers * one
+
+    def attention_time(self, prefill_pairs: float, decode_kv_tokens: float, num_requests: int) -> float:
+        """`prefill_pairs`: sum over prefill chunks of n*(context + (n+1)/2) (query, key) pairs;
+        `decode_kv_tokens`: sum of context lengths read by decodes."""
+        if num_requests == 0:
+            return 0.0
+        prefill = prefill_pairs * self._attn_flops_coef / self._attn_prefill_rate
+        decode = decode_kv_tokens * self._kv_bytes_per_token_layer / self._attn_decode_rate
+        return self._layers * (self.params.attn_floor_s + prefill + decode)
+
+    def lm_head_time(self, num_sampled: int) -> float:
+        if num_sampled == 0:
+            return 0.0
+        return self.params.gemm_floor_s + max(self._lm_head_floor, num_sampled * self._lm_head_per_seq)
+
+    def step_time(self, tokens: int, num_requests: int, num_sampled: int, prefill_pairs: float,
+                  decode_kv_tokens: float) -> float:
+        if tokens == 0:
+            return self.params.cpu_overhead_s
+        return (
+            self.linear_time(tokens)
+            + self.allreduce_time(tokens)
+            + self.attention_time(prefill_pairs, decode_kv_tokens, num_requests)
+            + self.lm_head_time(num_sampled)
+            + self.params.cpu_overhead_s
+            + self.params.cpu_per_request_s * num_requests
+        )
+
+    def breakdown(self, tokens: int, num_requests: int, num_sampled: int, prefill_pairs: float,
+                  decode_kv_tokens: float) -> dict[str, float]:
+        """The parts of `step_time`, in milliseconds."""
+        ms = 1e3
+        linear = self.linear_time(tokens) if tokens else 0.0
+        parts = {
+            "linear_ms": linear * ms,
+            "attention_ms": self.attention_time(prefill_pairs, decode_kv_tokens, num_requests) * ms,
+            "allreduce_ms": self.allreduce_time(tokens) * ms,
+            "lm_head_ms": self.lm_head_time(num_sampled) * ms,
+            "cpu_overhead_ms": (self.params.cpu_overhead_s + self.params.cpu_per_request_s * num_requests) * ms,
+        }
+        total = sum(parts.values())
+        return {
+            "total_ms": total,
+            **parts,
+            "per_layer_linear_ms": (linear / self._layers * ms) if tokens else 0.0,
+        }
+
+
+def prefill_pairs(chunk: int, context: int) -> float:
+    """(query, key) pairs a causal prefill chunk of `chunk` tokens after `context` cached ones attends."""
+    return chunk * (context + (chunk + 1) / 2.0)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+__all__ = [
+    "CALIBRATED", "StepTimeModel", "StepTimeParams", "linear_layer_breakdown", "per_layer_linear_time",
+    "prefill_pairs", "ceil_div",
+]
