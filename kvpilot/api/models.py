@@ -186,18 +186,21 @@ class SLOSpec(_Wire):
 class TuningSpace(_Wire):
     max_num_batched_tokens: list[int] = Field(
         default_factory=lambda: [256, 16384],
+        json_schema_extra={"default": [256, 16384]},
         min_length=2,
         max_length=2,
         description="[min, max] of engine.maxNumBatchedTokens the tuner may try.",
     )
     gpu_memory_utilization: list[float] = Field(
         default_factory=lambda: [0.70, 0.95],
+        json_schema_extra={"default": [0.70, 0.95]},
         min_length=2,
         max_length=2,
         description="[min, max] of engine.gpuMemoryUtilization the tuner may try.",
     )
     max_num_seqs: list[int] = Field(
         default_factory=lambda: [64, 1024],
+        json_schema_extra={"default": [64, 1024]},
         min_length=2,
         max_length=2,
         description="[min, max] of engine.maxNumSeqs the tuner may try.",

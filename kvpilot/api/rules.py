@@ -31,11 +31,12 @@ _ITL_EDGES_TEXT = ", ".join(f"{e:g}" for e in vllm.ITL_BUCKETS)
 _TYPED_FLAG_FIELDS = {flag: field for field, flag in vllm.TYPED_FLAGS.items()}
 _TYPED_FLAG_FIELDS.update({alias: _TYPED_FLAG_FIELDS[flag] for alias, flag in vllm.FLAG_ALIASES.items()})
 
+_TOKENS_LIMIT, _SEQS_LIMIT = 1 << 20, 1 << 16
 # Legal ranges of the tuned fields (the models' own bounds), used to check the tuning space.
 _SPACE_LIMITS: dict[str, tuple[float, float]] = {
-    "maxNumBatchedTokens": (1, 1 << 20),
+    "maxNumBatchedTokens": (1, _TOKENS_LIMIT),
     "gpuMemoryUtilization": (0.0, 1.0),  # exclusive at both ends, as the field itself
-    "maxNumSeqs": (1, 1 << 16),
+    "maxNumSeqs": (1, _SEQS_LIMIT),
 }
 
 
@@ -55,11 +56,25 @@ def raise_issues(title: str, issues: list[Issue], _model: object) -> None:
     )
 
 
+_NONE: list[Issue] = []  # shared, never mutated: the common case allocates nothing
+_FORBIDDEN_FLAGS = frozenset(_TYPED_FLAG_FIELDS) | frozenset(vllm.REMOVED_FLAGS) | frozenset(vllm.OWNED_FLAGS)
+
+
 def _flag_name(arg: str) -> str:
-    return arg.split("=", 1)[0]
+    return arg.partition("=")[0]
+
+
+def _extra_args_clean(args: list[str]) -> bool:
+    return not any(arg.partition("=")[0] in _FORBIDDEN_FLAGS for arg in args)
 
 
 def engine_issues(engine: EngineSpec) -> list[Issue]:
+    if (
+        engine.max_num_batched_tokens >= engine.max_num_seqs
+        and (engine.gpu_memory_utilization is None or engine.kv_cache_memory_bytes is None)
+        and _extra_args_clean(engine.extra_args)
+    ):
+        return _NONE
     issues: list[Issue] = []
     if engine.max_num_batched_tokens < engine.max_num_seqs:
         issues.append(
@@ -107,6 +122,8 @@ def engine_issues(engine: EngineSpec) -> list[Issue]:
 
 
 def slo_issues(slo: SLOSpec) -> list[Issue]:
+    if slo.ttft_seconds in _TTFT_EDGES and slo.itl_seconds in _ITL_EDGES:
+        return _NONE
     issues: list[Issue] = []
     if slo.ttft_seconds not in _TTFT_EDGES:
         issues.append(
@@ -129,8 +146,17 @@ def slo_issues(slo: SLOSpec) -> list[Issue]:
 
 
 def tuning_issues(tuning: TuningSpec) -> list[Issue]:
-    issues: list[Issue] = []
     space = tuning.space
+    tokens, util, seqs = space.max_num_batched_tokens, space.gpu_memory_utilization, space.max_num_seqs
+    if (
+        1 <= tokens[0] < tokens[1] <= _TOKENS_LIMIT
+        and 0.0 < util[0] < util[1] < 1.0
+        and 1 <= seqs[0] < seqs[1] <= _SEQS_LIMIT
+        and tokens[1] >= seqs[0]
+        and tuning.warmup_seconds < tuning.trial_seconds
+    ):
+        return _NONE
+    issues: list[Issue] = []
     for name, bounds in (
         ("maxNumBatchedTokens", space.max_num_batched_tokens),
         ("gpuMemoryUtilization", space.gpu_memory_utilization),
@@ -167,8 +193,16 @@ def tuning_issues(tuning: TuningSpec) -> list[Issue]:
 
 
 def spec_issues(spec: InferenceServiceSpec) -> list[Issue]:
-    issues: list[Issue] = []
     rollout = spec.rollout
+    engine = spec.engine
+    if (
+        (spec.replicas != 1 or rollout.max_surge != 0 or rollout.allow_downtime)
+        and rollout.progress_deadline_seconds > rollout.startup_timeout_seconds
+        and (engine.kind != "vllm" or spec.resources.gpus >= engine.tensor_parallel_size)
+        and not spec.tuning.enabled
+    ):
+        return _NONE
+    issues: list[Issue] = []
     if spec.replicas == 1 and rollout.max_surge == 0 and not rollout.allow_downtime:
         issues.append(
             (
@@ -187,7 +221,6 @@ def spec_issues(spec: InferenceServiceSpec) -> list[Issue]:
                 rollout.progress_deadline_seconds,
             )
         )
-    engine = spec.engine
     if engine.kind == "vllm" and spec.resources.gpus < engine.tensor_parallel_size:
         issues.append(
             (

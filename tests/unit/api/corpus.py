@@ -1,0 +1,114 @@
+"""Malformed InferenceServices, each with the field path its error must name.
+
+Each case starts from a valid manifest and breaks one thing, so a passing test proves the
+one rule fired (and nothing unrelated did).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+BASE: dict[str, Any] = {
+    "apiVersion": "kvpilot.dev/v1alpha1",
+    "kind": "InferenceService",
+    "metadata": {"name": "svc", "namespace": "ml"},
+    "spec": {"model": "meta-llama/Llama-3.1-8B-Instruct", "replicas": 2},
+}
+
+
+def _with(path: str, value: Any) -> dict[str, Any]:
+    doc = copy.deepcopy(BASE)
+    node: Any = doc
+    parts = path.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    return doc
+
+
+def _without(path: str) -> dict[str, Any]:
+    doc = copy.deepcopy(BASE)
+    node: Any = doc
+    parts = path.split(".")
+    for part in parts[:-1]:
+        node = node[part]
+    del node[parts[-1]]
+    return doc
+
+
+def _merge(**spec: Any) -> dict[str, Any]:
+    doc = copy.deepcopy(BASE)
+    doc["spec"].update(spec)
+    return doc
+
+
+# (id, document, expected path in the first message, a word the message must carry)
+CASES: list[tuple[str, Any, str, str]] = [
+    ("replicas-wrong-type", _with("spec.replicas", "two"), "spec.replicas", "integer"),
+    ("replicas-negative", _with("spec.replicas", -1), "spec.replicas", "greater than or equal"),
+    ("model-missing", _without("spec.model"), "spec.model", "required"),
+    ("model-empty", _with("spec.model", ""), "spec.model", "at least 1"),
+    ("unknown-spec-field", _with("spec.modle", "x"), "spec.modle", "unknown field"),
+    ("unknown-engine-field", _with("spec.engine", {"maxBatchedTokens": 4096}), "spec.engine.maxBatchedTokens",
+     "maxNumBatchedTokens"),
+    ("engine-kind-unknown", _with("spec.engine", {"kind": "tgi"}), "spec.engine.kind", "'vllm' or 'twin'"),
+    ("gpu-util-above-one", _with("spec.engine", {"gpuMemoryUtilization": 1.5}), "spec.engine.gpuMemoryUtilization",
+     "less than 1"),
+    ("gpu-util-zero", _with("spec.engine", {"gpuMemoryUtilization": 0}), "spec.engine.gpuMemoryUtilization",
+     "greater than 0"),
+    ("gpu-util-string", _with("spec.engine", {"gpuMemoryUtilization": "high"}), "spec.engine.gpuMemoryUtilization",
+     "number"),
+    ("kv-conflict", _with("spec.engine", {"gpuMemoryUtilization": 0.9, "kvCacheMemoryBytes": 8 << 30}),
+     "spec.engine.kvCacheMemoryBytes", "not both"),
+    ("batched-below-seqs", _with("spec.engine", {"maxNumBatchedTokens": 128, "maxNumSeqs": 256}),
+     "spec.engine.maxNumBatchedTokens", "at least maxNumSeqs"),
+    ("block-size-odd", _with("spec.engine", {"blockSize": 12}), "spec.engine.blockSize", "16"),
+    ("kv-dtype-unknown", _with("spec.engine", {"kvCacheDtype": "int4"}), "spec.engine.kvCacheDtype", "fp8"),
+    ("typed-flag-in-extra", _with("spec.engine", {"extraArgs": ["--max-num-seqs", "64"]}),
+     "spec.engine.extraArgs[0]", "engine.maxNumSeqs"),
+    ("typed-flag-equals-form", _with("spec.engine", {"extraArgs": ["--enforce-eager", "--gpu-memory-utilization=0.8"]}),
+     "spec.engine.extraArgs[1]", "engine.gpuMemoryUtilization"),
+    ("tp-alias-in-extra", _with("spec.engine", {"extraArgs": ["-tp", "2"]}), "spec.engine.extraArgs[0]",
+     "tensorParallelSize"),
+    ("removed-flag", _with("spec.engine", {"extraArgs": ["--max-num-partial-prefills", "2"]}),
+     "spec.engine.extraArgs[0]", "removed in vLLM 0.33"),
+    ("owned-port-flag", _with("spec.engine", {"extraArgs": ["--port=9000"]}), "spec.engine.extraArgs[0]",
+     "set by kvpilot"),
+    ("extra-args-not-list", _with("spec.engine", {"extraArgs": "--enforce-eager"}), "spec.engine.extraArgs",
+     "list"),
+    ("ttft-not-edge", _with("spec.slo", {"ttftSeconds": 0.3}), "spec.slo.ttftSeconds", "0.25, 0.5"),
+    ("itl-not-edge", _with("spec.slo", {"itlSeconds": 0.04}), "spec.slo.itlSeconds", "0.025, 0.05"),
+    ("objective-one", _with("spec.slo", {"objective": 1.0}), "spec.slo.objective", "less than 1"),
+    ("period-bad", _with("spec.slo", {"period": "a month"}), "spec.slo.period", "pattern"),
+    ("space-min-ge-max", _with("spec.tuning", {"space": {"maxNumBatchedTokens": [4096, 1024]}}),
+     "spec.tuning.space.maxNumBatchedTokens", "min must be less than max"),
+    ("space-out-of-range", _with("spec.tuning", {"space": {"gpuMemoryUtilization": [0.5, 1.2]}}),
+     "spec.tuning.space.gpuMemoryUtilization", "inside (0, 1)"),
+    ("space-wrong-arity", _with("spec.tuning", {"space": {"maxNumSeqs": [64]}}), "spec.tuning.space.maxNumSeqs",
+     "at least 2"),
+    ("current-outside-space", _merge(engine={"maxNumBatchedTokens": 32768},
+                                     tuning={"enabled": True, "space": {"maxNumBatchedTokens": [256, 16384]}}),
+     "spec.engine.maxNumBatchedTokens", "outside tuning.space"),
+    ("tuning-with-kv-bytes", _merge(engine={"kvCacheMemoryBytes": 1 << 34}, tuning={"enabled": True}),
+     "spec.engine.kvCacheMemoryBytes", "disable tuning"),
+    ("goal-unknown", _with("spec.tuning", {"goal": "throughput"}), "spec.tuning.goal", "'latency' or 'capacity'"),
+    ("warmup-ge-trial", _with("spec.tuning", {"trialSeconds": 60, "warmupSeconds": 60}), "spec.tuning.warmupSeconds",
+     "shorter than trialSeconds"),
+    ("downtime-rollout", _merge(replicas=1, rollout={"maxSurge": 0}), "spec.rollout.maxSurge", "allowDowntime"),
+    ("deadline-below-startup", _with("spec.rollout", {"startupTimeoutSeconds": 1800, "progressDeadlineSeconds": 600}),
+     "spec.rollout.progressDeadlineSeconds", "startupTimeoutSeconds"),
+    ("gpus-below-tp", _merge(engine={"tensorParallelSize": 4}, resources={"gpus": 2}), "spec.resources.gpus",
+     "tensorParallelSize"),
+    ("memory-not-quantity", _with("spec.resources", {"memory": "lots"}), "spec.resources.memory", "pattern"),
+    ("list-where-object", _with("spec.engine", ["vllm"]), "spec.engine", "dictionary"),
+    ("spec-is-string", _with("spec", "model: x"), "spec", "dictionary"),
+    ("name-uppercase", _with("metadata.name", "Llama"), "metadata.name", "pattern"),
+    ("name-missing", _with("metadata", {"namespace": "ml"}), "metadata.name", "required"),
+    ("wrong-kind", _with("kind", "Deployment"), "kind", "InferenceService"),
+    ("wrong-api-version", _with("apiVersion", "kvpilot.dev/v1"), "apiVersion", "kvpilot.dev/v1alpha1"),
+    ("hf-secret-no-name", _with("spec.hfTokenSecret", {"key": "TOKEN"}), "spec.hfTokenSecret.name", "required"),
+    ("twin-gpu-empty", _with("spec.engine", {"kind": "twin", "twin": {"gpu": ""}}), "spec.engine.twin.gpu",
+     "at least 1"),
+    ("document-is-list", [BASE], "", "mapping"),
+]
