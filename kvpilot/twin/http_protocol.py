@@ -1,0 +1,309 @@
+"""The OpenAI-compatible request and response bodies of the twin's HTTP server, as pure functions.
+
+Parsing turns a decoded JSON body into a `GenerationRequest`, or raises `OpenAIError` naming the
+field and what is allowed, with the status vLLM's server would answer (400, or 404 for an unknown
+model).  Builders turn generated text into the bodies and stream chunks vLLM sends.  Nothing here
+does I/O, so all of it is unit-tested without a server.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kvpilot.twin import text as tokens
+
+Kind = Literal["completion", "chat"]
+
+
+class OpenAIError(Exception):
+    """An error answered as OpenAI's `{"error": {message, type, param, code}}` body."""
+
+    _TYPES = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError",
+              500: "InternalServerError"}
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self._TYPES.get(self.status, "Error"),
+                          "param": self.param, "code": self.status}}
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What the server needs from a completion or chat completion request."""
+
+    kind: Kind
+    model: str
+    prompt_tokens: int
+    max_tokens: int            # resolved: the request's value, or what is left of max_model_len
+    max_tokens_param: int | None  # as the client sent it (vLLM's request_params_max_tokens)
+    output_seed: int           # seeds the text and the natural (EOS) length
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    def output_budget(self) -> tuple[int, bool]:
+        """Tokens to generate, and whether stopping there is an end-of-sequence ("stop") rather
+        than the max_tokens limit ("length")."""
+        if self.ignore_eos:
+            return self.max_tokens, False
+        natural = max(tokens.natural_output_length(self.output_seed), self.min_tokens)
+        if natural < self.max_tokens:
+            return natural, True
+        return self.max_tokens, False
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def decode_json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise OpenAIError(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise OpenAIError(f"The request body must be a JSON object, got {type(body).__name__}.")
+    return body
+
+
+def _optional_int(body: dict[str, Any], name: str, minimum: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise OpenAIError(f"`{name}` must be an integer, got {json.dumps(value)}.", param=name)
+    if value < minimum:
+        raise OpenAIError(f"`{name}` must be at least {minimum}, got {value}.", param=name)
+    return int(value)
+
+
+def _optional_bool(body: dict[str, Any], name: str, where: str = "") -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise OpenAIError(f"`{where}{name}` must be true or false, got {json.dumps(value)}.",
+                          param=f"{where}{name}")
+    return value
+
+
+def _check_sampling(body: dict[str, Any]) -> None:
+    """The twin ignores sampling, but rejects values vLLM rejects, so clients see the same errors."""
+    checks = (("temperature", 0.0, None), ("top_p", 0.0, 1.0), ("presence_penalty", -2.0, 2.0),
+              ("frequency_penalty", -2.0, 2.0))
+    for name, low, high in checks:
+        value = body.get(name)
+        if value is None:
+            continue
+        if not _is_number(value):
+            raise OpenAIError(f"`{name}` must be a number, got {json.dumps(value)}.", param=name)
+        if value < low or (high is not None and value > high) or (name == "top_p" and value == 0):
+            allowed = f"in ({low}, {high}]" if name == "top_p" else (
+                f"between {low} and {high}" if high is not None else f"at least {low}")
+            raise OpenAIError(f"`{name}` must be {allowed}, got {value}.", param=name)
+    n = _optional_int(body, "n", 1)
+    if n is not None and n != 1:
+        raise OpenAIError(f"`n` must be 1: the engine twin generates one choice per request, got {n}.",
+                          param="n")
+    if body.get("best_of") not in (None, 1):
+        raise OpenAIError("`best_of` must be 1 (or omitted) for the engine twin.", param="best_of")
+
+
+def _check_model(body: dict[str, Any], served_model_name: str) -> str:
+    model = body.get("model")
+    if model is None:
+        return served_model_name  # vLLM serves its only model when none is named
+    if not isinstance(model, str):
+        raise OpenAIError(f"`model` must be a string, got {json.dumps(model)}.", param="model")
+    if model != served_model_name:
+        raise OpenAIError(f"The model `{model}` does not exist.", status=404, param="model")
+    return model
+
+
+def _completion_prompt(body: dict[str, Any]) -> tuple[int, int]:
+    """(prompt tokens, seed) from `prompt`: a string, a list of token ids, or a one-item list of either."""
+    if "prompt" not in body or body["prompt"] is None:
+        raise OpenAIError("`prompt` is required.", param="prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return tokens.count_prompt_tokens(prompt), tokens.prompt_seed(prompt)
+    if isinstance(prompt, list):
+        if not prompt:
+            raise OpenAIError("`prompt` must not be an empty list of token ids.", param="prompt")
+        if all(_is_int(t) and t >= 0 for t in prompt):
+            return len(prompt), tokens.prompt_seed(",".join(map(str, prompt)))
+        if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+            raise OpenAIError("`prompt` with more than one prompt (a batch) is not supported by the "
+                              "engine twin; send one request per prompt.", param="prompt")
+    raise OpenAIError("`prompt` must be a string, a list of non-negative token ids, or a one-item "
+                      "list of either.", param="prompt")
+
+
+def _message_text(message: Any, index: int) -> str:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise OpenAIError(f"`{where}` must be an object with `role` and `content`.", param=where)
+    role = message.get("role")
+    if not isinstance(role, str) or not role:
+        raise OpenAIError(f"`{where}.role` must be a non-empty string.", param=f"{where}.role")
+    content = message.get("content")
+    if content is None:
+        return ""  # e.g. an assistant turn that only carried tool calls
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            pwhere = f"{where}.content[{j}]"
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise OpenAIError(f"`{pwhere}` must be a {{\"type\": \"text\", \"text\": ...}} part; "
+                                  f"the engine twin takes text only, got {json.dumps(kind)}.",
+                                  param=pwhere)
+            if not isinstance(part.get("text"), str):
+                raise OpenAIError(f"`{pwhere}.text` must be a string.", param=f"{pwhere}.text")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise OpenAIError(f"`{where}.content` must be a string or a list of text parts.",
+                      param=f"{where}.content")
+
+
+def _chat_prompt(body: dict[str, Any]) -> tuple[int, int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise OpenAIError("`messages` is required: a non-empty list of {role, content} objects.",
+                          param="messages")
+    contents = [_message_text(m, i) for i, m in enumerate(messages)]
+    roles = "".join(str(m.get("role")) for m in messages)
+    return tokens.count_chat_tokens(contents), tokens.prompt_seed(roles + "\x00" + "\x00".join(contents))
+
+
+def parse_generation_request(body: dict[str, Any], kind: Kind, *, served_model_name: str,
+                             max_model_len: int) -> GenerationRequest:
+    """Validate a /v1/completions (kind "completion") or /v1/chat/completions ("chat") body."""
+    model = _check_model(body, served_model_name)
+    prompt_tokens, seed = _completion_prompt(body) if kind == "completion" else _chat_prompt(body)
+    max_tokens = _optional_int(body, "max_tokens", 1)
+    if kind == "chat":
+        # The newer name wins when both are sent, as in vLLM.
+        max_completion = _optional_int(body, "max_completion_tokens", 1)
+        if max_completion is not None:
+            max_tokens = max_completion
+    min_tokens = _optional_int(body, "min_tokens", 0) or 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise OpenAIError(f"`min_tokens` ({min_tokens}) must not exceed `max_tokens` ({max_tokens}).",
+                          param="min_tokens")
+    _check_sampling(body)
+    stream = _optional_bool(body, "stream")
+    options = body.get("stream_options")
+    include_usage = continuous = False
+    if options is not None:
+        if not isinstance(options, dict):
+            raise OpenAIError("`stream_options` must be an object.", param="stream_options")
+        if not stream:
+            raise OpenAIError("Stream options can only be defined when `stream=True`.",
+                              param="stream_options")
+        include_usage = _optional_bool(options, "include_usage", "stream_options.")
+        continuous = _optional_bool(options, "continuous_usage_stats", "stream_options.")
+    ignore_eos = _optional_bool(body, "ignore_eos")
+
+    # vLLM's length check and wording: the prompt plus the completion must fit max_model_len.
+    if prompt_tokens >= max_model_len or (max_tokens is not None
+                                          and prompt_tokens + max_tokens > max_model_len):
+        asked = prompt_tokens + (max_tokens or 0)
+        raise OpenAIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{asked} tokens ({prompt_tokens} in the messages, {max_tokens or 0} in the completion). "
+            "Please reduce the length of the messages or completion.",
+            param="max_tokens" if max_tokens is not None and prompt_tokens < max_model_len else "prompt")
+    resolved = max_tokens if max_tokens is not None else max_model_len - prompt_tokens
+    return GenerationRequest(kind=kind, model=model, prompt_tokens=prompt_tokens, max_tokens=resolved,
+                             max_tokens_param=max_tokens, output_seed=seed, stream=stream,
+                             include_usage=include_usage, continuous_usage_stats=continuous,
+                             ignore_eos=ignore_eos, min_tokens=min_tokens)
+
+
+# --------------------------------------------------------------------------- responses
+
+
+def new_request_id(kind: Kind) -> str:
+    return ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def full_response(req: GenerationRequest, request_id: str, created: int, text: str,
+                  completion_tokens: int, finish_reason: str) -> dict[str, Any]:
+    """The non-streaming body."""
+    if req.kind == "completion":
+        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
+                                  "finish_reason": finish_reason, "stop_reason": None}
+        obj = "text_completion"
+    else:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []},
+                  "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}
+        obj = "chat.completion"
+    return {"id": request_id, "object": obj, "created": created, "model": req.model,
+            "choices": [choice], "usage": usage(req.prompt_tokens, completion_tokens)}
+
+
+def stream_chunk(req: GenerationRequest, request_id: str, created: int, *, text: str | None,
+                 finish_reason: str | None, role: bool = False,
+                 usage_so_far: dict[str, int] | None = None) -> dict[str, Any]:
+    """One streamed chunk.  `text=None` with `role=True` is the chat role announcement."""
+    if req.kind == "completion":
+        choice: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": None,
+                                  "finish_reason": finish_reason}
+        obj = "text_completion"
+    else:
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {"content": text or ""}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        obj = "chat.completion.chunk"
+    chunk: dict[str, Any] = {"id": request_id, "object": obj, "created": created, "model": req.model,
+                             "choices": [choice]}
+    if usage_so_far is not None:
+        chunk["usage"] = usage_so_far
+    return chunk
+
+
+def usage_chunk(req: GenerationRequest, request_id: str, created: int,
+                completion_tokens: int) -> dict[str, Any]:
+    """The final chunk for `stream_options.include_usage`: empty choices, usage filled in."""
+    obj = "text_completion" if req.kind == "completion" else "chat.completion.chunk"
+    return {"id": request_id, "object": obj, "created": created, "model": req.model, "choices": [],
+            "usage": usage(req.prompt_tokens, completion_tokens)}
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event as vLLM writes it: `data: ...` and a blank line."""
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+def models_body(served_model_name: str, root: str, max_model_len: int, created: int | None = None) -> dict:
+    created = int(time.time()) if created is None else created
+    return {"object": "list", "data": [{
+        "id": served_model_name, "object": "model", "created": created, "owned_by": "vllm",
+        "root": root, "parent": None, "max_model_len": max_model_len,
+        "permission": [],
+    }]}

@@ -1,0 +1,471 @@
+"""The engine twin's HTTP server: vLLM's OpenAI-compatible API, paced by the simulated engine.
+
+Shape (as vLLM's frontend + engine core, in one process):
+
+* `EngineLoop` is one asyncio task that drives the engine: `step()`, sleep the step's simulated
+  duration in real time, then hand each request the tokens it produced.  Request timestamps
+  (arrival, first scheduled, first and last token) are taken from that real clock, and the
+  Prometheus histograms are observed from them, the way vLLM's output processor does.
+* `TwinServer` is the aiohttp application: /v1/completions, /v1/chat/completions (streaming and
+  not), /v1/models, /health, /metrics, /version.  Each generation request gets a queue that the
+  engine loop fills; a client that disconnects aborts its request in the engine.
+* `serve()` is the process lifecycle: the port opens only once the engine is "loaded" (after the
+  start-up delay, and after the engine was built without a start-up error); SIGTERM stops new
+  work (503 with an OpenAI-style error body, /health 503), lets in-flight requests finish for up
+  to the shutdown timeout (0 aborts them at once, like vLLM's default), then returns 0.
+
+The engine is injected (anything with the `EngineLike` methods), so this module imports no
+engine code and tests can drive it with any engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from kvpilot.api import vllm
+from kvpilot.twin import http_protocol as proto
+from kvpilot.twin import text as tokens
+from kvpilot.twin.http_logging import LOGGER_NAME
+from kvpilot.twin.metrics import CONTENT_TYPE, VllmMetrics
+
+log = logging.getLogger(LOGGER_NAME)
+
+# Prompts of long-context models run to megabytes of JSON; aiohttp's default cap is 1 MiB.
+MAX_BODY_BYTES = 64 * 1024 * 1024
+# After the drain, how long handlers get to write their final chunk before the sockets close.
+_FLUSH_SECONDS = 2.0
+
+
+class EngineLike(Protocol):
+    """What the server needs from the twin's engine (kvpilot.twin.engine.Engine)."""
+
+    def add_request(self, request_id: str, prompt_tokens: int, max_tokens: int,
+                    arrival_time: float) -> Any: ...
+
+    def abort_request(self, request_id: str) -> Any: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> Any: ...
+
+
+@dataclass(frozen=True)
+class ServingInfo:
+    """What the API reports about the served model, and the cache config for /metrics."""
+
+    served_model_name: str
+    model: str
+    max_model_len: int
+    cache_config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Delivery:
+    """Tokens the engine produced for one request in one step."""
+
+    tokens: int
+    finished: bool
+    finish_reason: str | None
+    at: float
+
+
+@dataclass
+class Tracked:
+    """One request in flight, with the timestamps vLLM's frontend keeps for it."""
+
+    request_id: str
+    req: proto.GenerationRequest
+    arrival: float
+    eos_stop: bool  # True: the engine's max_tokens is the "model's" natural end, not the client's cap
+    queue: asyncio.Queue[Delivery] = field(default_factory=asyncio.Queue)
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    generated: int = 0
+    done: bool = False
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class EngineLoop:
+    """Drives the engine in real time and routes its outputs to the requests' queues."""
+
+    def __init__(self, engine: EngineLike, metrics: VllmMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.tracked: dict[str, Tracked] = {}
+        self.dead: BaseException | None = None
+        self._wake = asyncio.Event()
+        self._empty = asyncio.Event()
+        self._empty.set()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="twin-engine-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def submit(self, req: proto.GenerationRequest) -> Tracked:
+        if self.dead is not None:
+            raise EngineDeadError(str(self.dead))
+        budget, eos_stop = req.output_budget()
+        tr = Tracked(request_id=proto.new_request_id(req.kind), req=req, arrival=time.monotonic(),
+                     eos_stop=eos_stop)
+        self.engine.add_request(tr.request_id, req.prompt_tokens, budget, tr.arrival)
+        self.tracked[tr.request_id] = tr
+        self._empty.clear()
+        self._wake.set()
+        return tr
+
+    def abort(self, tr: Tracked, why: str) -> None:
+        """Abort a request that is still in the engine (client gone, shutdown, engine error)."""
+        if tr.done:
+            return
+        tr.done = True
+        self.tracked.pop(tr.request_id, None)
+        if self.dead is None:
+            self.engine.abort_request(tr.request_id)
+        self.metrics.record_aborted()
+        tr.queue.put_nowait(Delivery(0, True, "abort", time.monotonic()))
+        if not self.tracked:
+            self._empty.set()
+        log.debug("request aborted", extra={"fields": {"request_id": tr.request_id, "reason": why,
+                                                       "generated_tokens": tr.generated}})
+
+    def abort_all(self, why: str) -> None:
+        for tr in list(self.tracked.values()):
+            self.abort(tr, why)
+
+    async def wait_empty(self, timeout: float) -> bool:
+        """Until no request is in flight; False if `timeout` passed first."""
+        try:
+            await asyncio.wait_for(self._empty.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def _run(self) -> None:
+        loop_clock = time.monotonic
+        next_start = loop_clock()
+        try:
+            while True:
+                if not self.engine.has_unfinished_requests():
+                    self._wake.clear()
+                    await self._wake.wait()
+                    next_start = loop_clock()
+                    continue
+                # The step starts when the previous one ended in simulated time, or now if the
+                # loop fell behind (the CPU is busy) - then lateness is not carried forward.
+                started = max(next_start, loop_clock())
+                out = self.engine.step()
+                next_start = started + float(out.duration_s)
+                await asyncio.sleep(max(0.0, next_start - loop_clock()))
+                self._deliver(out, started, loop_clock())
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # an engine bug must not hang every client: fail them, go unhealthy
+            log.exception("engine loop failed", extra={"fields": {"error": repr(exc)}})
+            self.dead = exc
+            self.abort_all("engine error")
+
+    def _deliver(self, out: Any, started: float, now: float) -> None:
+        prompt_tokens_done = generation_tokens = 0
+        for o in out.outputs:
+            tr = self.tracked.get(o.request_id)
+            if tr is None:
+                continue  # aborted while the step ran
+            if tr.scheduled_at is None:
+                tr.scheduled_at = started
+            n = int(o.new_token_count)
+            if n > 0:
+                if tr.first_token_at is None:
+                    tr.first_token_at = now
+                    prompt_tokens_done += tr.req.prompt_tokens
+                    self.metrics.record_first_token(now - tr.arrival)
+                else:
+                    assert tr.last_token_at is not None
+                    self.metrics.record_inter_token(now - tr.last_token_at)
+                tr.last_token_at = now
+                tr.generated += n
+                generation_tokens += n
+            reason = None
+            if o.finished:
+                reason = str(o.finish_reason or "length")
+                if reason == "length" and tr.eos_stop:
+                    reason = "stop"
+                self._finish(tr, reason, now)
+            if n > 0 or o.finished:
+                tr.queue.put_nowait(Delivery(n, bool(o.finished), reason, now))
+        self.metrics.record_step(
+            num_running=int(out.num_running), num_waiting=int(out.num_waiting),
+            kv_cache_usage=float(out.kv_cache_usage), num_preemptions=int(out.num_preemptions),
+            num_prompt_tokens=prompt_tokens_done, num_generation_tokens=generation_tokens)
+
+    def _finish(self, tr: Tracked, reason: str, now: float) -> None:
+        tr.done = True
+        self.tracked.pop(tr.request_id, None)
+        if not self.tracked:
+            self._empty.set()
+        scheduled = tr.scheduled_at if tr.scheduled_at is not None else now
+        first = tr.first_token_at if tr.first_token_at is not None else now
+        last = tr.last_token_at if tr.last_token_at is not None else now
+        if reason == "abort":
+            self.metrics.record_aborted()
+        else:
+            self.metrics.record_finished(
+                finish_reason=reason if reason in ("stop", "length") else "stop",
+                e2e_s=now - tr.arrival, queued_s=scheduled - tr.arrival,
+                prefill_s=first - scheduled, decode_s=last - first, inference_s=last - scheduled,
+                num_prompt_tokens=tr.req.prompt_tokens, num_generation_tokens=tr.generated,
+                max_tokens_param=tr.req.max_tokens_param)
+        log.debug("request finished", extra={"fields": {
+            "request_id": tr.request_id, "kind": tr.req.kind, "finish_reason": reason,
+            "prompt_tokens": tr.req.prompt_tokens, "generated_tokens": tr.generated,
+            "queue_s": round(scheduled - tr.arrival, 6), "ttft_s": round(first - tr.arrival, 6),
+            "e2e_s": round(now - tr.arrival, 6)}})
+
+
+def _json_error(exc: proto.OpenAIError) -> web.Response:
+    return web.json_response(exc.body(), status=exc.status)
+
+
+class TwinServer:
+    """The aiohttp application around one engine."""
+
+    def __init__(self, engine: EngineLike, info: ServingInfo) -> None:
+        self.info = info
+        self.metrics = VllmMetrics(info.served_model_name, max_model_len=info.max_model_len,
+                                   cache_config=info.cache_config)
+        self.engine_loop = EngineLoop(engine, self.metrics)
+        self.draining = False
+        self.created = int(time.time())
+        self._handlers: set[asyncio.Task[Any]] = set()
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+        self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
+        self.app.add_routes([
+            web.post("/v1/completions", self._completions),
+            web.post("/v1/chat/completions", self._chat_completions),
+            web.get("/v1/models", self._models),
+            web.get("/health", self._health),
+            web.get("/ping", self._health),
+            web.get("/metrics", self._metrics),
+            web.get("/version", self._version),
+        ])
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self, host: str, port: int) -> None:
+        """Start the engine loop and open the port (raises OSError if it is taken)."""
+        self.engine_loop.start()
+        # handler_cancellation: a client that goes away cancels its handler, which aborts the
+        # request in the engine (vLLM does the same on disconnect).
+        self._runner = web.AppRunner(self.app, handle_signals=False, handler_cancellation=True,
+                                     access_log=None, shutdown_timeout=_FLUSH_SECONDS)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, shutdown_timeout=_FLUSH_SECONDS)
+        try:
+            await site.start()
+        except OSError:
+            await self._runner.cleanup()
+            await self.engine_loop.stop()
+            raise
+        server = site._server  # the bound socket tells the real port when 0 was asked for
+        sockets = getattr(server, "sockets", None) or []
+        self.port = sockets[0].getsockname()[1] if sockets else port
+
+    async def shutdown(self, timeout: float) -> None:
+        """Refuse new work, drain for up to `timeout` seconds, abort the rest, close."""
+        self.draining = True
+        in_flight = len(self.engine_loop.tracked)
+        log.info("shutting down", extra={"fields": {"in_flight": in_flight, "shutdown_timeout_s": timeout}})
+        drained = await self.engine_loop.wait_empty(timeout) if timeout > 0 else not in_flight
+        if not drained:
+            left = len(self.engine_loop.tracked)
+            log.info("shutdown timeout reached, aborting requests", extra={"fields": {"aborted": left}})
+            self.engine_loop.abort_all("shutdown")
+        # Let every handler write its last chunk and [DONE] before the sockets close.
+        if self._handlers:
+            await asyncio.wait(set(self._handlers), timeout=_FLUSH_SECONDS)
+        if self._runner is not None:
+            await self._runner.cleanup()
+        await self.engine_loop.stop()
+        log.info("shutdown complete", extra={"fields": {"drained": drained}})
+
+    # ------------------------------------------------------------------ middleware
+
+    @web.middleware
+    async def _errors(self, request: web.Request,
+                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except proto.OpenAIError as exc:
+            return _json_error(exc)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return _json_error(proto.OpenAIError(exc.reason, status=exc.status))
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as exc:  # never a traceback to the client; the log gets it
+            log.exception("unhandled error", extra={"fields": {"path": request.path}})
+            return _json_error(proto.OpenAIError(f"Internal error: {exc!r}", status=500))
+
+    # ------------------------------------------------------------------ simple routes
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if self.draining or self.engine_loop.dead is not None:
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response(proto.models_body(self.info.served_model_name, self.info.model,
+                                                   self.info.max_model_len, self.created))
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        resp = web.Response(body=self.metrics.render())
+        resp.headers["Content-Type"] = CONTENT_TYPE
+        return resp
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": vllm.VLLM_VERSION})
+
+    # ------------------------------------------------------------------ generation
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    def _refuse_if_unavailable(self) -> None:
+        if self.draining:
+            raise proto.OpenAIError("The server is shutting down and accepts no new requests.",
+                                    status=503)
+        if self.engine_loop.dead is not None:
+            raise proto.OpenAIError("The engine is dead; the server must be restarted.", status=503)
+
+    async def _generate(self, request: web.Request, kind: proto.Kind) -> web.StreamResponse:
+        self._refuse_if_unavailable()
+        body = proto.decode_json_object(await request.read())
+        req = proto.parse_generation_request(body, kind, served_model_name=self.info.served_model_name,
+                                             max_model_len=self.info.max_model_len)
+        self._refuse_if_unavailable()  # reading the body awaited; a SIGTERM may have come meanwhile
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        tr = self.engine_loop.submit(req)
+        try:
+            if req.stream:
+                return await self._stream(request, tr)
+            return await self._collect(tr)
+        finally:
+            self._handlers.discard(task)
+            if not tr.done:  # cancelled (client gone) or the write failed
+                self.engine_loop.abort(tr, "client disconnected")
+
+    async def _collect(self, tr: Tracked) -> web.Response:
+        pieces = tokens.output_pieces(tr.req.output_seed)
+        parts: list[str] = []
+        while True:
+            d = await tr.queue.get()
+            parts.extend(next(pieces) for _ in range(d.tokens))
+            if d.finished:
+                break
+        if d.finish_reason == "abort":
+            raise proto.OpenAIError("The request was aborted: the server is shutting down.", status=503)
+        return web.json_response(proto.full_response(tr.req, tr.request_id, self.created, "".join(parts),
+                                                     len(parts), d.finish_reason or "length"))
+
+    async def _stream(self, request: web.Request, tr: Tracked) -> web.StreamResponse:
+        req = tr.req
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        pieces = tokens.output_pieces(req.output_seed)
+        sent = 0
+        try:
+            while True:
+                d = await tr.queue.get()
+                out = bytearray()
+                for i in range(d.tokens):
+                    if req.kind == "chat" and sent == 0:
+                        out += proto.sse(proto.stream_chunk(req, tr.request_id, self.created, text=None,
+                                                            finish_reason=None, role=True))
+                    sent += 1
+                    last = d.finished and i == d.tokens - 1
+                    out += proto.sse(proto.stream_chunk(
+                        req, tr.request_id, self.created, text=next(pieces),
+                        finish_reason=d.finish_reason if last else None,
+                        usage_so_far=proto.usage(req.prompt_tokens, sent) if req.continuous_usage_stats
+                        else None))
+                if d.finished and d.tokens == 0:  # aborted: close the choice with its reason
+                    out += proto.sse(proto.stream_chunk(req, tr.request_id, self.created, text="",
+                                                        finish_reason=d.finish_reason))
+                if d.finished:
+                    if req.include_usage:
+                        out += proto.sse(proto.usage_chunk(req, tr.request_id, self.created, sent))
+                    out += proto.sse("[DONE]")
+                if out:
+                    await resp.write(bytes(out))
+                if d.finished:
+                    break
+            await resp.write_eof()
+        except ConnectionResetError:
+            pass  # the client went away; _generate's finally aborts the request
+        return resp
+
+
+def _install_signal_handlers(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+
+async def serve(make_engine: Callable[[], tuple[EngineLike, ServingInfo]], *, host: str, port: int,
+                startup_delay: float = 0.0, shutdown_timeout: float = 0.0,
+                on_ready: Callable[[TwinServer], None] | None = None) -> int:
+    """Run one server until SIGTERM/SIGINT; the exit code is returned.
+
+    `make_engine` builds the engine (it may raise the engine's start-up error, which the caller
+    reports); it runs after the start-up delay, as vLLM loads weights before profiling memory."""
+    stop = asyncio.Event()
+    _install_signal_handlers(stop)
+    log.info("loading engine", extra={"fields": {"startup_delay_s": startup_delay}})
+    if startup_delay > 0:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), startup_delay)
+        if stop.is_set():
+            log.info("terminated while loading; exiting")
+            return 0
+    engine, info = make_engine()
+    server = TwinServer(engine, info)
+    try:
+        await server.start(host, port)
+    except OSError as exc:
+        log.error("cannot listen", extra={"fields": {"host": host, "port": port, "error": str(exc)}})
+        raise
+    log.info("Starting vLLM API server", extra={"fields": {
+        "url": f"http://{host}:{server.port}", "model": info.served_model_name,
+        "max_model_len": info.max_model_len, **{k: info.cache_config[k] for k in
+                                                ("num_gpu_blocks", "block_size") if k in info.cache_config}}})
+    if on_ready is not None:
+        on_ready(server)
+    await stop.wait()
+    await server.shutdown(shutdown_timeout)
+    return 0

@@ -1,0 +1,162 @@
+"""Request parsing and response bodies of the twin's OpenAI-compatible API (pure functions)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvpilot.twin import http_protocol as proto
+from kvpilot.twin import text
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def parse(body: dict, kind: proto.Kind = "completion", max_model_len: int = 1024) -> proto.GenerationRequest:
+    return proto.parse_generation_request(body, kind, served_model_name=MODEL, max_model_len=max_model_len)
+
+
+def test_completion_with_text_prompt():
+    req = parse({"model": MODEL, "prompt": "Hello there, world", "max_tokens": 5})
+    assert req.kind == "completion"
+    assert req.prompt_tokens == text.count_prompt_tokens("Hello there, world") == 5  # BOS + 4 pieces
+    assert req.max_tokens == 5 and req.max_tokens_param == 5
+    assert not req.stream
+
+
+def test_completion_with_token_ids_and_batch_of_one():
+    assert parse({"prompt": [1, 2, 3, 4]}).prompt_tokens == 4
+    assert parse({"prompt": [[5, 6]]}).prompt_tokens == 2
+    assert parse({"prompt": ["one two"]}).prompt_tokens == 3
+
+
+def test_model_defaults_to_served_model_and_max_tokens_to_what_is_left():
+    req = parse({"prompt": "a b c"}, max_model_len=100)
+    assert req.model == MODEL
+    assert req.max_tokens == 100 - req.prompt_tokens and req.max_tokens_param is None
+
+
+def test_chat_string_and_text_parts_count_the_same():
+    as_string = parse({"messages": [{"role": "user", "content": "hi there"}]}, "chat")
+    as_parts = parse({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi there"}]}]},
+                     "chat")
+    assert as_string.prompt_tokens == as_parts.prompt_tokens == text.count_chat_tokens(["hi there"])
+    assert as_string.output_seed == as_parts.output_seed
+
+
+def test_chat_max_completion_tokens_wins_over_max_tokens():
+    req = parse({"messages": [{"role": "user", "content": "x"}], "max_tokens": 9,
+                 "max_completion_tokens": 3}, "chat")
+    assert req.max_tokens == 3
+
+
+def test_stream_options():
+    req = parse({"prompt": "x", "stream": True,
+                 "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert req.stream and req.include_usage and req.continuous_usage_stats
+
+
+def test_output_budget_ignore_eos_takes_max_tokens():
+    req = parse({"prompt": "x", "max_tokens": 700, "ignore_eos": True})
+    assert req.output_budget() == (700, False)
+
+
+def test_output_budget_without_ignore_eos_may_stop_early_and_is_deterministic():
+    req = parse({"prompt": "a question", "max_tokens": 1000})
+    budget, eos = req.output_budget()
+    assert eos and 16 <= budget <= 512
+    assert parse({"prompt": "a question", "max_tokens": 1000}).output_budget() == (budget, eos)
+    small = parse({"prompt": "a question", "max_tokens": 4})
+    assert small.output_budget() == (4, False)
+
+
+BAD_REQUESTS = [
+    # (kind, body, status, param, words in the message)
+    ("completion", {}, 400, "prompt", "required"),
+    ("completion", {"prompt": 42}, 400, "prompt", "string"),
+    ("completion", {"prompt": []}, 400, "prompt", "empty"),
+    ("completion", {"prompt": ["a", "b"]}, 400, "prompt", "batch"),
+    ("completion", {"prompt": [1, -2]}, 400, "prompt", "token ids"),
+    ("completion", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "at least 1"),
+    ("completion", {"prompt": "x", "max_tokens": -5}, 400, "max_tokens", "at least 1"),
+    ("completion", {"prompt": "x", "max_tokens": "10"}, 400, "max_tokens", "integer"),
+    ("completion", {"prompt": "x", "max_tokens": 2.5}, 400, "max_tokens", "integer"),
+    ("completion", {"prompt": "x", "max_tokens": True}, 400, "max_tokens", "integer"),
+    ("completion", {"prompt": "x", "max_tokens": 2000}, 400, "max_tokens", "maximum context length"),
+    ("completion", {"prompt": " ".join(["w"] * 1100)}, 400, "prompt", "maximum context length"),
+    ("completion", {"prompt": "x", "model": "other-model"}, 404, "model", "does not exist"),
+    ("completion", {"prompt": "x", "model": 7}, 400, "model", "string"),
+    ("completion", {"prompt": "x", "stream": "yes"}, 400, "stream", "true or false"),
+    ("completion", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options",
+     "stream=True"),
+    ("completion", {"prompt": "x", "stream": True, "stream_options": []}, 400, "stream_options", "object"),
+    ("completion", {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, 400,
+     "stream_options.include_usage", "true or false"),
+    ("completion", {"prompt": "x", "temperature": -1}, 400, "temperature", "at least"),
+    ("completion", {"prompt": "x", "temperature": "hot"}, 400, "temperature", "number"),
+    ("completion", {"prompt": "x", "top_p": 0}, 400, "top_p", "in ("),
+    ("completion", {"prompt": "x", "n": 2}, 400, "n", "one choice"),
+    ("completion", {"prompt": "x", "ignore_eos": "no"}, 400, "ignore_eos", "true or false"),
+    ("completion", {"prompt": "x", "max_tokens": 3, "min_tokens": 5}, 400, "min_tokens", "exceed"),
+    ("chat", {}, 400, "messages", "required"),
+    ("chat", {"messages": []}, 400, "messages", "non-empty"),
+    ("chat", {"messages": "hello"}, 400, "messages", "list"),
+    ("chat", {"messages": ["hello"]}, 400, "messages[0]", "object"),
+    ("chat", {"messages": [{"content": "hi"}]}, 400, "messages[0].role", "role"),
+    ("chat", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content", "string"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400,
+     "messages[0].content[0]", "text only"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]}, 400,
+     "messages[0].content[0].text", "string"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, 400,
+     "max_completion_tokens", "at least 1"),
+]
+
+
+@pytest.mark.parametrize(("kind", "body", "status", "param", "words"), BAD_REQUESTS,
+                         ids=[f"{k}-{json.dumps(b)[:40]}" for k, b, *_ in BAD_REQUESTS])
+def test_malformed_requests_name_the_field(kind, body, status, param, words):
+    with pytest.raises(proto.OpenAIError) as info:
+        parse(body, kind)
+    err = info.value
+    assert err.status == status
+    assert err.param == param
+    assert words in err.message
+    body = err.body()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == status
+    assert body["error"]["type"] == ("NotFoundError" if status == 404 else "BadRequestError")
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"\xff\xfe", b"[1, 2]", b"\"prompt\"", b""])
+def test_body_must_be_a_json_object(raw):
+    with pytest.raises(proto.OpenAIError) as info:
+        proto.decode_json_object(raw)
+    assert info.value.status == 400
+
+
+def test_full_and_stream_bodies_have_openai_shapes():
+    comp = parse({"prompt": "x"})
+    chat = parse({"messages": [{"role": "user", "content": "x"}]}, "chat")
+    full = proto.full_response(comp, "cmpl-1", 1, " the of", 2, "length")
+    assert full["object"] == "text_completion" and full["choices"][0]["text"] == " the of"
+    assert full["usage"] == {"prompt_tokens": comp.prompt_tokens, "completion_tokens": 2,
+                             "total_tokens": comp.prompt_tokens + 2}
+    full_chat = proto.full_response(chat, "chatcmpl-1", 1, " a", 1, "stop")
+    assert full_chat["object"] == "chat.completion"
+    assert full_chat["choices"][0]["message"]["content"] == " a"
+    assert full_chat["choices"][0]["finish_reason"] == "stop"
+    role = proto.stream_chunk(chat, "c", 1, text=None, finish_reason=None, role=True)
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    piece = proto.stream_chunk(chat, "c", 1, text=" of", finish_reason="length")
+    assert piece["object"] == "chat.completion.chunk" and piece["choices"][0]["delta"] == {"content": " of"}
+    usage = proto.usage_chunk(chat, "c", 1, 7)
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 7
+    assert proto.sse("[DONE]") == b"data: [DONE]\n\n"
+    assert json.loads(proto.sse(usage)[6:]) == usage
+
+
+def test_models_body():
+    body = proto.models_body(MODEL, "meta-llama/Llama-3.1-8B-Instruct", 8192, created=5)
+    assert body["data"][0]["id"] == MODEL and body["data"][0]["root"] == MODEL
+    assert body["data"][0]["max_model_len"] == 8192
