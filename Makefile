@@ -1,0 +1,40 @@
+# kvpilot developer entry points.  `make tune` and `make test` work on a fresh machine:
+# each creates the virtual environment it needs first.
+VENV    ?= .venv
+PYTHON  ?= python3
+PY      := $(VENV)/bin/python
+PIP     := $(PY) -m pip -q --disable-pip-version-check
+
+.PHONY: setup tools tune test test-unit lint crd clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install -e '.[test,dev]'
+	touch $@
+
+tools:
+	./scripts/install-test-tools.sh
+
+## The main job: tune the engine offline on the twin (SQLite study, report, recommended engine block).
+tune: setup
+	$(VENV)/bin/kvpilot tune --offline
+
+## Everything CI runs: lint, the import-layering contract, and the whole test suite.
+test: setup tools lint
+	$(PY) -m pytest
+
+test-unit: setup
+	$(PY) -m pytest tests/unit
+
+lint: setup
+	$(VENV)/bin/ruff check kvpilot tests benchmarks
+	$(VENV)/bin/lint-imports
+
+crd: setup
+	$(VENV)/bin/kvpilot crd --write
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .import_linter_cache
