@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 
-class Goal(str, Enum):
+class Goal(StrEnum):
     LATENCY = "latency"
     CAPACITY = "capacity"
 

@@ -29,6 +29,15 @@ PARAM_SEQS = "maxNumSeqs"
 TUNED_FIELDS: tuple[str, ...] = (PARAM_TOKENS, PARAM_GPU_UTIL, PARAM_SEQS)
 
 GPU_UTIL_STEP = 0.01
+LOG2_PREFIX = "log2"  # pow2 resolution: the trial param is the exponent, e.g. log2maxNumSeqs
+
+
+def _pow2_exponents(lo: int, hi: int) -> tuple[int, int]:
+    """Exponents of the powers of two inside [lo, hi]; (0, -1) when there are none."""
+    if lo < 1 or hi < lo:
+        return (0, -1)
+    a, b = math.ceil(math.log2(lo)), math.floor(math.log2(hi))
+    return (a, b) if a <= b else (0, -1)
 
 
 class SpaceError(ValueError):
@@ -117,6 +126,10 @@ class SearchSpace:
     max_num_batched_tokens: tuple[int, int] = (256, 16384)
     gpu_memory_utilization: tuple[float, float] = (0.70, 0.95)
     max_num_seqs: tuple[int, int] = (64, 1024)
+    # Resolution: "log" draws any integer on a log scale; "pow2" draws powers of two only (the
+    # benchmark grid's resolution, where every draw is a grid point and evaluations can be cached).
+    scale: str = "log"
+    util_step: float = GPU_UTIL_STEP
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -142,6 +155,12 @@ class SearchSpace:
                 out.append((path, f"min must be >= {floor}, got {lo}"))
             if ceil is not None and hi > ceil:
                 out.append((path, f"max must be <= {ceil}, got {hi}"))
+        if self.scale not in ("log", "pow2"):
+            out.append((f"{base}.scale", f"must be 'log' or 'pow2', got {self.scale!r}"))
+        if self.scale == "pow2":
+            for name, (lo, hi) in ((PARAM_TOKENS, self.max_num_batched_tokens), (PARAM_SEQS, self.max_num_seqs)):
+                if _pow2_exponents(lo, hi) == (0, -1):
+                    out.append((f"{base}.{name}", f"[{lo}, {hi}] holds no power of two"))
         if self.max_num_batched_tokens[1] < self.max_num_seqs[0]:
             out.append((
                 f"{base}.{PARAM_TOKENS}",
@@ -190,21 +209,56 @@ class SearchSpace:
 
     def digest(self) -> str:
         """A short stable hash: a changed space is a new study, never a mix of two."""
-        blob = json.dumps(self.as_spec(), sort_keys=True).encode()
+        spec: dict[str, Any] = dict(self.as_spec())
+        if self.scale != "log" or self.util_step != GPU_UTIL_STEP:
+            spec["resolution"] = [self.scale, self.util_step]
+        blob = json.dumps(spec, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:10]
 
     # -- sampling -------------------------------------------------------------------------
     def suggest(self, trial: _Suggester) -> EngineParams:
         """Draw one config.  Sequence cap first, then the token budget clamped up to it."""
-        seqs = trial.suggest_int(PARAM_SEQS, *self.max_num_seqs, log=True)
-        util = trial.suggest_float(PARAM_GPU_UTIL, *self.gpu_memory_utilization, step=GPU_UTIL_STEP)
-        tokens = trial.suggest_int(PARAM_TOKENS, *self.max_num_batched_tokens, log=True)
-        return self.resolve({PARAM_TOKENS: tokens, PARAM_GPU_UTIL: util, PARAM_SEQS: seqs})
+        util_lo, util_hi = self._util_bounds()
+        if self.scale == "pow2":
+            raw: dict[str, Any] = {
+                LOG2_PREFIX + PARAM_SEQS: trial.suggest_int(LOG2_PREFIX + PARAM_SEQS, *_pow2_exponents(*self.max_num_seqs)),
+                PARAM_GPU_UTIL: trial.suggest_float(PARAM_GPU_UTIL, util_lo, util_hi, step=self.util_step),
+                LOG2_PREFIX + PARAM_TOKENS: trial.suggest_int(
+                    LOG2_PREFIX + PARAM_TOKENS, *_pow2_exponents(*self.max_num_batched_tokens)
+                ),
+            }
+        else:
+            raw = {
+                PARAM_SEQS: trial.suggest_int(PARAM_SEQS, *self.max_num_seqs, log=True),
+                PARAM_GPU_UTIL: trial.suggest_float(PARAM_GPU_UTIL, util_lo, util_hi, step=self.util_step),
+                PARAM_TOKENS: trial.suggest_int(PARAM_TOKENS, *self.max_num_batched_tokens, log=True),
+            }
+        return self.resolve(raw)
+
+    def _util_bounds(self) -> tuple[float, float]:
+        lo, hi = self.gpu_memory_utilization
+        n = int(round((hi - lo) / self.util_step + 1e-9))
+        return lo, round(lo + n * self.util_step, 4)
 
     def resolve(self, raw: Mapping[str, Any]) -> EngineParams:
         """The engine a raw draw becomes: token budget clamped up to the sequence cap."""
-        p = EngineParams.from_spec(raw)
+        values = dict(raw)
+        for name in (PARAM_TOKENS, PARAM_SEQS):
+            if LOG2_PREFIX + name in values:
+                values[name] = 2 ** int(values.pop(LOG2_PREFIX + name))
+        p = EngineParams.from_spec(values)
         return EngineParams(max(p.max_num_batched_tokens, p.max_num_seqs), p.gpu_memory_utilization, p.max_num_seqs)
+
+    def raw_params(self, params: EngineParams) -> dict[str, Any]:
+        """The trial params that draw `params` (for enqueuing a known config).  Clips first."""
+        p = self.clip(params)
+        if self.scale == "log":
+            return p.as_spec()
+        return {
+            LOG2_PREFIX + PARAM_SEQS: int(round(math.log2(p.max_num_seqs))),
+            PARAM_GPU_UTIL: p.gpu_memory_utilization,
+            LOG2_PREFIX + PARAM_TOKENS: int(round(math.log2(p.max_num_batched_tokens))),
+        }
 
     def clip(self, params: EngineParams) -> EngineParams:
         """The nearest config inside the space (for enqueuing an engine that lies outside it)."""
@@ -213,8 +267,14 @@ class SearchSpace:
 
         seqs = int(c(params.max_num_seqs, self.max_num_seqs))
         tokens = int(c(params.max_num_batched_tokens, self.max_num_batched_tokens))
-        util = round(c(params.gpu_memory_utilization, self.gpu_memory_utilization) / GPU_UTIL_STEP) * GPU_UTIL_STEP
-        return EngineParams(max(tokens, seqs), min(util, self.gpu_memory_utilization[1]), seqs)
+        if self.scale == "pow2":
+            seqs = 2 ** min(max(round(math.log2(seqs)), _pow2_exponents(*self.max_num_seqs)[0]),
+                            _pow2_exponents(*self.max_num_seqs)[1])
+            tokens = 2 ** min(max(round(math.log2(tokens)), _pow2_exponents(*self.max_num_batched_tokens)[0]),
+                              _pow2_exponents(*self.max_num_batched_tokens)[1])
+        lo, hi = self._util_bounds()
+        util = lo + round((c(params.gpu_memory_utilization, (lo, hi)) - lo) / self.util_step) * self.util_step
+        return EngineParams(max(tokens, seqs), min(util, hi), seqs)
 
     def contains(self, params: EngineParams) -> bool:
         t, u, s = params.max_num_batched_tokens, params.gpu_memory_utilization, params.max_num_seqs
@@ -231,7 +291,8 @@ class SearchSpace:
         The grid the quality benchmark searches exhaustively for its optimum.
         """
         def pow2(lo: int, hi: int) -> list[int]:
-            return [2**k for k in range(math.ceil(math.log2(lo)), math.floor(math.log2(hi)) + 1)]
+            a, b = _pow2_exponents(lo, hi)
+            return [2**k for k in range(a, b + 1)]
 
         lo, hi = self.gpu_memory_utilization
         n = int(round((hi - lo) / util_step))

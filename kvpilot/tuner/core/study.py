@@ -133,6 +133,9 @@ class TunerStudy:
         """Fail trials cut off mid-window and enqueue their configs again.  Returns their numbers."""
         cut: list[int] = []
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if not t.params:  # asked but never drawn: nothing to measure again
+                self.study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
+                continue
             self.study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
             attrs = {ATTR_SOURCE: "resume", ATTR_KIND: t.user_attrs.get(ATTR_KIND, KIND_TRIAL)}
             if ATTR_REMEASURE_OF in t.user_attrs:
@@ -145,9 +148,9 @@ class TunerStudy:
     # -- seeding --------------------------------------------------------------------------
     def enqueue(self, params: EngineParams, source: str) -> bool:
         """Queue a known config (clipped into the space).  False if it was already tried or queued."""
-        p = self.space.clip(params)
+        raw = self.space.raw_params(params)
         before = len(self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
-        self.study.enqueue_trial(p.as_spec(), user_attrs={ATTR_SOURCE: source, ATTR_KIND: KIND_TRIAL}, skip_if_exists=True)
+        self.study.enqueue_trial(raw, user_attrs={ATTR_SOURCE: source, ATTR_KIND: KIND_TRIAL}, skip_if_exists=True)
         after = len(self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
         return after > before
 
@@ -166,7 +169,7 @@ class TunerStudy:
     def ask_remeasure(self, incumbent: Incumbent) -> tuple[int, EngineParams]:
         """A trial that measures the incumbent again (after load drift)."""
         self.study.enqueue_trial(
-            incumbent.params.as_spec(),
+            self.space.raw_params(incumbent.params),
             user_attrs={ATTR_SOURCE: "remeasure", ATTR_KIND: KIND_REMEASURE, ATTR_REMEASURE_OF: incumbent.trial},
         )
         return self.ask()

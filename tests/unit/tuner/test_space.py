@@ -93,3 +93,16 @@ def test_flags_are_vllm_flags() -> None:
     assert EngineParams(2048, 0.9, 256).as_flags() == [
         "--max-num-batched-tokens", "2048", "--gpu-memory-utilization", "0.9", "--max-num-seqs", "256",
     ]
+
+
+def test_pow2_resolution_draws_grid_points_only() -> None:
+    space = SearchSpace(scale="pow2", util_step=0.05)
+    grid = set(space.grid())
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
+    for _ in range(50):
+        trial = study.ask()
+        assert space.suggest(trial) in grid
+        study.tell(trial, 0.0)
+    assert space.raw_params(EngineParams(3000, 0.92, 200)) == {
+        "log2maxNumSeqs": 8, "gpuMemoryUtilization": 0.9, "log2maxNumBatchedTokens": 12,
+    }

@@ -80,8 +80,9 @@ def test_sampler_learns_to_avoid_an_infeasible_region() -> None:
             cap = 10 * p.gpu_memory_utilization - abs(p.max_num_batched_tokens - 2048) / 4096
             st.tell(n, score(Goal.CAPACITY, Measurement(0.1, 0.01, cap, capacity=cap), SLO()))
     late = [i for i in bad if i >= 20]
-    # Random search would put about 5 of the last 20 there (a quarter of the log range).
-    assert len(late) <= 2, f"TPE kept proposing the infeasible region: {bad}"
+    # Random search would put about 5 of the last 20 there (a quarter of the log range;
+    # seed 3 puts 2 there); TPE with the constraint puts at most one.
+    assert len(late) <= 1, f"TPE kept proposing the infeasible region: {bad}"
 
 
 def test_enqueue_skips_a_config_already_queued() -> None:

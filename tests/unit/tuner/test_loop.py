@@ -1,0 +1,130 @@
+"""The live loop's safety rules, on a fake world with a virtual clock (see world.py)."""
+
+from __future__ import annotations
+
+import pytest
+from optuna.trial import TrialState
+
+from kvpilot.tuner.core.loop import LiveSettings, LiveTuner, Observer
+from kvpilot.tuner.core.objective import SLO, Goal, Outcome
+from kvpilot.tuner.core.space import EngineParams, SearchSpace
+from kvpilot.tuner.core.study import KIND_REMEASURE, TunerStudy
+from tests.unit.tuner.world import World
+
+START = EngineParams(2048, 0.90, 256)
+SETTINGS = LiveSettings(warmup_s=60, window_s=300, poll_s=15, pause_poll_s=10, max_trials=6)
+
+
+class Recorder(Observer):
+    def __init__(self) -> None:
+        self.phases: list[str] = []
+        self.finished: list[tuple[int, str]] = []
+
+    def phase(self, phase: str, reason: str, message: str) -> None:
+        self.phases.append(phase)
+
+    def trial_finished(self, number: int, params: EngineParams, state: str, outcome: Outcome | None) -> None:
+        self.finished.append((number, state))
+
+
+def _tuner(world: World, settings: LiveSettings = SETTINGS, seed: int = 0) -> tuple[LiveTuner, Recorder]:
+    study = TunerStudy(storage=None, name="t", goal=Goal.LATENCY, space=SearchSpace(), slo=SLO(), seed=seed,
+                       n_trials=settings.max_trials)
+    study.enqueue(START, "current")
+    rec = Recorder()
+    return LiveTuner(study, world, world, settings, clock=world.clock, observer=rec), rec
+
+
+def test_trials_run_and_the_best_engine_is_in_force_at_the_end() -> None:
+    world = World(engine=START)
+    tuner, rec = _tuner(world)
+    best = tuner.run()
+    assert tuner.study.finished_count() == SETTINGS.max_trials
+    assert world.engine == best
+    inc = tuner.study.incumbent
+    assert inc is not None and inc.params == best
+    values = [t.value for t in tuner.study.feasible()]
+    assert inc.value == pytest.approx(min(values))
+    assert rec.phases[-1] == "Completed"
+
+
+def test_an_infeasible_config_is_told_and_the_engine_restored() -> None:
+    world = World(engine=START)
+    tuner, _ = _tuner(world)
+    tuner.study.enqueue(EngineParams(4096, 0.95, 256), "planted")  # util 0.95 "OOMs"
+    n0, p0 = tuner.study.ask()
+    tuner.run_trial(n0, p0)  # the starting engine: becomes the incumbent
+    n1, p1 = tuner.study.ask()
+    assert tuner.run_trial(n1, p1) == "infeasible"
+    t = tuner.study.study.trials[n1]
+    assert t.state is TrialState.COMPLETE and t.constraints["slo"] > 0
+    assert t.user_attrs["reason"] == "OutOfMemory"
+    assert world.engine == START
+
+
+def test_fast_burn_prunes_within_one_poll_and_puts_back_the_best() -> None:
+    bad = EngineParams(16384, 0.80, 1024)
+    world = World(engine=START, burning=lambda p: p == bad)
+    tuner, _ = _tuner(world)
+    tuner.study.enqueue(bad, "planted")
+    n0, p0 = tuner.study.ask()
+    tuner.run_trial(n0, p0)
+    n1, p1 = tuner.study.ask()
+    assert p1 == bad
+    assert tuner.run_trial(n1, p1) == "pruned"
+    (t_bad, _, _), (t_restore, restored, trial) = world.applies[-2:]
+    in_force_at = t_bad + 30  # the rollout took 30 s
+    assert restored == START and trial is None
+    assert t_restore - in_force_at <= SETTINGS.poll_s
+    assert tuner.study.study.trials[n1].state is TrialState.PRUNED
+    assert tuner.study.study.trials[n1].user_attrs["reason"] == "FastBurn"
+
+
+def test_signals_dark_mid_trial_pauses_without_touching_the_engine() -> None:
+    # Trial 0 applies at t=0, is in force at t=30, warms up to t=90; Prometheus dies at t=150.
+    world = World(engine=START, dark=[(150.0, 400.0)])
+    tuner, rec = _tuner(world)
+    n0, p0 = tuner.study.ask()
+    assert tuner.run_trial(n0, p0) == "complete"
+    assert "Paused" in rec.phases
+    assert world.reads_while_dark >= 2
+    assert [t for t, _, _ in world.applies] == [0.0]  # nothing applied while dark (World asserts it too)
+    # The window started again once signals came back: the trial ended a full window after t=400.
+    assert world.clock.t >= 400 + SETTINGS.window_s
+
+
+def test_no_traffic_pauses_before_a_change() -> None:
+    world = World(engine=START, load=lambda t: 0.0 if t < 100 else 5.0)
+    tuner, rec = _tuner(world)
+    n0, p0 = tuner.study.ask()
+    tuner.run_trial(n0, p0)
+    assert rec.phases[0] == "Paused"
+    assert world.applies[0][0] >= 100
+
+
+def test_load_drift_remeasures_the_incumbent_before_comparing() -> None:
+    # Load doubles after the first trial: the incumbent is measured again before trial 1 is judged.
+    world = World(engine=START, load=lambda t: 4.0 if t < 500 else 8.0)
+    tuner, _ = _tuner(world)
+    tuner.study.enqueue(EngineParams(1024, 0.85, 128), "second")
+    n0, p0 = tuner.study.ask()
+    tuner.run_trial(n0, p0)
+    first = tuner.study.incumbent
+    assert first is not None and first.request_rate == 4.0
+    n1, p1 = tuner.study.ask()
+    tuner.run_trial(n1, p1)
+    kinds = [t.user_attrs.get("kind") for t in tuner.study.study.trials]
+    assert kinds.count(KIND_REMEASURE) == 1
+    remeasured = tuner.study.study.trials[kinds.index(KIND_REMEASURE)]
+    assert tuner.study.engine_of(remeasured) == START
+    inc = tuner.study.incumbent
+    assert inc is not None and inc.request_rate == 8.0
+    # Remeasures don't spend the trial budget.
+    assert tuner.study.finished_count() == 2
+
+
+def test_steady_load_never_remeasures() -> None:
+    world = World(engine=START)
+    tuner, _ = _tuner(world)
+    tuner.run()
+    assert all(t.user_attrs.get("kind") != KIND_REMEASURE for t in tuner.study.study.trials)
