@@ -1,0 +1,124 @@
+{{/*
+Names and labels shared by every template.
+*/}}
+
+{{- define "kvpilot.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+<release>-kvpilot, or just <release> when the release name already says kvpilot.
+Truncated to 50 so "-operator" / "-dashboard" suffixes still fit the 63-character DNS label.
+*/}}
+{{- define "kvpilot.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvpilot.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvpilot.labels" -}}
+helm.sh/chart: {{ include "kvpilot.chart" . }}
+app.kubernetes.io/name: {{ include "kvpilot.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: kvpilot
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Selector labels of one component; call with (dict "ctx" $ "component" "operator"). */}}
+{{- define "kvpilot.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvpilot.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "kvpilot.componentLabels" -}}
+{{ include "kvpilot.labels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* repository:tag@digest; the tag defaults to the chart's appVersion. */}}
+{{- define "kvpilot.image" -}}
+{{- $tag := default .Chart.AppVersion .Values.image.tag -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s:%s@%s" .Values.image.repository $tag .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository $tag -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvpilot.operatorServiceAccountName" -}}
+{{- default (printf "%s-operator" (include "kvpilot.fullname" .)) .Values.serviceAccount.operatorName -}}
+{{- end -}}
+
+{{- define "kvpilot.tunerServiceAccountName" -}}
+{{- default (printf "%s-tuner" (include "kvpilot.fullname" .)) .Values.serviceAccount.tunerName -}}
+{{- end -}}
+
+{{/* The namespaces watched when not watching all of them: the list, or the release namespace. */}}
+{{- define "kvpilot.watchNamespaces" -}}
+{{- if .Values.watch.namespaces -}}
+{{- toJson .Values.watch.namespaces -}}
+{{- else -}}
+{{- toJson (list .Release.Namespace) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Pod and container security contexts fit for the "restricted" Pod Security Standard.
+They are not values on purpose: loosening them is a fork, not a setting.
+*/}}
+{{- define "kvpilot.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: {{ .Values.securityContext.runAsUser }}
+runAsGroup: {{ .Values.securityContext.runAsGroup }}
+fsGroup: {{ .Values.securityContext.runAsGroup }}
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "kvpilot.containerSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: {{ .Values.securityContext.runAsUser }}
+runAsGroup: {{ .Values.securityContext.runAsGroup }}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+privileged: false
+capabilities:
+  drop: [ALL]
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{/*
+The tuner's command line. The storage URL comes from the environment (KVPILOT_TUNER_STORAGE):
+Kubernetes expands $(VAR) in args, so a PostgreSQL password never sits in the pod spec.
+*/}}
+{{- define "kvpilot.tunerArgs" -}}
+- tuner
+- run
+{{- if .Values.watch.allNamespaces }}
+- --all-namespaces
+{{- else }}
+{{- range (include "kvpilot.watchNamespaces" . | fromJsonArray) }}
+- --namespace={{ . }}
+{{- end }}
+{{- end }}
+- --prometheus-url={{ .Values.tuner.prometheusUrl }}
+- --storage=$(KVPILOT_TUNER_STORAGE)
+- --log-level={{ .Values.tuner.logLevel }}
+{{- end -}}
