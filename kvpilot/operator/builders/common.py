@@ -1,0 +1,85 @@
+"""Names, labels and owner references every child of an InferenceService shares."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kvpilot.api.models import API_VERSION, KIND, InferenceService
+
+MANAGED_BY = "kvpilot"
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_ISVC = "kvpilot.dev/inferenceservice"
+
+# On the pod template: changes exactly when what the pods run changes.
+ANNOTATION_CONFIG_HASH = "kvpilot.dev/config-hash"
+# On the Deployment: the engine spec (wire form) it was rendered from, for lastGoodEngine and rollback.
+ANNOTATION_ENGINE = "kvpilot.dev/engine"
+
+HTTP_PORT = 8000
+HTTP_PORT_NAME = "http"
+
+DEFAULT_TWIN_IMAGE = "ghcr.io/kvpilot/kvpilot:latest"
+
+
+@dataclass(frozen=True, slots=True)
+class RenderOptions:
+    """What the builders need to know besides the InferenceService itself."""
+
+    twin_image: str = DEFAULT_TWIN_IMAGE
+    # Whether the cluster serves the Prometheus Operator's CRDs (found by discovery).
+    service_monitors: bool = True
+    prometheus_rules: bool = True
+
+
+def app_name(isvc: InferenceService) -> str:
+    return "vllm" if isvc.spec.engine.kind == "vllm" else "kvpilot-twin"
+
+
+def selector_labels(isvc: InferenceService) -> dict[str, str]:
+    """The immutable Deployment selector: one InferenceService's pods, whatever engine they run."""
+    return {LABEL_ISVC: isvc.metadata.name}
+
+
+def common_labels(isvc: InferenceService) -> dict[str, str]:
+    return {
+        LABEL_NAME: app_name(isvc),
+        LABEL_INSTANCE: isvc.metadata.name,
+        LABEL_COMPONENT: "inference-engine",
+        LABEL_MANAGED_BY: MANAGED_BY,
+        LABEL_ISVC: isvc.metadata.name,
+    }
+
+
+def owner_reference(isvc: InferenceService) -> dict[str, Any]:
+    """controller + blockOwnerDeletion: the garbage collector removes children with their owner."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": isvc.metadata.name,
+        "uid": isvc.metadata.uid or "",
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def object_meta(isvc: InferenceService, name: str | None = None,
+                annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": name or isvc.metadata.name,
+        "namespace": isvc.metadata.namespace,
+        "labels": common_labels(isvc),
+        "ownerReferences": [owner_reference(isvc)],
+    }
+    if annotations:
+        meta["annotations"] = annotations
+    return meta
+
+
+def canonical_json(value: Any) -> str:
+    """Stable text for hashing and annotations: sorted keys, no spaces."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))

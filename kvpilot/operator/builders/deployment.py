@@ -1,0 +1,165 @@
+"""The engine Deployment: zero-downtime rollouts of vLLM (or the twin) pods.
+
+Why each setting is what it is:
+- RollingUpdate with maxUnavailable 0: the ready count never drops during a change; maxSurge from
+  spec says how many extra pods (GPUs) a rollout may borrow.  maxSurge 0 leaves no way forward but
+  taking one pod down first, so then maxUnavailable is 1.
+- startupProbe sized to rollout.startupTimeoutSeconds: vLLM only opens its port after the model is
+  loaded, which can take many minutes.  Liveness and readiness only start after it has succeeded,
+  so a loading model is never killed; liveness is generous (a busy engine answers /health late).
+- preStop sleep: endpoints drop the pod before it gets SIGTERM; then `--shutdown-timeout` lets vLLM
+  drain in-flight requests; the grace period covers both, plus a margin for the process to exit.
+- The config-hash annotation on the pod template is a hash of the template itself, so it changes
+  exactly when what the pods run changes; slo/tuning are not inputs of the template at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any
+
+from kvpilot.api.models import EngineSpec, InferenceService
+from kvpilot.operator.builders.common import (
+    ANNOTATION_CONFIG_HASH,
+    ANNOTATION_ENGINE,
+    HTTP_PORT,
+    HTTP_PORT_NAME,
+    RenderOptions,
+    canonical_json,
+    common_labels,
+    object_meta,
+    selector_labels,
+)
+from kvpilot.operator.builders.engine import engine_args, engine_command
+
+CONTAINER_NAME = "engine"
+HEALTH_PATH = "/health"
+STARTUP_PERIOD_SECONDS = 10
+READINESS_PERIOD_SECONDS = 5
+LIVENESS_PERIOD_SECONDS = 30
+LIVENESS_FAILURE_THRESHOLD = 5  # 2.5 minutes of a silent engine before a restart
+PROBE_TIMEOUT_SECONDS = 5
+# SIGTERM to exit after draining: Python teardown, CUDA context release.
+GRACE_MARGIN_SECONDS = 5
+REVISION_HISTORY_LIMIT = 5
+
+
+def rolling_update(isvc: InferenceService) -> dict[str, Any]:
+    surge = isvc.spec.rollout.max_surge
+    return {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": surge, "maxUnavailable": 0 if surge > 0 else 1},
+    }
+
+
+def termination_grace_period(isvc: InferenceService) -> int:
+    rollout = isvc.spec.rollout
+    return rollout.pre_stop_seconds + rollout.shutdown_timeout_seconds + GRACE_MARGIN_SECONDS
+
+
+def _http_probe(period: int, failure_threshold: int, timeout: int = PROBE_TIMEOUT_SECONDS) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": HEALTH_PATH, "port": HTTP_PORT_NAME},
+        "periodSeconds": period,
+        "timeoutSeconds": timeout,
+        "successThreshold": 1,
+        "failureThreshold": failure_threshold,
+    }
+
+
+def probes(isvc: InferenceService) -> dict[str, dict[str, Any]]:
+    startup_failures = max(1, math.ceil(isvc.spec.rollout.startup_timeout_seconds / STARTUP_PERIOD_SECONDS))
+    return {
+        "startupProbe": _http_probe(STARTUP_PERIOD_SECONDS, startup_failures),
+        "readinessProbe": _http_probe(READINESS_PERIOD_SECONDS, 3),
+        "livenessProbe": _http_probe(LIVENESS_PERIOD_SECONDS, LIVENESS_FAILURE_THRESHOLD, timeout=10),
+    }
+
+
+def _resources(isvc: InferenceService) -> dict[str, Any]:
+    res = isvc.spec.resources
+    amounts: dict[str, Any] = {"memory": res.memory}
+    if res.cpu is not None:
+        amounts["cpu"] = res.cpu
+    if res.gpus > 0:
+        amounts[res.gpu_resource] = res.gpus
+    # Requests equal limits: GPUs must, and memory over-commit on an inference node ends in OOM kills.
+    return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
+def _env(isvc: InferenceService) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = []
+    secret = isvc.spec.hf_token_secret
+    if secret is not None:
+        env.append({"name": "HF_TOKEN",
+                    "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}}})
+    return env
+
+
+def pod_template(isvc: InferenceService, options: RenderOptions, engine: EngineSpec | None = None) -> dict[str, Any]:
+    """The pod template without the config-hash annotation."""
+    engine = engine or isvc.spec.engine
+    image = engine.image if engine.kind == "vllm" else options.twin_image
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": engine_command(engine),
+        "args": engine_args(isvc, engine),
+        "ports": [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        "resources": _resources(isvc),
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+        **probes(isvc),
+    }
+    env = _env(isvc)
+    if env:
+        container["env"] = env
+    if isvc.spec.rollout.pre_stop_seconds > 0:
+        container["lifecycle"] = {
+            "preStop": {"exec": {"command": ["sleep", str(isvc.spec.rollout.pre_stop_seconds)]}}
+        }
+    labels = common_labels(isvc)
+    labels["app.kubernetes.io/name"] = "vllm" if engine.kind == "vllm" else "kvpilot-twin"
+    return {
+        "metadata": {"labels": labels},
+        "spec": {
+            "terminationGracePeriodSeconds": termination_grace_period(isvc),
+            "containers": [container],
+            # NCCL and PyTorch workers share tensors through /dev/shm; the container default is 64 MiB.
+            "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory",
+                                                       "sizeLimit": isvc.spec.resources.shm_size}}],
+        },
+    }
+
+
+def config_hash(template: dict[str, Any]) -> str:
+    return hashlib.sha256(canonical_json(template).encode()).hexdigest()[:16]
+
+
+def build_deployment(isvc: InferenceService, options: RenderOptions | None = None,
+                     engine: EngineSpec | None = None) -> dict[str, Any]:
+    """The Deployment for `isvc`, running `engine` (spec.engine unless given, e.g. lastGoodEngine)."""
+    options = options or RenderOptions()
+    engine = engine or isvc.spec.engine
+    template = pod_template(isvc, options, engine)
+    digest = config_hash(template)
+    template["metadata"]["annotations"] = {ANNOTATION_CONFIG_HASH: digest}
+    meta = object_meta(isvc, annotations={
+        ANNOTATION_CONFIG_HASH: digest,
+        ANNOTATION_ENGINE: canonical_json(engine.to_wire()),
+    })
+    meta["labels"] = dict(template["metadata"]["labels"])
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": meta,
+        "spec": {
+            "replicas": isvc.spec.replicas,
+            "selector": {"matchLabels": selector_labels(isvc)},
+            "strategy": rolling_update(isvc),
+            "progressDeadlineSeconds": isvc.spec.rollout.progress_deadline_seconds,
+            "revisionHistoryLimit": REVISION_HISTORY_LIMIT,
+            "template": template,
+        },
+    }

@@ -1,0 +1,182 @@
+"""InferenceService status from its Deployment: conditions in Kubernetes style, replica counts,
+the engine in force, and lastGoodEngine.  Pure functions: the handlers pass in what they read.
+
+Conditions (type, status, reason, message, lastTransitionTime, observedGeneration):
+- Ready: True when the rollout is complete (every desired replica runs the current config and is ready).
+- Progressing: True while a rollout is under way; False with RolloutComplete or ProgressDeadlineExceeded.
+- Degraded: True with InvalidSpec, RolledBack, ApplyFailed or ProgressDeadlineExceeded; else AsExpected.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kvpilot.operator.builders.common import ANNOTATION_CONFIG_HASH, ANNOTATION_ENGINE
+
+READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
+REASON_ROLLED_BACK = "RolledBack"
+REASON_INVALID_SPEC = "InvalidSpec"
+REASON_APPLY_FAILED = "ApplyFailed"
+REASON_DEADLINE = "ProgressDeadlineExceeded"
+
+
+def now_rfc3339() -> str:
+    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True, slots=True)
+class Rollout:
+    """What a Deployment says about its rollout, read the way `kubectl rollout status` reads it."""
+
+    exists: bool
+    desired: int = 0
+    replicas: int = 0
+    updated: int = 0
+    ready: int = 0
+    available: int = 0
+    observed: bool = False  # the Deployment controller has seen the current template
+    complete: bool = False
+    deadline_exceeded: bool = False
+    message: str = ""
+    config_hash: str | None = None
+    engine: dict[str, Any] | None = None
+    engine_args: tuple[str, ...] = ()
+
+    def counts(self) -> str:
+        return f"{self.updated}/{self.desired} updated, {self.ready}/{self.desired} ready"
+
+
+def rollout_of(deployment: dict[str, Any] | None) -> Rollout:
+    if not deployment:
+        return Rollout(exists=False)
+    meta = deployment.get("metadata", {})
+    spec = deployment.get("spec", {})
+    status = deployment.get("status") or {}
+    desired = int(spec.get("replicas", 1))
+    generation = meta.get("generation")
+    observed_generation = status.get("observedGeneration")
+    # Until the controller has observed the current generation, its counts describe the old template.
+    observed = generation is None or (observed_generation is not None and observed_generation >= generation)
+    replicas = int(status.get("replicas", 0))
+    updated = int(status.get("updatedReplicas", 0)) if observed else 0
+    ready = int(status.get("readyReplicas", 0))
+    available = int(status.get("availableReplicas", ready))
+    complete = observed and updated >= desired and ready >= desired and available >= desired and replicas <= desired
+    deadline, message = False, ""
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "Progressing":
+            message = str(cond.get("message", ""))
+            deadline = observed and cond.get("status") == "False" and cond.get("reason") == REASON_DEADLINE
+    annotations = meta.get("annotations") or {}
+    engine = None
+    if ANNOTATION_ENGINE in annotations:
+        try:
+            engine = json.loads(annotations[ANNOTATION_ENGINE])
+        except ValueError:
+            engine = None
+    containers = (spec.get("template", {}).get("spec", {}) or {}).get("containers") or [{}]
+    args = tuple(containers[0].get("command", [])) + tuple(containers[0].get("args", []))
+    return Rollout(
+        exists=True, desired=desired, replicas=replicas, updated=updated, ready=ready, available=available,
+        observed=observed, complete=complete and not deadline, deadline_exceeded=deadline, message=message,
+        config_hash=annotations.get(ANNOTATION_CONFIG_HASH), engine=engine, engine_args=args,
+    )
+
+
+def find_condition(conditions: list[dict[str, Any]] | None, type_: str) -> dict[str, Any] | None:
+    for cond in conditions or []:
+        if cond.get("type") == type_:
+            return cond
+    return None
+
+
+def set_condition(conditions: list[dict[str, Any]] | None, type_: str, status: str, reason: str,
+                  message: str, generation: int | None, now: str) -> list[dict[str, Any]]:
+    """Conditions with `type_` set; lastTransitionTime moves only when the status flips."""
+    old = find_condition(conditions, type_)
+    since = old["lastTransitionTime"] if old and old.get("status") == status and old.get("lastTransitionTime") else now
+    new = {"type": type_, "status": status, "reason": reason, "message": message,
+           "lastTransitionTime": since}
+    if generation is not None:
+        new["observedGeneration"] = generation
+    out = [c for c in conditions or [] if c.get("type") != type_]
+    out.append(new)
+    order = {READY: 0, PROGRESSING: 1, DEGRADED: 2}
+    return sorted(out, key=lambda c: (order.get(c.get("type", ""), 9), c.get("type", "")))
+
+
+def rolled_back_at(previous: dict[str, Any] | None, generation: int | None) -> bool:
+    """Whether this generation's engine was already rolled back (so the operator keeps lastGoodEngine)."""
+    cond = find_condition((previous or {}).get("conditions"), DEGRADED)
+    return bool(cond and cond.get("status") == "True" and cond.get("reason") == REASON_ROLLED_BACK
+                and cond.get("observedGeneration") == generation)
+
+
+def desired_status(*, generation: int | None, previous: dict[str, Any] | None, deployment: dict[str, Any] | None,
+                   degraded: tuple[str, str] | None = None, now: str | None = None) -> dict[str, Any]:
+    """The status an InferenceService should show, given its Deployment as it is now."""
+    now = now or now_rfc3339()
+    previous = previous or {}
+    rollout = rollout_of(deployment)
+    conditions = [dict(c) for c in previous.get("conditions") or [] if isinstance(c, dict)]
+
+    if not rollout.exists:
+        ready = ("False", "DeploymentMissing", "the engine Deployment does not exist yet")
+        progressing = ("True", "Creating", "creating the engine Deployment")
+    elif rollout.complete:
+        what = "scaled to zero" if rollout.desired == 0 else f"all {rollout.desired} replicas updated and ready"
+        ready = ("True", "RolloutComplete", f"{what} (configHash {rollout.config_hash})")
+        progressing = ("False", "RolloutComplete", f"{what} (configHash {rollout.config_hash})")
+    elif rollout.deadline_exceeded:
+        ready = ("False", REASON_DEADLINE, rollout.counts())
+        progressing = ("False", REASON_DEADLINE, rollout.message or "the rollout passed its progress deadline")
+    else:
+        ready = ("False", "RollingOut", rollout.counts())
+        progressing = ("True", "RollingOut", f"rolling out configHash {rollout.config_hash}: {rollout.counts()}")
+
+    if degraded is None and rolled_back_at(previous, generation):
+        kept = find_condition(previous.get("conditions"), DEGRADED) or {}
+        degraded = (REASON_ROLLED_BACK, str(kept.get("message", "")))
+    conditions = set_condition(conditions, READY, *ready, generation, now)
+    conditions = set_condition(conditions, PROGRESSING, *progressing, generation, now)
+    if degraded is not None:
+        conditions = set_condition(conditions, DEGRADED, "True", degraded[0], degraded[1], generation, now)
+    else:
+        conditions = set_condition(conditions, DEGRADED, "False", "AsExpected", "", generation, now)
+
+    status: dict[str, Any] = {
+        "observedGeneration": generation,
+        "conditions": conditions,
+        "replicas": rollout.replicas,
+        "readyReplicas": rollout.ready,
+        "updatedReplicas": rollout.updated,
+    }
+    if rollout.exists:
+        status["engineArgs"] = list(rollout.engine_args)
+        status["configHash"] = rollout.config_hash
+    if rollout.complete and rollout.engine is not None:
+        status["lastGoodEngine"] = rollout.engine
+    elif previous.get("lastGoodEngine") is not None:
+        status["lastGoodEngine"] = previous["lastGoodEngine"]
+    return status
+
+
+def invalid_status(*, generation: int | None, previous: dict[str, Any] | None, message: str,
+                   now: str | None = None) -> dict[str, Any]:
+    """Status for an object that failed validation: nothing deployed or changed, Degraded/InvalidSpec."""
+    now = now or now_rfc3339()
+    conditions = [dict(c) for c in (previous or {}).get("conditions") or [] if isinstance(c, dict)]
+    conditions = set_condition(conditions, READY, "False", REASON_INVALID_SPEC, message, generation, now)
+    conditions = set_condition(conditions, PROGRESSING, "False", REASON_INVALID_SPEC,
+                               "nothing deployed or changed until the spec is fixed", generation, now)
+    conditions = set_condition(conditions, DEGRADED, "True", REASON_INVALID_SPEC, message, generation, now)
+    return {"observedGeneration": generation, "conditions": conditions}
+
+
+def status_patch(previous: dict[str, Any] | None, desired: dict[str, Any]) -> dict[str, Any]:
+    """Top-level status keys whose value changes (a merge patch); empty when nothing changes."""
+    previous = previous or {}
+    return {k: v for k, v in desired.items() if previous.get(k) != v}

@@ -1,0 +1,82 @@
+"""kopf handlers, kept thin: each turns kopf's arguments into a call into `reconcile`.
+
+Handlers are registered on a registry built per operator run (no module-level state), so the
+settings and the shared runtime reach them as closures.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+
+from kvpilot.api.models import GROUP, PLURAL, VERSION
+from kvpilot.operator.builders.common import LABEL_MANAGED_BY, MANAGED_BY
+from kvpilot.operator.reconcile import RetryLater, Runtime, reconcile_service, track_rollout
+
+ANNOTATION_PREFIX = "kvpilot.dev"
+
+
+def configure_kopf(settings: kopf.OperatorSettings) -> None:
+    # Keep kopf's bookkeeping in annotations: a structural CRD schema would prune status.kopf,
+    # and status belongs to what users and the tuner read.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration")
+    # Only the Events we post ourselves (create, change, skip, rollback), not every handler log line.
+    settings.posting.loggers = False
+    settings.posting.level = logging.INFO
+    # Standalone: no peering objects to watch or write.
+    settings.peering.standalone = True
+
+
+def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    retry_delay = rt.settings.handler_retry_delay_seconds
+
+    @kopf.on.startup(registry=registry)
+    def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+        configure_kopf(settings)
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo:
+        # kopf's own pure-Python logins (no kubernetes client import): in-cluster first, then kubeconfig.
+        info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+        if info is None:
+            raise kopf.LoginError("no in-cluster service account and no kubeconfig found")
+        rt.client.set_credentials(info)
+        return info
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(**_: Any) -> None:
+        await rt.client.close()
+
+    @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry, backoff=retry_delay)
+    @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry, backoff=retry_delay)
+    @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry, backoff=retry_delay)
+    async def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
+        def emit(type_: str, reason: str, message: str) -> None:
+            kopf.event(body, type=type_, reason=reason, message=message)
+
+        try:
+            status = await reconcile_service(rt, dict(body), emit, logger)
+        except RetryLater as exc:
+            if exc.status_patch:
+                patch.status.update(exc.status_patch)
+            raise kopf.TemporaryError(str(exc), delay=retry_delay) from None
+        if status:
+            patch.status.update(status)
+
+    @kopf.on.event("apps", "v1", "deployments", registry=registry,
+                   labels={LABEL_MANAGED_BY: MANAGED_BY})
+    async def deployment_event(body: kopf.Body, type: str | None, logger: logging.Logger, **_: Any) -> None:
+        if type == "DELETED":
+            return
+
+        def emit_on(obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
+            kopf.event(obj, type=type_, reason=reason, message=message)
+
+        await track_rollout(rt, dict(body), emit_on, logger)
+
+    return registry

@@ -1,0 +1,155 @@
+"""A small asyncio Kubernetes client over aiohttp, with the credentials kopf logged in with.
+
+Why not the official `kubernetes` client: importing it (and its thousands of generated model
+classes) costs tens of MB per operator process, and the operator only needs get, create,
+merge-patch and delete of a handful of resources.  Credentials come from kopf's own login
+(`kopf.ConnectionInfo`), so in-cluster service accounts and kubeconfigs both work.
+
+Every call is retried with backoff on 409 Conflict, 429, transient 5xx and connection errors;
+anything else raises `ApiError` at once, for the caller to turn into a condition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+
+logger = logging.getLogger("kvpilot.operator.kube")
+
+RETRIABLE_STATUSES = frozenset({409, 429, 500, 502, 503, 504})
+
+
+class ApiError(Exception):
+    """A Kubernetes API error: HTTP status, the Status reason and message."""
+
+    def __init__(self, status: int, reason: str, message: str, *, method: str = "", path: str = "") -> None:
+        super().__init__(f"{method} {path}: {status} {reason}: {message}".strip())
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+    @property
+    def retriable(self) -> bool:
+        return self.status in RETRIABLE_STATUSES or self.status == 0
+
+    @property
+    def not_found(self) -> bool:
+        return self.status == 404
+
+
+def resource_path(api_version: str, plural: str, namespace: str | None, name: str | None = None,
+                  subresource: str | None = None) -> str:
+    base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+    path = f"{base}/namespaces/{namespace}/{plural}" if namespace else f"{base}/{plural}"
+    if name:
+        path += f"/{name}"
+    if subresource:
+        path += f"/{subresource}"
+    return path
+
+
+class KubeClient:
+    """One aiohttp session for the operator's own calls; created lazily from a kopf ConnectionInfo."""
+
+    def __init__(self, *, backoff: Sequence[float] = (0.2, 0.5, 1.0, 2.0, 4.0), field_manager: str = "kvpilot") -> None:
+        self._info: Any = None  # kopf.ConnectionInfo
+        self._session: aiohttp.ClientSession | None = None
+        self._backoff = tuple(backoff)
+        self.field_manager = field_manager
+
+    def set_credentials(self, info: Any) -> None:
+        """Called from kopf's login handler; a re-login replaces the session on next use."""
+        if info is not self._info:
+            self._info = info
+            old, self._session = self._session, None
+            if old is not None:
+                asyncio.ensure_future(old.close())
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _session_now(self) -> aiohttp.ClientSession:
+        if self._info is None:
+            raise ApiError(0, "NotLoggedIn", "no Kubernetes credentials yet")
+        if self._session is None:
+            info = self._info
+            ssl: Any = None
+            if info.server.startswith("https"):
+                ssl = info.as_ssl_context()
+            headers = {"Accept": "application/json", "User-Agent": "kvpilot-operator",
+                       **info.as_http_headers()}
+            self._session = aiohttp.ClientSession(
+                headers=headers,
+                connector=aiohttp.TCPConnector(ssl=ssl, limit=32),
+                timeout=aiohttp.ClientTimeout(total=30),
+            )
+        return self._session
+
+    async def request(self, method: str, path: str, body: Any = None, *,
+                      content_type: str = "application/json", params: dict[str, str] | None = None,
+                      retry_conflicts: bool = True) -> Any:
+        attempts = len(self._backoff) + 1
+        for attempt in range(attempts):
+            try:
+                return await self._request_once(method, path, body, content_type, params)
+            except ApiError as exc:
+                conflict_ends_it = exc.status == 409 and not retry_conflicts
+                if not exc.retriable or conflict_ends_it or attempt == attempts - 1:
+                    raise
+                delay = self._backoff[attempt]
+                logger.info("retrying %s %s in %.1fs after %s %s", method, path, delay, exc.status, exc.reason)
+                await asyncio.sleep(delay)
+        raise AssertionError("unreachable")
+
+    async def _request_once(self, method: str, path: str, body: Any, content_type: str,
+                            params: dict[str, str] | None) -> Any:
+        session = self._session_now()
+        url = self._info.server.rstrip("/") + path
+        data = None if body is None else json.dumps(body)
+        headers = {"Content-Type": content_type} if data is not None else None
+        try:
+            async with session.request(method, url, data=data, headers=headers, params=params) as resp:
+                text = await resp.text()
+                if resp.status >= 400:
+                    reason, message = resp.reason or "", text[:500]
+                    try:
+                        payload = json.loads(text)
+                        reason = payload.get("reason") or reason
+                        message = payload.get("message") or message
+                    except ValueError:
+                        pass
+                    raise ApiError(resp.status, str(reason), str(message), method=method, path=path)
+                return json.loads(text) if text else None
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise ApiError(0, type(exc).__name__, str(exc) or "connection failed", method=method, path=path) from exc
+
+    # ---- verbs ----
+    async def get(self, path: str) -> Any:
+        return await self.request("GET", path)
+
+    async def get_or_none(self, path: str) -> Any:
+        try:
+            return await self.get(path)
+        except ApiError as exc:
+            if exc.not_found:
+                return None
+            raise
+
+    async def create(self, path: str, body: dict[str, Any]) -> Any:
+        # 409 on create means AlreadyExists: retrying the same create cannot help.
+        return await self.request("POST", path, body, params={"fieldManager": self.field_manager},
+                                  retry_conflicts=False)
+
+    async def merge_patch(self, path: str, body: dict[str, Any]) -> Any:
+        return await self.request("PATCH", path, body, content_type="application/merge-patch+json",
+                                  params={"fieldManager": self.field_manager})
+
+    async def delete(self, path: str) -> Any:
+        return await self.request("DELETE", path)

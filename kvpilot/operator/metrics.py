@@ -1,0 +1,54 @@
+"""The operator's own /healthz and Prometheus /metrics, served by aiohttp next to kopf."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+RESULTS = ("success", "invalid", "error", "retry")
+
+
+@dataclass
+class OperatorMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        self.reconciles = Counter(
+            "kvpilot_reconciles", "InferenceService reconciles, by result "
+            "(success, invalid: InvalidSpec, error: permanent failure, retry: transient failure).",
+            ["result"], registry=self.registry)
+        for result in RESULTS:
+            self.reconciles.labels(result=result)  # export zeros so rate() works from the start
+        self.duration = Histogram(
+            "kvpilot_reconcile_duration_seconds", "Time to reconcile one InferenceService.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+            registry=self.registry)
+        self.rollbacks = Counter(
+            "kvpilot_rollbacks", "Rollouts that passed their progress deadline and were put back to lastGoodEngine.",
+            registry=self.registry)
+
+
+async def start_http(metrics: OperatorMetrics, host: str, port: int,
+                     healthy: Callable[[], bool]) -> web.AppRunner:
+    """Serve /healthz (200 once kopf is watching, 503 before or after) and /metrics."""
+
+    async def healthz(_: web.Request) -> web.Response:
+        ok = healthy()
+        return web.Response(status=200 if ok else 503, text="ok\n" if ok else "not ready\n")
+
+    async def metrics_view(_: web.Request) -> web.Response:
+        body = await asyncio.to_thread(generate_latest, metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics_view)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner

@@ -1,0 +1,48 @@
+"""Run the operator in-process through kopf's API (the `kopf run --standalone` equivalent)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import kopf
+
+from kvpilot.operator.handlers import build_registry
+from kvpilot.operator.kube import KubeClient
+from kvpilot.operator.metrics import OperatorMetrics, start_http
+from kvpilot.operator.reconcile import Runtime
+from kvpilot.operator.settings import OperatorSettings
+
+logger = logging.getLogger("kvpilot.operator")
+
+
+def configure_logging(settings: OperatorSettings) -> None:
+    kopf.configure(
+        verbose=settings.verbose,
+        log_format=kopf.LogFormat.JSON if settings.log_format == "json" else kopf.LogFormat.FULL,
+        log_prefix=settings.log_format != "json",
+    )
+
+
+async def run_operator(settings: OperatorSettings) -> None:
+    client = KubeClient(backoff=settings.retry_backoff_seconds, field_manager=settings.field_manager)
+    rt = Runtime(settings=settings, client=client, metrics=OperatorMetrics())
+    registry = build_registry(rt)
+    ready = asyncio.Event()
+    operator = asyncio.create_task(kopf.operator(
+        registry=registry,
+        standalone=True,
+        clusterwide=settings.all_namespaces,
+        namespaces=settings.watched_namespaces,
+        ready_flag=ready,
+    ))
+    http = await start_http(rt.metrics, settings.metrics_host, settings.metrics_port,
+                            healthy=lambda: ready.is_set() and not operator.done())
+    where = "all namespaces" if settings.all_namespaces else ", ".join(settings.watched_namespaces)
+    logger.info("kvpilot operator watching %s; /healthz and /metrics on %s:%d",
+                where, settings.metrics_host, settings.metrics_port)
+    try:
+        await operator
+    finally:
+        await http.cleanup()
+        await client.close()

@@ -1,0 +1,32 @@
+"""The operator's settings: one typed object, filled from the command line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvpilot.operator.builders.common import DEFAULT_TWIN_IMAGE
+
+FIELD_MANAGER = "kvpilot-operator"
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorSettings:
+    namespaces: tuple[str, ...] = ()  # empty with all_namespaces=False means the "default" namespace
+    all_namespaces: bool = False
+    twin_image: str = DEFAULT_TWIN_IMAGE
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int = 8080
+    log_format: Literal["text", "json"] = "text"
+    verbose: bool = False
+    field_manager: str = FIELD_MANAGER
+    # Prometheus Operator CRDs come and go rarely; rediscover them this often.
+    discovery_ttl_seconds: float = 300.0
+    # Retries of one API call on 409, 429, 5xx and connection errors: delays between attempts.
+    retry_backoff_seconds: tuple[float, ...] = field(default=(0.2, 0.5, 1.0, 2.0, 4.0))
+    # kopf's delay before it runs a handler again after a transient failure.
+    handler_retry_delay_seconds: float = 30.0
+
+    @property
+    def watched_namespaces(self) -> tuple[str, ...]:
+        return () if self.all_namespaces else (self.namespaces or ("default",))

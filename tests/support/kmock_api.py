@@ -1,0 +1,406 @@
+"""A Kubernetes API for tests: KMock with its 0.8 quirks fixed, on a free port, with a kubeconfig.
+
+KMock (kopf's own API emulator) serves a Kubernetes-like API from memory.  Version 0.8 stores
+bodies exactly as sent and so misses what an API server adds; `KvpilotEmulator` fills that in
+(see ../shared/notes/toolchain.md, "KMock 0.8 quirks"):
+
+1. objects get `uid`, `resourceVersion`, `creationTimestamp` and `generation` on create;
+   every write bumps `resourceVersion`; a change to anything but metadata/status bumps
+   `generation` (kopf and the operator key on it);
+2. `GET /api/v1/namespaces[/NAME]` is answered (KMock's path parser cannot take it);
+3. `/api/v1` discovery says `groupVersion: v1` (not `/v1`);
+4. list responses carry `kind` and `apiVersion`;
+5. `metadata.generateName` works on create.
+
+Besides, for resources with a `status` subresource, a write to the main resource ignores
+`status` and a write to `/status` changes only `status`, as a real API server does.
+
+Every request is recorded as (method, path) in `calls`, so a test can compare what the operator
+really calls with the RBAC it declares.
+
+`KMockAPI` runs the emulator in a background thread with its own event loop, so tests, a
+subprocess operator and synchronous helpers can all reach it; `kopf_operator()` runs a real
+`kvpilot operator` process (kopf in standalone mode) against it and stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import datetime
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import attrs
+import kmock
+import yaml
+
+ISVC_GROUP, ISVC_VERSION, ISVC_PLURAL = "kvpilot.dev", "v1alpha1", "inferenceservices"
+ISVC_PATH = f"/apis/{ISVC_GROUP}/{ISVC_VERSION}"
+
+_NAMESPACES_PATH = re.compile(r"^/api/v1/namespaces/?(?P<name>[^/]+)?/?$")
+
+
+def _merge_patch(value: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch (what the emulator applies), used to foresee a write's result."""
+    if not isinstance(patch, Mapping):
+        return copy.deepcopy(patch)
+    result = dict(value) if isinstance(value, Mapping) else {}
+    for key, item in patch.items():
+        if item is None:
+            result.pop(key, None)
+        else:
+            result[key] = _merge_patch(result.get(key), item)
+    return result
+
+
+@attrs.define(kw_only=True)
+class KvpilotEmulator(kmock.KubernetesEmulator):
+    """KMock's emulator with the API-server bookkeeping it lacks (see the module docstring)."""
+
+    calls: list[tuple[str, str]] = attrs.field(factory=list)
+    _rv: int = attrs.field(default=0)
+
+    def _next_rv(self) -> str:
+        self._rv += 1
+        return str(self._rv)
+
+    def _has_status_subresource(self, resource: Any) -> bool:
+        try:
+            return "status" in self.resources[resource].subresources
+        except KeyError:
+            return False
+
+    async def __call__(self, raw_request: Any) -> Any:
+        self.calls.append((raw_request.method, raw_request.path))
+        # Quirk 2: namespaces are cluster-scoped; KMock's path parser reads /namespaces/NAME as a
+        # namespaced prefix and fails.  Namespaces are not stored here: every name exists.
+        match = _NAMESPACES_PATH.match(raw_request.path)
+        if match and raw_request.method == "GET" and raw_request.query.get("watch") != "true":
+            import aiohttp.web
+
+            name = match.group("name")
+            ns = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name or "default"},
+                  "status": {"phase": "Active"}}
+            if name:
+                return aiohttp.web.json_response(ns)
+            listing = {"apiVersion": "v1", "kind": "NamespaceList",
+                       "metadata": {"resourceVersion": str(self._rv)}, "items": [ns]}
+            return aiohttp.web.json_response(listing)
+        return await super().__call__(raw_request)
+
+    async def _handle(self, request: Any) -> Any:
+        if request.resource is not None and isinstance(request.data, dict):
+            if request.action == kmock.action.CREATE:
+                self._fill_on_create(request)
+            elif request.action == kmock.action.UPDATE and request.name is not None:
+                self._fill_on_update(request)
+        return await super()._handle(request)
+
+    def _fill_on_create(self, request: Any) -> None:
+        data = request.data
+        meta = data.setdefault("metadata", {})
+        if not meta.get("name") and meta.get("generateName"):  # quirk 5
+            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+        if request.namespace and not meta.get("namespace"):
+            meta["namespace"] = request.namespace
+        meta.setdefault("uid", str(uuid.uuid4()))
+        meta.setdefault("creationTimestamp", _now())
+        meta["resourceVersion"] = self._next_rv()
+        meta["generation"] = 1
+        if request.subresource is None and self._has_status_subresource(request.resource):
+            data.pop("status", None)
+
+    def _fill_on_update(self, request: Any) -> None:
+        key = (request.resource, request.namespace, request.name)
+        if key not in self.objects or self.objects[key].deleted:
+            return  # the emulator answers 404 itself
+        data = request.data
+        if self._has_status_subresource(request.resource):
+            if request.subresource == "status":
+                for k in list(data):
+                    if k != "status":
+                        del data[k]
+            elif request.subresource is None:
+                data.pop("status", None)
+        old = self.objects[key].raw
+        new = _merge_patch(old, data)
+        meta = data.setdefault("metadata", {})
+        # The server owns these; a client's stale copy must not overwrite them.
+        for owned in ("uid", "creationTimestamp", "generation"):
+            meta.pop(owned, None)
+        meta["resourceVersion"] = self._next_rv()
+        strip = ("metadata", "status")
+        if {k: v for k, v in old.items() if k not in strip} != {k: v for k, v in new.items() if k not in strip}:
+            meta["generation"] = int(old.get("metadata", {}).get("generation", 1)) + 1
+
+    async def _serve_version(self, request: Any) -> Any:
+        result = await super()._serve_version(request)
+        if isinstance(result, dict) and result.get("groupVersion", "").startswith("/"):
+            result["groupVersion"] = result["groupVersion"].lstrip("/")  # quirk 3
+        return result
+
+    async def _serve_list(self, request: Any) -> Any:
+        result = await super()._serve_list(request)
+        resource = request.resource
+        try:
+            kind = self.resources[resource].kind or resource.plural.capitalize()
+        except KeyError:
+            kind = resource.plural.capitalize()
+        api_version = resource.version if not resource.group else f"{resource.group}/{resource.version}"
+        result["kind"] = f"{kind}List"  # quirk 4
+        result["apiVersion"] = api_version
+        result["metadata"] = {"resourceVersion": str(self._rv)}
+        items = []
+        for item in result["items"]:
+            item = dict(item)
+            item.setdefault("kind", kind)
+            item.setdefault("apiVersion", api_version)
+            items.append(item)
+        result["items"] = items
+        return result
+
+
+def _now() -> str:
+    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def register_resources(emulator: kmock.KubernetesEmulator, *, monitoring_crds: bool = False) -> None:
+    """Built-in group-versions, the InferenceService CRD, and optionally the Prometheus Operator's."""
+    emulator.resources.load_bundled()
+    emulator.resources[f"{ISVC_GROUP}/{ISVC_VERSION}/{ISVC_PLURAL}"] = kmock.ResourceInfo(
+        kind="InferenceService", singular="inferenceservice", namespaced=True, shortnames={"kvis"},
+        verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
+        subresources={"status"},
+    )
+    if monitoring_crds:
+        verbs = {"get", "list", "watch", "create", "update", "patch", "delete"}
+        emulator.resources["monitoring.coreos.com/v1/servicemonitors"] = kmock.ResourceInfo(
+            kind="ServiceMonitor", singular="servicemonitor", namespaced=True, verbs=verbs)
+        emulator.resources["monitoring.coreos.com/v1/prometheusrules"] = kmock.ResourceInfo(
+            kind="PrometheusRule", singular="prometheusrule", namespaced=True, verbs=verbs)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"HTTP {status}: {body[:500]}")
+        self.status = status
+        self.body = body
+
+
+@dataclass
+class KMockAPI:
+    """A running emulator on 127.0.0.1:<free port>, served from a background thread."""
+
+    monitoring_crds: bool = False
+    emulator: KvpilotEmulator = field(init=False)
+    port: int = field(init=False, default=0)
+    _loop: asyncio.AbstractEventLoop = field(init=False)
+    _thread: threading.Thread = field(init=False)
+    _stop: asyncio.Event | None = field(init=False, default=None)
+
+    def start(self) -> KMockAPI:
+        started = threading.Event()
+        failure: list[BaseException] = []
+        self._loop = asyncio.new_event_loop()
+
+        async def serve() -> None:
+            self._stop = asyncio.Event()
+            try:
+                self.emulator = KvpilotEmulator()
+                register_resources(self.emulator, monitoring_crds=self.monitoring_crds)
+                async with self.emulator, kmock.Server(self.emulator, port=free_port()) as server:
+                    self.port = server.port
+                    started.set()
+                    await self._stop.wait()
+            except BaseException as exc:  # surfaced in start()
+                failure.append(exc)
+                started.set()
+
+        def run() -> None:
+            asyncio.set_event_loop(self._loop)
+            self._loop.run_until_complete(serve())
+
+        self._thread = threading.Thread(target=run, name="kmock", daemon=True)
+        self._thread.start()
+        if not started.wait(30):
+            raise RuntimeError("KMock did not start within 30 s")
+        if failure:
+            raise failure[0]
+        return self
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+        self._loop.close()
+
+    def __enter__(self) -> KMockAPI:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def calls(self) -> list[tuple[str, str]]:
+        return list(self.emulator.calls)
+
+    def write_kubeconfig(self, path: Path, namespace: str = "default") -> Path:
+        config = {
+            "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
+            "clusters": [{"name": "kmock", "cluster": {"server": self.url}}],
+            "users": [{"name": "kmock", "user": {"token": "kmock-test-token"}}],
+            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock",
+                                                       "namespace": namespace}}],
+        }
+        path.write_text(yaml.safe_dump(config))
+        return path
+
+    # Synchronous HTTP helpers for tests (a real client over the real port).
+    def request(self, method: str, path: str, body: Any = None,
+                content_type: str = "application/merge-patch+json") -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": content_type if method == "PATCH" else "application/json"}
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                text = resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            raise ApiError(exc.code, exc.read().decode()) from None
+        return json.loads(text) if text else None
+
+    def get(self, path: str) -> Any:
+        return self.request("GET", path)
+
+    def get_or_none(self, path: str) -> Any:
+        try:
+            return self.get(path)
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def create(self, path: str, body: Any) -> Any:
+        return self.request("POST", path, body)
+
+    def patch(self, path: str, body: Any) -> Any:
+        return self.request("PATCH", path, body)
+
+    def delete(self, path: str) -> Any:
+        return self.request("DELETE", path)
+
+    # InferenceService shortcuts.
+    @staticmethod
+    def isvc_path(namespace: str, name: str | None = None) -> str:
+        base = f"{ISVC_PATH}/namespaces/{namespace}/{ISVC_PLURAL}"
+        return f"{base}/{name}" if name else base
+
+    def create_isvc(self, obj: Mapping[str, Any]) -> Any:
+        return self.create(self.isvc_path(obj["metadata"]["namespace"]), dict(obj))
+
+    def get_isvc(self, namespace: str, name: str) -> Any:
+        return self.get(self.isvc_path(namespace, name))
+
+    def events(self, namespace: str) -> list[dict[str, Any]]:
+        return list(self.get(f"/api/v1/namespaces/{namespace}/events").get("items", []))
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05,
+             what: str = "condition") -> Any:
+    """Poll `predicate` until it returns something truthy; fail with `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    last_exc: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            result = predicate()
+        except (ApiError, KeyError, IndexError, TypeError) as exc:
+            last_exc, result = exc, None
+        if result:
+            return result
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}" +
+                         (f" (last error: {last_exc})" if last_exc else ""))
+
+
+@dataclass
+class OperatorProcess:
+    """A running `kvpilot operator` process (kopf in standalone mode) and where to reach it."""
+
+    proc: subprocess.Popen[bytes]
+    metrics_port: int
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def http_get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}{path}", timeout=5) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    def stop(self, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return int(self.proc.returncode)
+
+
+@contextlib.contextmanager
+def kopf_operator(api: KMockAPI, workdir: Path, *extra_args: str,
+                  ready_timeout: float = 60.0) -> Iterator[OperatorProcess]:
+    """Run `kvpilot operator --all-namespaces` against `api`; yield once /healthz answers 200."""
+    kubeconfig = api.write_kubeconfig(workdir / "kubeconfig")
+    metrics_port = free_port()
+    log_path = workdir / "operator.log"
+    env = dict(os.environ, KUBECONFIG=str(kubeconfig), PYTHONUNBUFFERED="1")
+    args = [sys.executable, "-m", "kvpilot.cli", "operator", "--metrics-port", str(metrics_port),
+            "--log-format", "json", *extra_args]
+    if not any(a.startswith("--namespace") or a == "--all-namespaces" for a in extra_args):
+        args.append("--all-namespaces")
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                cwd=Path(__file__).resolve().parents[2])
+    op = OperatorProcess(proc, metrics_port, log_path)
+    try:
+        def healthy() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"operator exited with {proc.returncode}:\n{op.log()[-4000:]}")
+            try:
+                return op.http_get("/healthz")[0] == 200
+            except OSError:
+                return False
+        wait_for(healthy, timeout=ready_timeout, interval=0.1, what="operator /healthz")
+        yield op
+    finally:
+        op.stop()
