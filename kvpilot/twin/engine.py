@@ -239,16 +239,25 @@ class Engine:
         return self.scheduler.kv_cache_usage()
 
     # -- the step -------------------------------------------------------------------------------
-    def _run_step(self) -> tuple[float, list[Request], list[Request], int, int]:
-        """Schedule, price and apply one step.  Returns (duration, scheduled, finished,
-        preemptions, tokens); requests that sampled a token have `sched` < 0 afterwards:
-        the scheduler's `sched` is negated as a cheap 'sampled' mark."""
+    def _run_step(self) -> tuple[float, list[Request], list[Request], int, int, int, list[tuple[int, int]]]:
+        """Schedule, price and apply one step: the hot loop of every simulation.
+
+        Returns (duration, scheduled, finished, preemptions, tokens, steady, gaps).  A request
+        that sampled a token has its `sched` negated (a cheap mark).  Token times are kept as
+        step indices on the request (the engine has no clock); `steady` counts tokens whose
+        previous token came at the end of the previous step (their inter-token latency is this
+        step's duration), `gaps` lists (previous step, this step) for the other non-first tokens.
+        """
         sched = self.scheduler
         scheduled, tokens, preempted = sched.schedule()
-        self.num_steps += 1
+        k = self.num_steps
+        self.num_steps = k + 1
+        prev = k - 1
         pairs = 0.0
         decode_kv = 0
         sampled = 0
+        steady = 0
+        gaps: list[tuple[int, int]] = []
         finished: list[Request] = []
         for req in scheduled:
             n = req.sched
@@ -257,6 +266,8 @@ class Engine:
                 decode_kv += ctx + 1
             else:
                 pairs += n * (ctx + (n + 1) * 0.5)
+            if req.step_scheduled < 0:
+                req.step_scheduled = k
             computed = ctx + n
             req.num_computed = computed
             if computed == req.num_tokens:
@@ -265,6 +276,14 @@ class Engine:
                 out = req.num_output + 1
                 req.num_output = out
                 req.sched = -n
+                last = req.step_last_token
+                if last < 0:
+                    req.step_first_token = k
+                elif last == prev:
+                    steady += 1
+                else:
+                    gaps.append((last, k))
+                req.step_last_token = k
                 if out >= req.max_tokens:
                     finished.append(req)
         duration = self.step_model.step_time(tokens, len(scheduled), sampled, pairs, decode_kv)
@@ -272,10 +291,10 @@ class Engine:
             for req in finished:
                 sched.finish(req, "length")
             sched.running = [r for r in sched.running if r.status == RUNNING]
-        return duration, scheduled, finished, preempted, tokens
+        return duration, scheduled, finished, preempted, tokens, steady, gaps
 
     def step(self) -> StepOutput:
-        duration, scheduled, _finished, preempted, tokens = self._run_step()
+        duration, scheduled, _finished, preempted, tokens, _steady, _gaps = self._run_step()
         outputs = []
         for req in scheduled:
             sampled = req.sched < 0

@@ -37,7 +37,8 @@ class Request:
     __slots__ = (
         "request_id", "prompt_tokens", "max_tokens", "arrival_time", "num_computed", "num_tokens",
         "num_output", "num_blocks", "status", "prefix_key", "prefix_blocks", "shared", "register_ok",
-        "num_preemptions", "sched", "context", "finish_reason", "first_scheduled", "user",
+        "num_preemptions", "sched", "context", "finish_reason", "step_scheduled", "step_first_token",
+        "step_last_token", "user",
     )
 
     def __init__(self, request_id: str, prompt_tokens: int, max_tokens: int, arrival_time: float,
@@ -59,7 +60,11 @@ class Request:
         self.sched = 0  # tokens scheduled in the current step
         self.context = 0  # num_computed before the current step
         self.finish_reason: str | None = None
-        self.first_scheduled = False
+        # Engine step indices (not times: the driver owns the clock): first scheduled, first and
+        # latest token.  -1 = not yet.
+        self.step_scheduled = -1
+        self.step_first_token = -1
+        self.step_last_token = -1
         self.user: object = None  # free slot for the driver (offline runner bookkeeping)
 
 

@@ -1,0 +1,172 @@
+"""The `vllm serve` flags the engine twin accepts, so the operator renders one command line for both.
+
+`add_engine_arguments(parser)` adds the engine flags (and the twin-only `--gpu` and
+`--model-config`); `engine_config_from_args(args)` turns parsed flags into an EngineConfig.
+`--host`/`--port` belong to the server, which adds them itself.  vLLM flags that change nothing
+the twin simulates (logging, tokenizer, tool calling, ...) are accepted and ignored; flags vLLM
+0.33 removed are refused with vLLM's reason; any other unknown flag is an argparse error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any
+
+from kvpilot.api import vllm as vllm_facts
+from kvpilot.twin.engine import EngineConfig
+from kvpilot.twin.hardware import GPU_ENV, GPU_PRESETS, resolve_gpu
+from kvpilot.twin.models import MODEL_PRESETS, ModelSpec, ModelSpecError, load_model_config, resolve_model
+
+# vLLM flags the twin accepts and ignores: they take a value ...
+HARMLESS_VALUE_FLAGS: tuple[str, ...] = (
+    "--dtype", "--download-dir", "--tokenizer", "--revision", "--tokenizer-revision", "--tokenizer-mode",
+    "--max-log-len", "--swap-space", "--load-format", "--tool-call-parser", "--chat-template",
+    "--generation-config", "--otlp-traces-endpoint", "--collect-detailed-traces", "--distributed-executor-backend",
+    "--uvicorn-log-level", "--api-key", "--root-path", "--response-role", "--hf-overrides", "--reasoning-parser",
+    "--scheduling-policy", "--compilation-config", "--allowed-origins",
+)
+# ... or are switches.
+HARMLESS_SWITCHES: tuple[str, ...] = (
+    "--trust-remote-code", "--disable-log-requests", "--enable-log-requests", "--disable-log-stats",
+    "--enforce-eager", "--enable-auto-tool-choice", "--disable-custom-all-reduce",
+    "--disable-frontend-multiprocessing", "--disable-fastapi-docs", "--enable-prompt-tokens-details",
+    "--enable-force-include-usage", "--disable-uvicorn-access-log", "--enable-server-load-tracking",
+)
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+def human_int(text: str) -> int:
+    """An integer that may carry a size suffix, read as vLLM reads `--max-model-len 32k`:
+    lowercase k/m/g/t are powers of 1000, uppercase K/M/G/T (or a trailing i: Ki, Gi) of 1024."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (suffixes k, K, m, M, g, G, Gi allowed)")
+    value, unit, binary = float(m.group(1)), m.group(2), bool(m.group(3)) or m.group(2).isupper()
+    power = "kmgt".index(unit.lower()) + 1 if unit else 0
+    result = value * ((1024 if binary else 1000) ** power)
+    if result != int(result):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+    return int(result)
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < v <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is outside (0, 1]")
+    return v
+
+
+def _positive(text: str) -> int:
+    v = human_int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be >= 1")
+    return v
+
+
+def _non_negative(text: str) -> int:
+    v = human_int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be >= 0")
+    return v
+
+
+class _Removed(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        parser.error(f"{option_string}: {vllm_facts.REMOVED_FLAGS.get(option_string or '', 'removed')}")
+
+
+class _PipelineParallel(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        if values != 1:
+            parser.error(f"{option_string} {values}: the twin simulates one pipeline stage only (use 1)")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: bool = True) -> None:
+    g = parser.add_argument_group("engine (the same flags as `vllm serve`)")
+    if model_positional:
+        g.add_argument("model", nargs="?", default=None,
+                       help="model: a preset name or Hugging Face id (e.g. meta-llama/Llama-3.1-8B-Instruct)")
+    g.add_argument("--model", dest="model_flag", default=None, help="the model, as a flag (same as the positional)")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) the API serves the model under (default: the model)")
+    g.add_argument("--max-num-batched-tokens", type=_positive, default=None,
+                   help="token budget per step, the chunked-prefill chunk size (default as vLLM: 8192 on "
+                        ">=70 GiB GPUs other than A100, else 2048)")
+    g.add_argument("--max-num-seqs", type=_positive, default=None,
+                   help="most requests running at once (default as vLLM: 1024 or 256)")
+    g.add_argument("--gpu-memory-utilization", type=_fraction, default=None,
+                   help=f"fraction of GPU memory for the engine (default {vllm_facts.DEFAULT_GPU_MEMORY_UTILIZATION})")
+    g.add_argument("--kv-cache-memory-bytes", type=_positive, default=None,
+                   help="KV-cache size in bytes (e.g. 20Gi); overrides --gpu-memory-utilization")
+    g.add_argument("--max-model-len", type=_positive, default=None,
+                   help="longest prompt + output in tokens, e.g. 8192 or 32k (default: the model's)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1, help="GPUs per replica (default 1)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=_positive, default=1, action=_PipelineParallel,
+                   help=argparse.SUPPRESS)
+    g.add_argument("--block-size", type=int, choices=vllm_facts.BLOCK_SIZES, default=vllm_facts.DEFAULT_BLOCK_SIZE,
+                   help="tokens per KV-cache block (default 16)")
+    g.add_argument("--kv-cache-dtype", choices=vllm_facts.KV_CACHE_DTYPES, default="auto",
+                   help="KV-cache dtype; fp8 variants halve the bytes per token (default auto = model dtype)")
+    g.add_argument("--long-prefill-token-threshold", type=_non_negative,
+                   default=vllm_facts.DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD,
+                   help="cap on one request's prefill chunk per step when others are eligible (0 = none)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse KV blocks of shared prompt prefixes (vLLM V1 default: on)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="accepted for compatibility: chunked prefill is always on in vLLM V1")
+    g.add_argument("--watermark", type=float, default=0.0,
+                   help="fraction of KV blocks kept free when admitting new requests (default 0)")
+    g.add_argument("--shutdown-timeout", type=_non_negative, default=0,
+                   help="seconds to let in-flight requests finish after SIGTERM (0 = abort them)")
+    g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    t = parser.add_argument_group("twin only")
+    t.add_argument("--gpu", default=None,
+                   help=f"GPU preset: {', '.join(GPU_PRESETS)} (default ${GPU_ENV} or H100-80GB)")
+    t.add_argument("--model-config", default=None, metavar="CONFIG_JSON",
+                   help="a Hugging Face config.json for a model without a preset")
+    ig = parser.add_argument_group("accepted and ignored (no effect on the simulation)")
+    for flag in HARMLESS_VALUE_FLAGS:
+        ig.add_argument(flag, default=None, metavar="VALUE", help=argparse.SUPPRESS)
+    for flag in HARMLESS_SWITCHES:
+        ig.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    for flag in vllm_facts.REMOVED_FLAGS:
+        parser.add_argument(flag, nargs="?", action=_Removed, help=argparse.SUPPRESS)
+
+
+def model_from_args(args: argparse.Namespace) -> ModelSpec:
+    """The model spec named by the flags: `--model-config` wins; else the positional or `--model`.
+    ModelSpecError (a ValueError) names the presets when the name is unknown."""
+    name = getattr(args, "model", None) or getattr(args, "model_flag", None)
+    if getattr(args, "model_config", None):
+        return load_model_config(args.model_config, name=name)
+    if not name:
+        raise ModelSpecError(f"no model given: name a preset ({', '.join(MODEL_PRESETS)}) or pass --model-config")
+    return resolve_model(name)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from parsed flags.  ValueError subclasses for unknown GPUs/models."""
+    served = args.served_model_name[0] if args.served_model_name else (
+        getattr(args, "model", None) or getattr(args, "model_flag", None))
+    return EngineConfig(
+        model=model_from_args(args),
+        gpu=resolve_gpu(args.gpu),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        max_model_len=args.max_model_len,
+        tensor_parallel_size=args.tensor_parallel_size,
+        block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        enable_prefix_caching=args.enable_prefix_caching,
+        served_model_name=served,
+        seed=args.seed,
+        watermark=args.watermark,
+    )
