@@ -140,9 +140,8 @@ class VllmMetrics:
         """One engine step.  As in vLLM, `num_prompt_tokens` counts the whole prompt of each
         request that produced its first token in this step, and the iteration-tokens histogram
         observes prompt + generation tokens so counted (not the scheduled chunk sizes)."""
-        self.running.set(num_running)
-        self.waiting.set(num_waiting)
-        self.kv_usage.set(kv_cache_usage)
+        self.set_scheduler_state(num_running=num_running, num_waiting=num_waiting,
+                                 kv_cache_usage=kv_cache_usage)
         if num_preemptions:
             self.preemptions.inc(num_preemptions)
         if num_prompt_tokens:
@@ -154,6 +153,11 @@ class VllmMetrics:
         if prefix_hits:
             self.prefix_hits.inc(prefix_hits)
         self.iteration_tokens.observe(num_prompt_tokens + num_generation_tokens)
+
+    def set_scheduler_state(self, *, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+        self.kv_usage.set(kv_cache_usage)
 
     def record_first_token(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)

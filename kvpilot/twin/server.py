@@ -141,6 +141,7 @@ class EngineLoop:
         if self.dead is None:
             self.engine.abort_request(tr.request_id)
         self.metrics.record_aborted()
+        self._refresh_gauges()
         tr.queue.put_nowait(Delivery(0, True, "abort", time.monotonic()))
         if not self.tracked:
             self._empty.set()
@@ -150,6 +151,17 @@ class EngineLoop:
     def abort_all(self, why: str) -> None:
         for tr in list(self.tracked.values()):
             self.abort(tr, why)
+
+    def _refresh_gauges(self) -> None:
+        """Scheduler gauges outside a step: an abort frees a slot and KV blocks at once, and an
+        idle engine takes no further step that would report it."""
+        engine: Any = self.engine
+        try:
+            running, waiting = int(engine.num_running), int(engine.num_waiting)
+            usage = float(engine.kv_cache_usage())
+        except (AttributeError, TypeError):
+            return  # an engine without these accessors: the next step reports them
+        self.metrics.set_scheduler_state(num_running=running, num_waiting=waiting, kv_cache_usage=usage)
 
     async def wait_empty(self, timeout: float) -> bool:
         """Until no request is in flight; False if `timeout` passed first."""
@@ -176,6 +188,8 @@ class EngineLoop:
                 next_start = started + float(out.duration_s)
                 await asyncio.sleep(max(0.0, next_start - loop_clock()))
                 self._deliver(out, started, loop_clock())
+                if not self.engine.has_unfinished_requests():
+                    self._refresh_gauges()  # an abort during the step left `out` stale
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # an engine bug must not hang every client: fail them, go unhealthy
