@@ -5,8 +5,7 @@ the code declares (kvpilot/operator/rbac.py) and against the calls a real operat
 add a rule here only together with the code that needs it.
 */}}
 
-{{/* The operator: kopf's own needs (watch the resource, patch its finalizer and status,
-post Events) plus the children it owns. */}}
+{{/* The operator: kvpilot/operator/rbac.py (RULES) says why each rule is there. */}}
 {{- define "kvpilot.operatorRules" -}}
 - apiGroups: [kvpilot.dev]
   resources: [inferenceservices]
@@ -16,19 +15,31 @@ post Events) plus the children it owns. */}}
   verbs: [get, patch]
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, list, watch, create, patch, delete]
+  verbs: [get, list, watch, create, patch]
 - apiGroups: [""]
   resources: [services]
-  verbs: [get, list, watch, create, patch, delete]
+  verbs: [get, create, patch]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
-  verbs: [get, list, watch, create, patch, delete]
+  verbs: [get, create, patch, delete]
 - apiGroups: [monitoring.coreos.com]
   resources: [servicemonitors, prometheusrules]
-  verbs: [get, create, patch, delete]
+  verbs: [get, create, patch]
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+- apiGroups: [events.k8s.io]
+  resources: [events]
+  verbs: [create]
+{{- end -}}
+
+{{/* Cluster-scoped resources the operator reads: a Role cannot grant these, so with
+rbac.scope=namespace they go into a small ClusterRole of their own. kopf watches CRDs to notice
+the InferenceService (or Prometheus Operator) CRDs being installed while it runs. */}}
+{{- define "kvpilot.operatorClusterRules" -}}
+- apiGroups: [apiextensions.k8s.io]
+  resources: [customresourcedefinitions]
+  verbs: [get, list, watch]
 {{- end -}}
 
 {{/* The tuner: read an InferenceService, patch its tuned engine fields (field manager

@@ -351,7 +351,10 @@ def test_cluster_scope_binds_cluster_roles_to_the_service_accounts() -> None:
 
 def test_namespace_scope_grants_roles_in_each_watched_namespace_only() -> None:
     objects = render("namespace-scoped")
-    assert find(objects, "ClusterRole") == [] and find(objects, "ClusterRoleBinding") == []
+    # Only the cluster-scoped reads a Role cannot grant (CRDs) stay in a ClusterRole.
+    (cluster_role,) = find(objects, "ClusterRole")
+    assert {r for rule in cluster_role["rules"] for r in rule["resources"]} == {"customresourcedefinitions"}
+    assert all(set(rule["verbs"]) <= {"get", "list", "watch"} for rule in cluster_role["rules"])
     for component in ("operator", "tuner"):
         roles = find(objects, "Role", f"-{component}")
         bindings = find(objects, "RoleBinding", f"-{component}")

@@ -1,0 +1,335 @@
+"""Least privilege, checked three ways:
+
+1. the chart grants the operator exactly what kvpilot/operator/rbac.py declares (no more, no less),
+   in both RBAC scopes;
+2. every request a real operator run makes (KMock records them) is granted by the chart;
+3. the tuner's grants match the calls its Kubernetes code makes.
+
+A permission is a (apiGroup, resource, verb) triple; resource may carry a subresource
+("inferenceservices/status"), as in RBAC.
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.parse
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.unit.ship.chart import ROOT, Rendered, find, render
+
+Permission = tuple[str, str, str]
+
+pytest.importorskip("helm_python", reason="helm-python-sdk is not installed (pip install -e '.[test]')")
+
+# Cluster-scoped resources a namespaced Role cannot grant (the ones an operator might touch).
+CLUSTER_SCOPED = {
+    ("apiextensions.k8s.io", "customresourcedefinitions"),
+    ("", "namespaces"),
+    ("", "nodes"),
+    ("", "persistentvolumes"),
+    ("rbac.authorization.k8s.io", "clusterroles"),
+    ("rbac.authorization.k8s.io", "clusterrolebindings"),
+    ("storage.k8s.io", "storageclasses"),
+}
+
+
+def expand(rules: Iterable[dict[str, Any]]) -> set[Permission]:
+    """RBAC rules -> the set of permissions they grant (wildcards are refused outright)."""
+    granted: set[Permission] = set()
+    for rule in rules:
+        assert "*" not in rule["apiGroups"] + rule["resources"] + rule["verbs"], f"wildcard in {rule}"
+        assert "resourceNames" not in rule and "nonResourceURLs" not in rule, rule
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                for verb in rule["verbs"]:
+                    granted.add((group, resource, verb))
+    return granted
+
+
+def chart_grants(objects: list[Rendered], component: str) -> dict[str | None, set[Permission]]:
+    """namespace (None for cluster-wide) -> what the chart grants `component`'s ServiceAccount."""
+    sa = next(
+        r.obj["metadata"]["name"]
+        for r in objects
+        if r.kind == "ServiceAccount" and r.name.endswith(f"-{component}")
+    )
+    roles = {
+        (r.kind, r.obj["metadata"].get("namespace"), r.name): r.obj
+        for r in objects
+        if r.kind in ("Role", "ClusterRole")
+    }
+    grants: dict[str | None, set[Permission]] = {}
+    for r in objects:
+        if r.kind not in ("RoleBinding", "ClusterRoleBinding"):
+            continue
+        if not any(s["kind"] == "ServiceAccount" and s["name"] == sa for s in r.obj["subjects"]):
+            continue
+        namespace = r.obj["metadata"].get("namespace")
+        role_kind = r.obj["roleRef"]["kind"]
+        role = roles[(role_kind, namespace if role_kind == "Role" else None, r.obj["roleRef"]["name"])]
+        grants.setdefault(namespace, set()).update(expand(role["rules"]))
+    return grants
+
+
+def declared_operator() -> set[Permission]:
+    from kvpilot.operator import rbac
+
+    return expand(rbac.cluster_role_rules())
+
+
+def diff(granted: set[Permission], needed: set[Permission]) -> str:
+    missing, extra = sorted(needed - granted), sorted(granted - needed)
+    return f"missing: {missing}; granted but not needed: {extra}"
+
+
+# --- 1. chart == declared --------------------------------------------------------------------------
+
+
+def test_cluster_scope_grants_the_operator_exactly_what_it_declares() -> None:
+    grants = chart_grants(render("default"), "operator")
+    assert set(grants) == {None}
+    assert grants[None] == declared_operator(), diff(grants[None], declared_operator())
+
+
+def test_namespace_scope_grants_the_same_split_by_scope() -> None:
+    grants = chart_grants(render("namespace-scoped"), "operator")
+    declared = declared_operator()
+    cluster_part = {p for p in declared if (p[0], p[1].split("/")[0]) in CLUSTER_SCOPED}
+    namespaced_part = declared - cluster_part
+    assert set(grants) == {"team-a", "team-b", None}
+    for ns in ("team-a", "team-b"):
+        assert grants[ns] == namespaced_part, diff(grants[ns], namespaced_part)
+    assert grants[None] == cluster_part, diff(grants[None], cluster_part)
+
+
+def test_no_role_names_a_cluster_scoped_resource() -> None:
+    for r in render("namespace-scoped"):
+        if r.kind == "Role":
+            for group, resource, _ in expand(r.obj["rules"]):
+                assert (group, resource.split("/")[0]) not in CLUSTER_SCOPED, (r.name, group, resource)
+
+
+def test_the_comparison_catches_a_missing_and_an_extra_grant() -> None:
+    declared = declared_operator()
+    dropped = sorted(declared)[0]
+    assert declared - {dropped} != declared
+    text = diff(declared - {dropped}, declared)
+    assert str(dropped) in text.split(";")[0]
+    extra = ("", "secrets", "get")
+    assert str(extra) in diff(declared | {extra}, declared).split(";")[1]
+
+
+def test_no_component_can_read_secrets_or_escalate() -> None:
+    forbidden_resources = {
+        "secrets",
+        "pods/exec",
+        "serviceaccounts/token",
+        "roles",
+        "rolebindings",
+        "clusterroles",
+        "clusterrolebindings",
+    }
+    forbidden_verbs = {"escalate", "bind", "impersonate", "*"}
+    for value_set in ("default", "namespace-scoped"):
+        objects = render(value_set)
+        for component in ("operator", "tuner"):
+            for permissions in chart_grants(objects, component).values():
+                for _group, resource, verb in permissions:
+                    assert resource not in forbidden_resources and verb not in forbidden_verbs, (
+                        component,
+                        resource,
+                        verb,
+                    )
+
+
+# --- 2. every recorded call is granted -------------------------------------------------------------
+
+_RESOURCE_PATH = re.compile(
+    r"^/(?:api/(?P<core>v1)|apis/(?P<group>[^/]+)/(?P<version>[^/]+))"
+    r"(?:/namespaces/(?P<ns>[^/]+))?/(?P<resource>[^/]+)(?:/(?P<name>[^/]+)(?:/(?P<sub>[^/]+))?)?/?$"
+)
+
+
+def request_permission(method: str, path: str) -> tuple[str | None, Permission] | None:
+    """An HTTP request -> (namespace, permission) as the API server's authorizer sees it.
+
+    Discovery (/api, /apis, /apis/G/V, /version, /openapi) is a non-resource URL every
+    authenticated user may read (system:discovery) and maps to None.
+    """
+    parsed = urllib.parse.urlsplit(path)
+    query = urllib.parse.parse_qs(parsed.query)
+    m = _RESOURCE_PATH.match(parsed.path)
+    if not m:
+        return None
+    group = "" if m["core"] else m["group"]
+    resource, name, sub, ns = m["resource"], m["name"], m["sub"], m["ns"]
+    if sub:
+        resource = f"{resource}/{sub}"
+    watch = query.get("watch", ["false"])[0] in ("true", "1")
+    verb = {
+        "GET": "watch" if watch else ("get" if name else "list"),
+        "POST": "create",
+        "PUT": "update",
+        "PATCH": "patch",
+        "DELETE": "delete" if name else "deletecollection",
+    }[method.upper()]
+    return ns, (group, resource, verb)
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "expected"),
+    [
+        ("GET", "/apis", None),
+        ("GET", "/apis/kvpilot.dev/v1alpha1", None),
+        ("GET", "/api/v1", None),
+        (
+            "GET",
+            "/apis/kvpilot.dev/v1alpha1/inferenceservices",
+            (None, ("kvpilot.dev", "inferenceservices", "list")),
+        ),
+        (
+            "GET",
+            "/apis/kvpilot.dev/v1alpha1/inferenceservices?watch=true",
+            (None, ("kvpilot.dev", "inferenceservices", "watch")),
+        ),
+        (
+            "PATCH",
+            "/apis/kvpilot.dev/v1alpha1/namespaces/ns/inferenceservices/x/status",
+            ("ns", ("kvpilot.dev", "inferenceservices/status", "patch")),
+        ),
+        ("POST", "/api/v1/namespaces/ns/events", ("ns", ("", "events", "create"))),
+        ("GET", "/api/v1/namespaces/ns/services/svc", ("ns", ("", "services", "get"))),
+        (
+            "DELETE",
+            "/apis/policy/v1/namespaces/ns/poddisruptionbudgets/p",
+            ("ns", ("policy", "poddisruptionbudgets", "delete")),
+        ),
+        (
+            "GET",
+            "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
+            (None, ("apiextensions.k8s.io", "customresourcedefinitions", "list")),
+        ),
+    ],
+)
+def test_request_permission(method: str, path: str, expected: Any) -> None:
+    assert request_permission(method, path) == expected
+
+
+def allowed(grants: dict[str | None, set[Permission]], namespace: str | None, permission: Permission) -> bool:
+    group, resource, verb = permission
+    needed = {permission}
+    if verb == "list":
+        # KMock records the path without the query, so a watch reads as a list: need either.
+        needed = {(group, resource, "list"), (group, resource, "watch")}
+    pools = [grants.get(None, set())] + ([grants.get(namespace, set())] if namespace else [])
+    return any(p in pool for pool in pools for p in needed)
+
+
+def own_requests(api: Any) -> list[tuple[str, str]]:
+    """Record the requests this test sends through the KMockAPI helpers, so they can be told
+    apart from the operator's in KMock's record of every request."""
+    sent: list[tuple[str, str]] = []
+    send = api.request
+
+    def request(method: str, path: str, *args: Any, **kwargs: Any) -> Any:
+        sent.append((method, path))
+        return send(method, path, *args, **kwargs)
+
+    api.request = request
+    return sent
+
+
+def without(calls: list[tuple[str, str]], ours: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """calls minus one occurrence of each of ours (a multiset difference)."""
+    remaining = list(calls)
+    for call in ours:
+        remaining.remove(call)
+    return remaining
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_every_call_of_a_real_operator_run_is_granted(tmp_path: Path) -> None:
+    """Run the real operator against KMock through a whole reconcile (create, change, rollout
+    progress) and hold every request it made against the chart's grants, in both scopes."""
+    kmock_api = pytest.importorskip("tests.support.kmock_api", reason="the KMock harness is not there yet")
+
+    isvc = yaml.safe_load((ROOT / "examples" / "twin.yaml").read_text())
+    isvc["metadata"]["namespace"] = "team-a"
+    name = isvc["metadata"]["name"]
+    with kmock_api.KMockAPI(monitoring_crds=True) as api:
+        ours = own_requests(api)
+        with kmock_api.kopf_operator(api, tmp_path):  # --all-namespaces, as the chart runs it
+            api.create_isvc(isvc)
+            deploy_path = f"/apis/apps/v1/namespaces/team-a/deployments/{name}"
+            deployment = kmock_api.wait_for(
+                lambda: api.get_or_none(deploy_path), what="the engine Deployment"
+            )
+            # A tuned-field change: the operator patches the Deployment and tracks its rollout.
+            api.patch(api.isvc_path("team-a", name), {"spec": {"engine": {"maxNumBatchedTokens": 4096}}})
+            kmock_api.wait_for(
+                lambda: (
+                    api.get(deploy_path)["metadata"]["resourceVersion"]
+                    != deployment["metadata"]["resourceVersion"]
+                ),
+                what="the Deployment to be patched",
+            )
+            # Rollout progress comes from Deployment status, which only a controller writes.
+            replicas = isvc["spec"]["replicas"]
+            current = api.get(deploy_path)
+            api.patch(
+                deploy_path + "/status",
+                {
+                    "status": {
+                        "observedGeneration": current["metadata"]["generation"],
+                        "replicas": replicas,
+                        "readyReplicas": replicas,
+                        "updatedReplicas": replicas,
+                        "availableReplicas": replicas,
+                    }
+                },
+            )
+            kmock_api.wait_for(
+                lambda: any(
+                    c.get("type") == "Ready" and c.get("status") == "True"
+                    for c in (api.get_isvc("team-a", name).get("status") or {}).get("conditions", [])
+                ),
+                what="the InferenceService to become Ready",
+            )
+        operator_calls = without(api.calls, ours)
+
+    seen = {p for call in operator_calls if (p := request_permission(*call)) is not None}
+    assert any(perm == ("apps", "deployments", "create") for _, perm in seen), sorted(seen)
+    grants = chart_grants(render("default"), "operator")
+    denied = sorted((ns, perm) for ns, perm in seen if not allowed(grants, ns, perm))
+    assert denied == [], f"the operator called what the chart does not grant: {denied}"
+    # And nothing it called is missing from what it declares (kvpilot/operator/rbac.py).
+    declared = {None: declared_operator()}
+    undeclared = sorted((ns, perm) for ns, perm in seen if not allowed(declared, ns, perm))
+    assert undeclared == [], f"the operator called what rbac.py does not declare: {undeclared}"
+
+
+# --- 3. the tuner ------------------------------------------------------------------------------------
+
+
+def test_tuner_grants() -> None:
+    """The tuner reads InferenceServices, patches their tuned engine fields, and posts Events."""
+    grants = chart_grants(render("default"), "tuner")
+    assert set(grants) == {None}
+    assert grants[None] == TUNER_NEEDS, diff(grants[None], TUNER_NEEDS)
+    assert chart_grants(render("namespace-scoped"), "tuner") == {"team-a": TUNER_NEEDS, "team-b": TUNER_NEEDS}
+    assert find(render("operator-only"), "ClusterRole", "-tuner") == []
+
+
+TUNER_NEEDS: set[Permission] = {
+    ("kvpilot.dev", "inferenceservices", "get"),
+    ("kvpilot.dev", "inferenceservices", "list"),
+    ("kvpilot.dev", "inferenceservices", "watch"),
+    ("kvpilot.dev", "inferenceservices", "patch"),
+    ("", "events", "create"),
+}
