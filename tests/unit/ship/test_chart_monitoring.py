@@ -1,0 +1,178 @@
+"""kvpilot's own alerts, as the chart renders them, run through Prometheus' promtool: the rules
+parse, each alert fires on the series it is about and stays quiet on healthy ones, and every
+metric they name is one the operator really exports.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.unit.ship.chart import NAMESPACE, RELEASE, one, render
+
+pytest.importorskip("helm_python", reason="helm-python-sdk is not installed (pip install -e '.[test]')")
+
+JOB = f"{RELEASE}-kvpilot-operator"
+
+
+def _rule() -> dict[str, Any]:
+    return one(render("monitoring"), "PrometheusRule")
+
+
+def _alerts() -> dict[str, dict[str, Any]]:
+    return {r["alert"]: r for g in _rule()["spec"]["groups"] for r in g["rules"]}
+
+
+@pytest.fixture
+def promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.skip("promtool is not installed (apt-get install prometheus; .ci/run installs it)")
+    return path
+
+
+@pytest.fixture
+def rules_file(tmp_path: Path) -> Path:
+    path = tmp_path / "kvpilot-rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": _rule()["spec"]["groups"]}, sort_keys=False))
+    return path
+
+
+def test_rules_pass_promtool_check(promtool: str, rules_file: Path) -> None:
+    result = subprocess.run(
+        [promtool, "check", "rules", str(rules_file)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "3 rules found" in result.stdout
+
+
+def _series(name: str, labels: dict[str, str], values: str) -> dict[str, str]:
+    inner = ", ".join(f'{k}="{v}"' for k, v in labels.items())
+    return {"series": f"{name}{{{inner}}}", "values": values}
+
+
+def test_alerts_fire_on_their_signal_and_not_before(promtool: str, rules_file: Path, tmp_path: Path) -> None:
+    alerts = _alerts()
+    target = {"job": JOB, "namespace": NAMESPACE}
+
+    def expected(alert: str, annotations: dict[str, str] | None = None) -> list[dict[str, Any]]:
+        rule = alerts[alert]
+        return [{"exp_labels": rule["labels"], "exp_annotations": annotations or rule["annotations"]}]
+
+    errors_description = alerts["KvpilotReconcileErrors"]["annotations"]["description"].replace(
+        "{{ $value | humanizePercentage }}", "50%"
+    )
+    tests = [
+        {  # The operator stops answering at minute 2; `for: 5m` -> firing from minute 7.
+            "interval": "1m",
+            "input_series": [_series("up", target, "1 1 0x15")],
+            "alert_rule_test": [
+                {"eval_time": "6m", "alertname": "KvpilotOperatorDown", "exp_alerts": []},
+                {
+                    "eval_time": "8m",
+                    "alertname": "KvpilotOperatorDown",
+                    "exp_alerts": expected("KvpilotOperatorDown"),
+                },
+            ],
+        },
+        {  # The target vanishes from discovery altogether: no `up` series at all.
+            "interval": "1m",
+            "input_series": [_series("up", {"job": "something-else", "namespace": NAMESPACE}, "1x15")],
+            "alert_rule_test": [
+                {
+                    "eval_time": "8m",
+                    "alertname": "KvpilotOperatorDown",
+                    "exp_alerts": expected("KvpilotOperatorDown"),
+                },
+            ],
+        },
+        {  # Healthy: up, reconciles succeed, no rollbacks -> silence.
+            "interval": "1m",
+            "input_series": [
+                _series("up", target, "1x30"),
+                _series("kvpilot_reconciles_total", {**target, "result": "success"}, "0+60x30"),
+                _series("kvpilot_reconciles_total", {**target, "result": "error"}, "0x30"),
+                _series("kvpilot_rollbacks_total", target, "0x30"),
+            ],
+            "alert_rule_test": [
+                {"eval_time": "25m", "alertname": name, "exp_alerts": []}
+                for name in ("KvpilotOperatorDown", "KvpilotReconcileErrors", "KvpilotRollback")
+            ],
+        },
+        {  # Half the reconciles fail from the start; `for: 10m` after a 5m rate window fills.
+            "interval": "1m",
+            "input_series": [
+                _series("up", target, "1x30"),
+                _series("kvpilot_reconciles_total", {**target, "result": "success"}, "0+60x30"),
+                _series("kvpilot_reconciles_total", {**target, "result": "error"}, "0+60x30"),
+            ],
+            "alert_rule_test": [
+                {"eval_time": "5m", "alertname": "KvpilotReconcileErrors", "exp_alerts": []},
+                {
+                    "eval_time": "20m",
+                    "alertname": "KvpilotReconcileErrors",
+                    "exp_alerts": expected(
+                        "KvpilotReconcileErrors",
+                        {
+                            **alerts["KvpilotReconcileErrors"]["annotations"],
+                            "description": errors_description,
+                        },
+                    ),
+                },
+            ],
+        },
+        {  # One rollback at minute 10: fires at once, clears once it leaves the 15m window.
+            "interval": "1m",
+            "input_series": [_series("kvpilot_rollbacks_total", target, "0x10 1x30")],
+            "alert_rule_test": [
+                {"eval_time": "9m", "alertname": "KvpilotRollback", "exp_alerts": []},
+                {
+                    "eval_time": "12m",
+                    "alertname": "KvpilotRollback",
+                    "exp_alerts": expected("KvpilotRollback"),
+                },
+                {"eval_time": "30m", "alertname": "KvpilotRollback", "exp_alerts": []},
+            ],
+        },
+    ]
+    test_file = tmp_path / "kvpilot-rules.test.yaml"
+    test_file.write_text(
+        yaml.safe_dump(
+            {"rule_files": [rules_file.name], "evaluation_interval": "1m", "tests": tests}, sort_keys=False
+        )
+    )
+    result = subprocess.run(
+        [promtool, "test", "rules", test_file.name], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_alerts_name_only_metrics_the_operator_exports() -> None:
+    from prometheus_client import generate_latest
+
+    from kvpilot.operator.metrics import OperatorMetrics
+
+    exported = {
+        m.group(1)
+        for line in generate_latest(OperatorMetrics().registry).decode().splitlines()
+        if (m := re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{| )", line))
+    }
+    used = {
+        name for rule in _alerts().values() for name in re.findall(r"\b(kvpilot_[a-z_]+)\b", rule["expr"])
+    }
+    assert used, "the alerts should be about kvpilot's own metrics"
+    assert used <= exported, f"not exported by the operator: {sorted(used - exported)}"
+
+
+def test_alerts_select_the_scraped_job() -> None:
+    """The ServiceMonitor's target is the operator Service, so Prometheus labels it job=<Service name>."""
+    service = one(render("monitoring"), "Service", "-operator")
+    assert service["metadata"]["name"] == JOB
+    for rule in _alerts().values():
+        assert f'job="{JOB}"' in rule["expr"]
