@@ -35,11 +35,11 @@ def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     retry_delay = rt.settings.handler_retry_delay_seconds
 
-    @kopf.on.startup(registry=registry)
+    @kopf.on.startup(registry=registry, id="configure")
     def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         configure_kopf(settings)
 
-    @kopf.on.login(registry=registry)
+    @kopf.on.login(registry=registry, id="login")
     def login(**kwargs: Any) -> kopf.ConnectionInfo:
         # kopf's own pure-Python logins (no kubernetes client import): in-cluster first, then kubeconfig.
         info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
@@ -48,13 +48,13 @@ def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
         rt.client.set_credentials(info)
         return info
 
-    @kopf.on.cleanup(registry=registry)
+    @kopf.on.cleanup(registry=registry, id="cleanup")
     async def cleanup(**_: Any) -> None:
         await rt.client.close()
 
-    @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry, backoff=retry_delay)
-    @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry, backoff=retry_delay)
-    @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry, backoff=retry_delay)
+    @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry, id="reconcile", backoff=retry_delay)
+    @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry, id="reconcile", backoff=retry_delay)
+    @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry, id="reconcile", backoff=retry_delay)
     async def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
         def emit(type_: str, reason: str, message: str) -> None:
             kopf.event(body, type=type_, reason=reason, message=message)
@@ -68,7 +68,7 @@ def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
         if status:
             patch.status.update(status)
 
-    @kopf.on.event("apps", "v1", "deployments", registry=registry,
+    @kopf.on.event("apps", "v1", "deployments", registry=registry, id="track-rollout",
                    labels={LABEL_MANAGED_BY: MANAGED_BY})
     async def deployment_event(body: kopf.Body, type: str | None, logger: logging.Logger, **_: Any) -> None:
         if type == "DELETED":

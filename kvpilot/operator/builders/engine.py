@@ -52,6 +52,8 @@ def engine_args(isvc: InferenceService, engine: EngineSpec | None = None) -> lis
     args += typed_flags(isvc, engine)
     if engine.kind == "twin":
         args += ["--gpu", engine.twin.gpu]
+        if engine.twin.startup_delay_seconds > 0:
+            args += ["--startup-delay", _number(engine.twin.startup_delay_seconds)]
     args += list(engine.extra_args)
     return args
 

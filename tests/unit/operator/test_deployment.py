@@ -1,0 +1,169 @@
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvpilot.operator.builders import (
+    ANNOTATION_CONFIG_HASH,
+    ANNOTATION_ENGINE,
+    RenderOptions,
+    build_deployment,
+    render_manifests,
+)
+from kvpilot.operator.builders.deployment import STARTUP_PERIOD_SECONDS
+from tests.unit.operator.fixtures import isvc
+
+
+def container(dep: dict[str, Any]) -> dict[str, Any]:
+    return dep["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_startup_probe_covers_the_whole_model_load() -> None:
+    dep = build_deployment(isvc(rollout={"startupTimeoutSeconds": 1805}))
+    probe = container(dep)["startupProbe"]
+    assert probe["httpGet"] == {"path": "/health", "port": "http"}
+    assert probe["periodSeconds"] == STARTUP_PERIOD_SECONDS
+    assert probe["periodSeconds"] * probe["failureThreshold"] >= 1805
+    assert probe["periodSeconds"] * (probe["failureThreshold"] - 1) < 1805
+
+
+def test_readiness_on_health_and_liveness_cannot_kill_a_loading_model() -> None:
+    c = container(build_deployment(isvc()))
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    live = c["livenessProbe"]
+    # Kubernetes runs liveness only after the startup probe succeeded; no initial delay is needed,
+    # and a busy engine gets minutes, not seconds, before it is restarted.
+    assert "startupProbe" in c
+    assert live["httpGet"]["path"] == "/health"
+    assert live["periodSeconds"] * live["failureThreshold"] >= 120
+    assert live["timeoutSeconds"] >= 5
+
+
+@pytest.mark.parametrize(("pre_stop", "shutdown"), [(10, 30), (0, 0), (60, 600)])
+def test_grace_period_covers_pre_stop_and_drain(pre_stop: int, shutdown: int) -> None:
+    dep = build_deployment(isvc(rollout={"preStopSeconds": pre_stop, "shutdownTimeoutSeconds": shutdown}))
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] >= pre_stop + shutdown
+    args = container(dep)["args"]
+    assert args[args.index("--shutdown-timeout") + 1] == str(shutdown)
+    if pre_stop:
+        assert container(dep)["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(pre_stop)]
+    else:
+        assert "lifecycle" not in container(dep)
+
+
+@pytest.mark.parametrize(("replicas", "surge", "expected"), [
+    (2, 1, {"maxSurge": 1, "maxUnavailable": 0}),
+    (1, 2, {"maxSurge": 2, "maxUnavailable": 0}),
+    (3, 0, {"maxSurge": 0, "maxUnavailable": 1}),
+])
+def test_rolling_update_never_drops_below_ready_unless_no_surge(replicas: int, surge: int,
+                                                                 expected: dict[str, int]) -> None:
+    dep = build_deployment(isvc(replicas=replicas, rollout={"maxSurge": surge}))
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": expected}
+
+
+def test_progress_deadline_and_replicas_from_spec() -> None:
+    dep = build_deployment(isvc(replicas=3, rollout={"progressDeadlineSeconds": 900, "startupTimeoutSeconds": 600}))
+    assert dep["spec"]["progressDeadlineSeconds"] == 900
+    assert dep["spec"]["replicas"] == 3
+
+
+def test_gpus_shm_and_hf_token() -> None:
+    dep = build_deployment(isvc(resources={"gpus": 2, "gpuResource": "amd.com/gpu", "cpu": "8",
+                                           "memory": "64Gi", "shmSize": "16Gi"},
+                                engine={"tensorParallelSize": 2},
+                                hfTokenSecret={"name": "hf", "key": "token"}))
+    c = container(dep)
+    assert c["resources"]["limits"] == {"amd.com/gpu": 2, "cpu": "8", "memory": "64Gi"}
+    assert c["resources"]["requests"] == c["resources"]["limits"]
+    assert c["env"] == [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    assert dep["spec"]["template"]["spec"]["volumes"] == [
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}]
+
+
+def test_twin_uses_the_operator_image_and_requests_no_gpu() -> None:
+    dep = build_deployment(isvc(engine={"kind": "twin"}, resources={"gpus": 0}),
+                           RenderOptions(twin_image="registry.local/kvpilot:1.2"))
+    c = container(dep)
+    assert c["image"] == "registry.local/kvpilot:1.2"
+    assert c["command"] == ["kvpilot", "twin", "serve"]
+    assert "nvidia.com/gpu" not in c["resources"]["limits"]
+    assert dep["metadata"]["labels"]["app.kubernetes.io/name"] == "kvpilot-twin"
+
+
+def test_every_child_has_labels_and_a_controller_owner_reference() -> None:
+    svc = isvc()
+    for manifest in render_manifests(svc):
+        meta = manifest["metadata"]
+        assert meta["namespace"] == "serving"
+        assert meta["ownerReferences"] == [{
+            "apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService", "name": "llama",
+            "uid": svc.metadata.uid, "controller": True, "blockOwnerDeletion": True}]
+        labels = meta["labels"]
+        assert labels["app.kubernetes.io/instance"] == "llama"
+        assert labels["app.kubernetes.io/managed-by"] == "kvpilot"
+        assert labels["kvpilot.dev/inferenceservice"] == "llama"
+        assert "app.kubernetes.io/name" in labels
+
+
+def test_selector_matches_the_pod_template() -> None:
+    dep = build_deployment(isvc())
+    selector = dep["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_children_by_replicas_and_monitoring() -> None:
+    kinds = [m["kind"] for m in render_manifests(isvc(replicas=1))]
+    assert kinds == ["Deployment", "Service", "ServiceMonitor", "PrometheusRule"]
+    kinds = [m["kind"] for m in render_manifests(isvc(replicas=2), RenderOptions(service_monitors=False,
+                                                                                prometheus_rules=False))]
+    assert kinds == ["Deployment", "Service", "PodDisruptionBudget"]
+    pdb = render_manifests(isvc(replicas=2))[2]
+    assert pdb["spec"]["maxUnavailable"] == 1
+    service = render_manifests(isvc())[1]
+    assert service["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
+
+
+def _hash(dep: dict[str, Any]) -> str:
+    value = dep["spec"]["template"]["metadata"]["annotations"][ANNOTATION_CONFIG_HASH]
+    assert dep["metadata"]["annotations"][ANNOTATION_CONFIG_HASH] == value
+    return str(value)
+
+
+def test_config_hash_is_stable_and_ignores_slo_and_tuning() -> None:
+    base = build_deployment(isvc())
+    assert _hash(base) == _hash(build_deployment(isvc()))
+    retargeted = build_deployment(isvc(slo={"ttftSeconds": 1.0, "itlSeconds": 0.1, "objective": 0.999},
+                                       tuning={"enabled": True, "maxTrials": 5}))
+    assert retargeted["spec"]["template"] == base["spec"]["template"]
+    # Scaling changes the Deployment, not the pods.
+    assert _hash(build_deployment(isvc(replicas=5))) == _hash(base)
+
+
+@pytest.mark.parametrize("change", [
+    {"engine": {"maxNumBatchedTokens": 4096}},
+    {"engine": {"gpuMemoryUtilization": 0.8}},
+    {"engine": {"extraArgs": ["--enable-prefix-caching"]}},
+    {"resources": {"memory": "48Gi"}},
+    {"rollout": {"preStopSeconds": 20}},
+    {"model": "Qwen/Qwen2.5-7B-Instruct"},
+])
+def test_config_hash_changes_with_what_the_pod_runs(change: dict[str, Any]) -> None:
+    assert _hash(build_deployment(isvc(**change))) != _hash(build_deployment(isvc()))
+
+
+def test_engine_annotation_records_the_engine_and_an_override_wins() -> None:
+    import json
+
+    from kvpilot.api.models import EngineSpec
+
+    svc = isvc(engine={"maxNumBatchedTokens": 8192})
+    good = EngineSpec.model_validate({"maxNumBatchedTokens": 2048})
+    dep = build_deployment(svc, engine=good)
+    assert json.loads(dep["metadata"]["annotations"][ANNOTATION_ENGINE])["maxNumBatchedTokens"] == 2048
+    args = container(dep)["args"]
+    assert args[args.index("--max-num-batched-tokens") + 1] == "2048"
+    assert _hash(dep) == _hash(build_deployment(isvc(engine={"maxNumBatchedTokens": 2048})))
