@@ -32,8 +32,8 @@ from kvpilot.api import vllm as vllm_facts
 from kvpilot.twin.hardware import GiB, GpuSpec, resolve_gpu
 from kvpilot.twin.memory import EngineStartupError, MemoryPlan, kv_dtype_bytes, plan_memory
 from kvpilot.twin.models import ModelSpec, resolve_model
-from kvpilot.twin.scheduler import RUNNING, Request, Scheduler
-from kvpilot.twin.steptime import CALIBRATED, StepTimeModel, StepTimeParams
+from kvpilot.twin.scheduler import Request, Scheduler
+from kvpilot.twin.steptime import StepTimeModel, StepTimeParams
 
 __all__ = [
     "Engine", "EngineConfig", "EngineStartupError", "RequestOutput", "StepOutput", "default_batching",
@@ -69,7 +69,7 @@ class EngineConfig:
     seed: int = 0
     scheduler_reserve_full_isl: bool = True
     watermark: float = 0.0
-    step_time_params: StepTimeParams = CALIBRATED
+    step_time_params: StepTimeParams | None = None  # None: calibrated for the GPU's architecture
 
     def __post_init__(self) -> None:
         tokens, seqs = default_batching(self.gpu)
@@ -240,57 +240,12 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------------------
     def _run_step(self) -> tuple[float, list[Request], list[Request], int, int, int, list[tuple[int, int]]]:
-        """Schedule, price and apply one step: the hot loop of every simulation.
-
-        Returns (duration, scheduled, finished, preemptions, tokens, steady, gaps).  A request
-        that sampled a token has its `sched` negated (a cheap mark).  Token times are kept as
-        step indices on the request (the engine has no clock); `steady` counts tokens whose
-        previous token came at the end of the previous step (their inter-token latency is this
-        step's duration), `gaps` lists (previous step, this step) for the other non-first tokens.
-        """
-        sched = self.scheduler
-        scheduled, tokens, preempted = sched.schedule()
+        """Schedule, apply and price one step: (duration, scheduled, finished, preemptions,
+        tokens, steady, gaps); see Scheduler.step."""
         k = self.num_steps
         self.num_steps = k + 1
-        prev = k - 1
-        pairs = 0.0
-        decode_kv = 0
-        sampled = 0
-        steady = 0
-        gaps: list[tuple[int, int]] = []
-        finished: list[Request] = []
-        for req in scheduled:
-            n = req.sched
-            ctx = req.context
-            if n == 1:
-                decode_kv += ctx + 1
-            else:
-                pairs += n * (ctx + (n + 1) * 0.5)
-            if req.step_scheduled < 0:
-                req.step_scheduled = k
-            computed = ctx + n
-            req.num_computed = computed
-            if computed == req.num_tokens:
-                sampled += 1
-                req.num_tokens = computed + 1
-                out = req.num_output + 1
-                req.num_output = out
-                req.sched = -n
-                last = req.step_last_token
-                if last < 0:
-                    req.step_first_token = k
-                elif last == prev:
-                    steady += 1
-                else:
-                    gaps.append((last, k))
-                req.step_last_token = k
-                if out >= req.max_tokens:
-                    finished.append(req)
+        scheduled, finished, tokens, preempted, pairs, decode_kv, sampled, steady, gaps = self.scheduler.step(k)
         duration = self.step_model.step_time(tokens, len(scheduled), sampled, pairs, decode_kv)
-        if finished:
-            for req in finished:
-                sched.finish(req, "length")
-            sched.running = [r for r in sched.running if r.status == RUNNING]
         return duration, scheduled, finished, preempted, tokens, steady, gaps
 
     def step(self) -> StepOutput:

@@ -160,7 +160,8 @@ def simulate(
     add = sched.add
     bs = config.block_size
     run = engine._run_step
-    usage = sched.kv_cache_usage
+    usable = sched.usable_blocks or 1
+    evictable = sched.evictable
     starts: list[float] = []
     ends: list[float] = []
     steadies: list[int] = []
@@ -195,7 +196,7 @@ def simulate(
         tokens_total += tokens
         if g:
             gaps.extend(g)
-        u = usage()
+        u = 1.0 - (sched.free + len(evictable)) / usable
         usage_area += u * duration
         if u > usage_max:
             usage_max = u

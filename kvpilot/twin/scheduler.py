@@ -14,7 +14,7 @@ One `schedule()` per engine step, as vLLM does it (see ../shared/notes/toolchain
    the budget; with `reserve_full_isl` (vLLM's default) a request is admitted only if its whole
    prompt fits in the free blocks.  A preempted request goes back to the FRONT of the queue.
 
-After the step, every request whose tokens are all computed samples one token.  A partial
+Every request whose tokens are all computed after the step samples one token.  A partial
 prefill samples nothing.  The pool keeps one block back (vLLM's null block).
 
 Prefix caching: a request may name a shared prefix (`prefix_key`, `prefix_tokens`); the full
@@ -180,32 +180,56 @@ class Scheduler:
         self.num_preemptions_total += 1
 
     # -- the step ---------------------------------------------------------------------------
-    def schedule(self) -> tuple[list[Request], int, int]:
-        """Choose this step's requests and token counts (set on `req.sched`, context on
-        `req.context`); returns (scheduled, total tokens, preemptions in this step)."""
+    def step(self, k: int) -> tuple[list[Request], list[Request], int, int, float, int, int, int, list[tuple[int, int]]]:
+        """Schedule step `k` and apply its outcome.
+
+        Returns (scheduled, finished, tokens, preemptions, prefill_pairs, decode_kv_tokens,
+        sampled, steady, gaps).  `req.sched` holds the tokens scheduled for each request,
+        negated when the request sampled a token this step.  Token times are kept as step
+        indices on the request (the scheduler has no clock): `steady` counts tokens whose
+        previous token came at the end of step k-1, `gaps` lists (previous step, k) for the other
+        non-first tokens.  Finished requests release their blocks after the step, as in vLLM.
+
+        Requests are updated as they are scheduled (one pass, the hot loop of every
+        simulation).  That is safe because nothing later in the step reads an earlier request:
+        preemption victims come from the tail of the running list, never from the part
+        already scheduled.
+        """
         budget = self.max_num_batched_tokens
         bs = self.block_size
         running, waiting = self.running, self.waiting
         thr = self.long_prefill_token_threshold
         cap = thr > 0 and len(running) + len(waiting) > 1
-        scheduled: list[Request] = []
-        preempted = 0
         prefix = self.enable_prefix_caching
+        scheduled: list[Request] = []
+        finished: list[Request] = []
+        gaps: list[tuple[int, int]] = []
+        append = scheduled.append
+        preempted = 0
+        pairs = 0.0
+        decode_kv = 0
+        sampled = 0
+        steady = 0
+        prev = k - 1
 
         i = 0
-        while i < len(running) and budget > 0:
+        nrun = len(running)
+        while i < nrun and budget > 0:
             req = running[i]
-            n = req.num_tokens - req.num_computed
+            computed = req.num_computed
+            num_tokens = req.num_tokens
+            n = num_tokens - computed
             if cap and n > thr:
                 n = thr
             if n > budget:
                 n = budget
-            computed = req.num_computed
-            need = (computed + n + bs - 1) // bs - req.num_blocks
-            if need > 0:
+            total = computed + n
+            if total > req.num_blocks * bs:
+                need = (total + bs - 1) // bs - req.num_blocks
                 victim = None
                 while need > self.free + len(self.evictable):
                     victim = running.pop()
+                    nrun -= 1
                     self._preempt(victim)
                     preempted += 1
                     if victim is req:
@@ -215,11 +239,35 @@ class Scheduler:
                 self._take(need)
                 req.num_blocks += need
                 if prefix and req.prefix_key is not None and req.register_ok:
-                    self._register(req, computed + n)
-            req.sched = n
+                    self._register(req, total)
+            # -- apply (the same block follows in the waiting loop) --
             req.context = computed
-            scheduled.append(req)
+            req.sched = n
+            append(req)
             budget -= n
+            req.num_computed = total
+            if n == 1:
+                decode_kv += total
+            else:
+                pairs += n * (computed + (n + 1) * 0.5)
+            if req.step_scheduled < 0:
+                req.step_scheduled = k
+            if total == num_tokens:
+                sampled += 1
+                req.num_tokens = total + 1
+                out = req.num_output + 1
+                req.num_output = out
+                req.sched = -n
+                last = req.step_last_token
+                if last < 0:
+                    req.step_first_token = k
+                elif last == prev:
+                    steady += 1
+                else:
+                    gaps.append((last, k))
+                req.step_last_token = k
+                if out >= req.max_tokens:
+                    finished.append(req)
             i += 1
 
         if not preempted:
@@ -231,15 +279,17 @@ class Scheduler:
                 if prefix and req.prefix_key is not None:
                     hits, idle = self._prefix_hits(req)
                 computed = hits * bs
-                n = req.num_tokens - computed
+                num_tokens = req.num_tokens
+                n = num_tokens - computed
                 if cap and n > thr:
                     n = thr
                 if n > budget:
                     n = budget
+                total = computed + n
                 free = self.free + len(self.evictable) - idle - wm
-                need = (computed + n + bs - 1) // bs - hits
+                need = (total + bs - 1) // bs - hits
                 if self.reserve_full_isl:
-                    if (req.num_tokens + bs - 1) // bs - hits > free:
+                    if (num_tokens + bs - 1) // bs - hits > free:
                         break
                 elif need > free:
                     break
@@ -247,36 +297,60 @@ class Scheduler:
                 if hits:
                     cache, ev, key = self.cache, self.evictable, req.prefix_key
                     for j in range(hits):
-                        k = (key, j)
-                        c = cache[k]
+                        kk = (key, j)
+                        c = cache[kk]
                         if c == 0:
-                            del ev[k]
-                        cache[k] = c + 1
+                            del ev[kk]
+                        cache[kk] = c + 1
                     self.prefix_hit_tokens += computed
                 if req.prefix_key is not None:
-                    self.prefix_query_tokens += req.num_tokens
+                    self.prefix_query_tokens += num_tokens
                 req.shared = hits
                 req.num_blocks = hits
-                req.num_computed = computed
                 self._take(need)
                 req.num_blocks += need
                 if prefix and req.prefix_key is not None and req.register_ok:
-                    self._register(req, computed + n)
+                    self._register(req, total)
                 req.status = RUNNING
                 running.append(req)
-                req.sched = n
+                # -- apply --
                 req.context = computed
-                scheduled.append(req)
+                req.sched = n
+                append(req)
                 budget -= n
+                req.num_computed = total
+                if n == 1:
+                    decode_kv += total
+                else:
+                    pairs += n * (computed + (n + 1) * 0.5)
+                if req.step_scheduled < 0:
+                    req.step_scheduled = k
+                if total == num_tokens:
+                    sampled += 1
+                    req.num_tokens = total + 1
+                    out = req.num_output + 1
+                    req.num_output = out
+                    req.sched = -n
+                    last = req.step_last_token
+                    if last < 0:
+                        req.step_first_token = k
+                    elif last == prev:
+                        steady += 1
+                    else:
+                        gaps.append((last, k))
+                    req.step_last_token = k
+                    if out >= req.max_tokens:
+                        finished.append(req)
 
-        return scheduled, self.max_num_batched_tokens - budget, preempted
-
-    def finish(self, req: Request, reason: str) -> None:
-        """Free a request that sampled its last token (the caller drops it from `running`)."""
-        self._release(req)
-        req.status = FINISHED
-        req.finish_reason = reason
-        del self.requests[req.request_id]
+        if finished:
+            for req in finished:
+                self._release(req)
+                req.status = FINISHED
+                req.finish_reason = "length"
+                del self.requests[req.request_id]
+            self.running = [r for r in running if r.status == RUNNING]
+        return (scheduled, finished, self.max_num_batched_tokens - budget, preempted, pairs, decode_kv, sampled,
+                steady, gaps)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the block accounting is inconsistent (for tests)."""

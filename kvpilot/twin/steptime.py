@@ -14,7 +14,7 @@ then the LM head over the sequences that sample a token, and a fixed CPU overhea
 (scheduling, input preparation, sampling, detokenisation) plus a little per request.
 
 The constants are relative to each GPU's datasheet peak (fraction of FLOP/s, of bandwidth) plus
-absolute floors, so they carry to GPUs the calibration never saw.  `CALIBRATED` was fitted by
+absolute floors, so they carry to GPUs the calibration never saw.  The constants were fitted by
 `benchmarks/twin_calibration.py` (which re-derives it) on the Vidur per-layer profiles in
 ../shared/data/vidur-profiles (A100 and H100, Llama-2-7B and Llama-3-8B, TP 1-8).
 """
@@ -22,6 +22,9 @@ absolute floors, so they carry to GPUs the calibration never saw.  `CALIBRATED` 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
 
 from kvpilot.twin.hardware import GpuSpec
 from kvpilot.twin.models import ModelSpec
@@ -46,38 +49,57 @@ class StepTimeParams:
     attn_floor_s: float = 8e-6
     allreduce_latency_s: float = 8e-6
     allreduce_eff: float = 0.70
-    cpu_overhead_s: float = 2.0e-3
+    cpu_overhead_s: float = 1.2e-3
     cpu_per_request_s: float = 8e-6
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
 
 
-# Fitted by benchmarks/twin_calibration.py; see its docstring for the method.
-CALIBRATED = StepTimeParams()
+# Fitted by `benchmarks/twin_calibration.py` (kvpilot.twin.calibration.fit_by_class: Nelder-Mead on
+# the log of the constants, minimising mean |log error| plus a penalty above 20%) on the three Vidur
+# profiles, 4 significant digits.  GENERIC fits every linear constant on all profiles and serves
+# architectures never measured (Ada: L40S, L4); each measured architecture refits its kernel
+# efficiencies and launch floors on its own profiles.  The rope/act/add efficiencies reach the cap
+# of 1.0: at the profiled sizes those kernels are dominated by their launch floor.
+_SHARED = {"gemm_sharpness": 1.670, "norm_eff": 0.4093, "rope_eff": 1.0, "act_eff": 1.0, "add_eff": 1.0}
+CALIBRATED = StepTimeParams(gemm_compute_eff=0.6969, gemm_memory_eff=0.7941, gemm_floor_s=4.324e-06,
+                            elementwise_floor_s=3.014e-06, **_SHARED)
+CALIBRATED_BY_ARCH: dict[str, StepTimeParams] = {
+    "ampere": StepTimeParams(gemm_compute_eff=0.6958, gemm_memory_eff=0.7756, gemm_floor_s=4.210e-06,
+                             elementwise_floor_s=3.257e-06, **_SHARED),
+    "hopper": StepTimeParams(gemm_compute_eff=0.7065, gemm_memory_eff=0.8497, gemm_floor_s=4.463e-06,
+                             elementwise_floor_s=3.220e-06, **_SHARED),
+}
 
 
-def _gemm_time(p: StepTimeParams, gpu: GpuSpec, tokens: float, k: int, n: int, b: int) -> float:
+def params_for(gpu: GpuSpec) -> StepTimeParams:
+    """The calibrated constants for a GPU: its architecture's, or the generic ones."""
+    return CALIBRATED_BY_ARCH.get(gpu.architecture, CALIBRATED)
+
+
+def _gemm_time(p: StepTimeParams, gpu: GpuSpec, tokens: Any, k: Any, n: Any, b: int) -> Any:
     compute = 2.0 * tokens * k * n / (p.gemm_compute_eff * gpu.bf16_flops)
     memory = (k * n + tokens * (k + n)) * b / (p.gemm_memory_eff * gpu.hbm_bandwidth)
     s = p.gemm_sharpness
     return p.gemm_floor_s + (compute**s + memory**s) ** (1.0 / s)
 
 
-def _elementwise_time(p: StepTimeParams, gpu: GpuSpec, nbytes: float, eff: float) -> float:
+def _elementwise_time(p: StepTimeParams, gpu: GpuSpec, nbytes: Any, eff: float) -> Any:
     return p.elementwise_floor_s + nbytes / (eff * gpu.hbm_bandwidth)
 
 
 def linear_layer_breakdown(
-    model: ModelSpec, gpu: GpuSpec, tp: int, tokens: int, params: StepTimeParams = CALIBRATED
-) -> dict[str, float]:
+    model: ModelSpec, gpu: GpuSpec, tp: Any, tokens: Any, params: StepTimeParams | None = None
+) -> dict[str, Any]:
     """Seconds per layer, per op, for `tokens` tokens on one rank (the ops Vidur profiles)."""
-    p, b, h = params, model.dtype_bytes, model.hidden_size
+    p, b, h = params or params_for(gpu), model.dtype_bytes, model.hidden_size
+    # Works on numpy arrays of tokens and tp as well as on ints (the calibration fits in bulk).
     q = model.q_size // tp
-    kv = model.kv_heads_per_rank(tp) * model.head_dim
+    kv = np.maximum(1, model.num_key_value_heads // tp) * model.head_dim
     i = model.intermediate_size // tp
     up_n = (2 if model.gated_mlp else 1) * i
-    t = float(tokens)
+    t = tokens * 1.0
     return {
         "input_layernorm": _elementwise_time(p, gpu, 2 * t * h * b, p.norm_eff),
         "attn_pre_proj": _gemm_time(p, gpu, t, h, q + 2 * kv, b),
@@ -92,9 +114,14 @@ def linear_layer_breakdown(
 
 
 def per_layer_linear_time(
-    model: ModelSpec, gpu: GpuSpec, tp: int, tokens: int, params: StepTimeParams = CALIBRATED
-) -> float:
-    return sum(linear_layer_breakdown(model, gpu, tp, tokens, params).values())
+    model: ModelSpec, gpu: GpuSpec, tp: Any, tokens: Any, params: StepTimeParams | None = None
+) -> Any:
+    """Seconds per layer of the linear and element-wise ops (float, or array for array inputs)."""
+    parts = list(linear_layer_breakdown(model, gpu, tp, tokens, params).values())
+    total = parts[0]
+    for x in parts[1:]:
+        total = total + x
+    return total
 
 
 class StepTimeModel:
@@ -107,10 +134,12 @@ class StepTimeModel:
     __slots__ = (
         "model", "gpu", "tp", "params", "_linear", "_layers", "_attn_flops_coef", "_attn_prefill_rate",
         "_kv_bytes_per_token_layer", "_attn_decode_rate", "_lm_head_per_seq", "_lm_head_floor",
+        "_attn_fixed", "_pair_cost", "_kv_cost",
     )
 
-    def __init__(self, model: ModelSpec, gpu: GpuSpec, tp: int = 1, params: StepTimeParams = CALIBRATED,
+    def __init__(self, model: ModelSpec, gpu: GpuSpec, tp: int = 1, params: StepTimeParams | None = None,
                  kv_dtype_bytes: int | None = None) -> None:
+        params = params or params_for(gpu)
         self.model, self.gpu, self.tp, self.params = model, gpu, tp, params
         self._linear: dict[int, float] = {}
         self._layers = model.num_hidden_layers
@@ -125,12 +154,16 @@ class StepTimeModel:
         # LM head: weight read once per step, then 2*h*vocab FLOPs per sampled sequence.
         self._lm_head_floor = model.hidden_size * vocab * model.dtype_bytes / (params.gemm_memory_eff * gpu.hbm_bandwidth)
         self._lm_head_per_seq = 2.0 * model.hidden_size * vocab / (params.gemm_compute_eff * gpu.bf16_flops)
+        # attention_time folded into per-step factors for step_time.
+        self._attn_fixed = self._layers * params.attn_floor_s
+        self._pair_cost = self._layers * self._attn_flops_coef / self._attn_prefill_rate
+        self._kv_cost = self._layers * self._kv_bytes_per_token_layer / self._attn_decode_rate
 
     def linear_time(self, tokens: int) -> float:
         """Linear + element-wise time of all layers for `tokens` tokens (cached)."""
         t = self._linear.get(tokens)
         if t is None:
-            t = self._layers * per_layer_linear_time(self.model, self.gpu, self.tp, tokens, self.params)
+            t = self._layers * float(per_layer_linear_time(self.model, self.gpu, self.tp, tokens, self.params))
             self._linear[tokens] = t
         return t
 
@@ -158,16 +191,22 @@ class StepTimeModel:
 
     def step_time(self, tokens: int, num_requests: int, num_sampled: int, prefill_pairs: float,
                   decode_kv_tokens: float) -> float:
+        """Seconds for one step (the sum of `breakdown`, computed with precomputed factors: this
+        runs once per simulated step)."""
+        p = self.params
         if tokens == 0:
-            return self.params.cpu_overhead_s
-        return (
-            self.linear_time(tokens)
-            + self.allreduce_time(tokens)
-            + self.attention_time(prefill_pairs, decode_kv_tokens, num_requests)
-            + self.lm_head_time(num_sampled)
-            + self.params.cpu_overhead_s
-            + self.params.cpu_per_request_s * num_requests
-        )
+            return p.cpu_overhead_s
+        lin = self._linear.get(tokens)
+        if lin is None:
+            lin = self.linear_time(tokens)
+        t = (lin + p.cpu_overhead_s + p.cpu_per_request_s * num_requests + self._attn_fixed
+             + prefill_pairs * self._pair_cost + decode_kv_tokens * self._kv_cost)
+        if num_sampled:
+            head = num_sampled * self._lm_head_per_seq
+            t += p.gemm_floor_s + (head if head > self._lm_head_floor else self._lm_head_floor)
+        if self.tp > 1:
+            t += self.allreduce_time(tokens)
+        return t
 
     def breakdown(self, tokens: int, num_requests: int, num_sampled: int, prefill_pairs: float,
                   decode_kv_tokens: float) -> dict[str, float]:
@@ -199,6 +238,6 @@ def ceil_div(a: int, b: int) -> int:
 
 
 __all__ = [
-    "CALIBRATED", "StepTimeModel", "StepTimeParams", "linear_layer_breakdown", "per_layer_linear_time",
+    "CALIBRATED", "CALIBRATED_BY_ARCH", "params_for", "StepTimeModel", "StepTimeParams", "linear_layer_breakdown", "per_layer_linear_time",
     "prefill_pairs", "ceil_div",
 ]
