@@ -37,7 +37,10 @@ def find_capacity(
     max_rate: float = 1000.0,
     rel_tol: float = 0.03,
     max_probes: int = 14,
+    first_step: float = 1.25,
 ) -> CapacityResult:
+    """Bracket from `hint` with steps that grow (x1.25, x1.56, x2.4, ...: a good hint costs two
+    probes to bracket, a bad one few more), then bisect on a log scale to `rel_tol`."""
     result = CapacityResult(0.0)
 
     def ok(rate: float) -> bool:
@@ -49,10 +52,12 @@ def find_capacity(
         return good
 
     rate = min(max(hint, min_rate), max_rate)
+    step = first_step
     if ok(rate):
         lo, hi = rate, None
         while hi is None and len(result.probes) < max_probes:
-            nxt = min(lo * 2.0, max_rate)
+            nxt = min(lo * step, max_rate)
+            step = min(step * step, 4.0)
             if nxt <= lo:
                 return result  # at the ceiling and still fine
             if ok(nxt):
@@ -64,9 +69,10 @@ def find_capacity(
     else:
         hi, lo_opt = rate, None
         while lo_opt is None and len(result.probes) < max_probes:
-            nxt = hi / 2.0
-            if nxt < min_rate:
+            if hi <= min_rate:
                 return result  # capacity 0: misses the SLO even when nearly idle
+            nxt = max(hi / step, min_rate)
+            step = min(step * step, 4.0)
             if ok(nxt):
                 lo_opt = nxt
             else:
