@@ -1,0 +1,269 @@
+"""A real `kvpilot operator` process (kopf, standalone) against KMock on 127.0.0.1.
+
+KMock has no controllers: a Deployment's status changes only when a test writes it, which is how
+these tests play the Deployment controller (rollout complete, progress deadline exceeded).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpilot.operator import rbac
+from tests.support.kmock_api import ApiError, KMockAPI, OperatorProcess, kopf_operator, wait_for
+
+pytestmark = pytest.mark.integration
+
+NS = "serving"
+
+
+@pytest.fixture(scope="module")
+def api() -> Iterator[KMockAPI]:
+    with KMockAPI() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def operator(api: KMockAPI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
+    with kopf_operator(api, tmp_path_factory.mktemp("operator")) as op:
+        yield op
+        assert op.proc.poll() is None, f"operator died:\n{op.log()[-4000:]}"
+
+
+def make(name: str, namespace: str = NS, **spec: Any) -> dict[str, Any]:
+    return {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"model": "meta-llama/Meta-Llama-3-8B-Instruct", **spec}}
+
+
+def dep_path(name: str, namespace: str = NS) -> str:
+    return f"/apis/apps/v1/namespaces/{namespace}/deployments/{name}"
+
+
+def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
+    for cond in (obj.get("status") or {}).get("conditions") or []:
+        if cond["type"] == type_:
+            return dict(cond)
+    return {}
+
+
+def engine_arg(dep: dict[str, Any], flag: str) -> str:
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    return str(args[args.index(flag) + 1])
+
+
+def template_hash(dep: dict[str, Any]) -> str:
+    return str(dep["spec"]["template"]["metadata"]["annotations"]["kvpilot.dev/config-hash"])
+
+
+def write_deployment_status(api: KMockAPI, name: str, **status: Any) -> None:
+    """Play the Deployment controller: status for the Deployment's current generation."""
+    generation = api.get(dep_path(name))["metadata"]["generation"]
+    api.patch(dep_path(name) + "/status", {"status": {"observedGeneration": generation, **status}})
+
+
+def events_for(api: KMockAPI, name: str, reason: str | None = None) -> list[dict[str, Any]]:
+    return [e for e in api.events(NS)
+            if e.get("involvedObject", {}).get("name") == name
+            and e.get("involvedObject", {}).get("kind") == "InferenceService"
+            and (reason is None or e.get("reason") == reason)]
+
+
+def isvc(api: KMockAPI, name: str) -> dict[str, Any]:
+    return dict(api.get_isvc(NS, name))
+
+
+def test_create_makes_children_with_owner_references_and_conditions(api: KMockAPI, operator: OperatorProcess) -> None:
+    api.create_isvc(make("alpha", replicas=2))
+    obj = wait_for(lambda: (o := isvc(api, "alpha")).get("status", {}).get("observedGeneration") == 1 and o,
+                   what="alpha's first status")
+    uid = obj["metadata"]["uid"]
+    for path in (dep_path("alpha"), f"/api/v1/namespaces/{NS}/services/alpha",
+                 f"/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets/alpha"):
+        child = wait_for(lambda p=path: api.get_or_none(p), what=path)
+        (ref,) = child["metadata"]["ownerReferences"]
+        assert ref == {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService", "name": "alpha",
+                       "uid": uid, "controller": True, "blockOwnerDeletion": True}
+    assert condition(obj, "Ready")["status"] == "False"
+    assert condition(obj, "Progressing") | {"lastTransitionTime": None} == {
+        "type": "Progressing", "status": "True", "reason": "RollingOut", "observedGeneration": 1,
+        "message": f"rolling out configHash {obj['status']['configHash']}: 0/2 updated, 0/2 ready",
+        "lastTransitionTime": None}
+    assert condition(obj, "Degraded")["reason"] == "AsExpected"
+    assert obj["status"]["engineArgs"][:3] == ["vllm", "serve", "meta-llama/Meta-Llama-3-8B-Instruct"]
+    wait_for(lambda: events_for(api, "alpha", "Created"), what="Created events")
+    skipped = wait_for(lambda: events_for(api, "alpha", "MonitoringSkipped"), what="MonitoringSkipped event")
+    assert len(skipped) == 1
+    assert "ServiceMonitor" in skipped[0]["message"] and "PrometheusRule" in skipped[0]["message"]
+
+
+def test_changing_the_chunk_size_rolls_the_pod_template(api: KMockAPI, operator: OperatorProcess) -> None:
+    before = api.get(dep_path("alpha"))
+    api.patch(api.isvc_path(NS, "alpha"), {"spec": {"engine": {"maxNumBatchedTokens": 4096}}})
+    dep = wait_for(lambda: (d := api.get(dep_path("alpha"))) and
+                   engine_arg(d, "--max-num-batched-tokens") == "4096" and d, what="new template")
+    assert template_hash(dep) != template_hash(before)
+    obj = wait_for(lambda: (o := isvc(api, "alpha"))["status"].get("observedGeneration") == 2 and o,
+                   what="observedGeneration 2")
+    assert condition(obj, "Progressing")["status"] == "True"
+    assert obj["status"]["configHash"] == template_hash(dep)
+    wait_for(lambda: any("spec.template" in e["message"] for e in events_for(api, "alpha", "Updated")),
+             what="an Updated event naming the template")
+
+
+def test_complete_rollout_sets_ready_and_last_good_engine(api: KMockAPI, operator: OperatorProcess) -> None:
+    write_deployment_status(api, "alpha", replicas=2, updatedReplicas=2, readyReplicas=2, availableReplicas=2,
+                            conditions=[{"type": "Progressing", "status": "True",
+                                         "reason": "NewReplicaSetAvailable", "message": "done"}])
+    obj = wait_for(lambda: condition(o := isvc(api, "alpha"), "Ready").get("status") == "True" and o,
+                   what="Ready=True")
+    st = obj["status"]
+    assert (st["replicas"], st["readyReplicas"], st["updatedReplicas"]) == (2, 2, 2)
+    assert st["lastGoodEngine"]["maxNumBatchedTokens"] == 4096
+    assert condition(obj, "Progressing")["reason"] == "RolloutComplete"
+    assert st["observedGeneration"] == obj["metadata"]["generation"]
+
+
+def test_progress_deadline_rolls_back_to_last_good_engine(api: KMockAPI, operator: OperatorProcess) -> None:
+    api.patch(api.isvc_path(NS, "alpha"), {"spec": {"engine": {"maxNumBatchedTokens": 8192}}})
+    wait_for(lambda: engine_arg(api.get(dep_path("alpha")), "--max-num-batched-tokens") == "8192",
+             what="the 8192 template")
+    wait_for(lambda: isvc(api, "alpha")["status"]["observedGeneration"] == 3, what="observedGeneration 3")
+    write_deployment_status(api, "alpha", replicas=3, updatedReplicas=1, readyReplicas=2, availableReplicas=2,
+                            conditions=[{"type": "Progressing", "status": "False",
+                                         "reason": "ProgressDeadlineExceeded",
+                                         "message": 'ReplicaSet "alpha-7d9f" has timed out progressing.'}])
+    dep = wait_for(lambda: (d := api.get(dep_path("alpha"))) and
+                   engine_arg(d, "--max-num-batched-tokens") == "4096" and d, what="lastGoodEngine back")
+    assert json.loads(dep["metadata"]["annotations"]["kvpilot.dev/engine"])["maxNumBatchedTokens"] == 4096
+    obj = wait_for(lambda: condition(o := isvc(api, "alpha"), "Degraded").get("reason") == "RolledBack" and o,
+                   what="Degraded/RolledBack")
+    degraded = condition(obj, "Degraded")
+    assert degraded["status"] == "True"
+    assert "maxNumBatchedTokens=8192 (was 4096)" in degraded["message"]
+    assert "ProgressDeadlineExceeded" in degraded["message"] or "timed out" in degraded["message"]
+    assert obj["spec"]["engine"]["maxNumBatchedTokens"] == 8192  # the user's spec stays as written
+    event = wait_for(lambda: events_for(api, "alpha", "RolledBack"), what="RolledBack event")
+    assert event[0]["type"] == "Warning"
+    wait_for(lambda: re.search(r"^kvpilot_rollbacks_total 1\.0$", operator.http_get("/metrics")[1], re.M),
+             what="kvpilot_rollbacks_total 1")
+    # Still rolled back, not flapping: the stale deadline condition names the old template's generation.
+    assert engine_arg(api.get(dep_path("alpha")), "--max-num-batched-tokens") == "4096"
+
+
+def test_a_new_generation_tries_again_after_a_rollback(api: KMockAPI, operator: OperatorProcess) -> None:
+    api.patch(api.isvc_path(NS, "alpha"), {"spec": {"engine": {"maxNumBatchedTokens": 6144}}})
+    wait_for(lambda: engine_arg(api.get(dep_path("alpha")), "--max-num-batched-tokens") == "6144",
+             what="the 6144 template")
+    obj = wait_for(lambda: condition(o := isvc(api, "alpha"), "Degraded").get("status") == "False" and o,
+                   what="Degraded cleared by the new generation")
+    assert obj["status"]["observedGeneration"] == obj["metadata"]["generation"]
+
+
+def test_invalid_object_is_degraded_and_a_neighbour_still_reconciles(api: KMockAPI,
+                                                                    operator: OperatorProcess) -> None:
+    bad = make("broken", replicas=1, engine={"maxNumSeqs": 0, "chunkSize": 5})
+    api.create_isvc(bad)
+    api.create_isvc(make("neighbour", replicas=1))
+    obj = wait_for(lambda: condition(o := isvc(api, "broken"), "Degraded").get("reason") == "InvalidSpec" and o,
+                   what="broken: Degraded/InvalidSpec")
+    message = condition(obj, "Degraded")["message"]
+    assert "spec.engine.maxNumSeqs" in message
+    assert "spec.engine.chunkSize: unknown field" in message
+    wait_for(lambda: api.get_or_none(dep_path("neighbour")), what="neighbour's Deployment")
+    wait_for(lambda: isvc(api, "neighbour")["status"]["observedGeneration"] == 1, what="neighbour's status")
+    assert api.get_or_none(dep_path("broken")) is None
+    assert api.get_or_none(f"/api/v1/namespaces/{NS}/services/broken") is None
+    wait_for(lambda: events_for(api, "broken", "InvalidSpec"), what="InvalidSpec event")
+
+
+def test_a_reconcile_of_an_unchanged_object_writes_no_children(api: KMockAPI, operator: OperatorProcess) -> None:
+    mark = len(api.calls)
+    # A label change makes kopf run the update handler; nothing the children hold changes.
+    api.patch(api.isvc_path(NS, "neighbour"), {"metadata": {"labels": {"team": "search"}}})
+    wait_for(lambda: "team" in isvc(api, "neighbour")["metadata"]["annotations"].get(
+        "kvpilot.dev/last-handled-configuration", ""), what="kopf handled the label change")
+    writes = [(m, p) for m, p in api.calls[mark:] if m in ("POST", "PATCH", "PUT", "DELETE")
+              and "/inferenceservices/" not in p and not p.endswith("/events")]
+    assert writes == []
+
+
+def test_delete_is_clean(api: KMockAPI, operator: OperatorProcess) -> None:
+    api.delete(api.isvc_path(NS, "alpha"))
+    wait_for(lambda: api.get_or_none(api.isvc_path(NS, "alpha")) is None, what="alpha gone")
+    # KMock has no garbage collector: the orphaned Deployment still sends events, which must not fail.
+    write_deployment_status(api, "alpha", replicas=2, updatedReplicas=2, readyReplicas=2)
+    with pytest.raises(ApiError):
+        api.get_isvc(NS, "alpha")
+    wait_for(lambda: operator.http_get("/healthz")[0] == 200, what="healthz")
+    assert operator.proc.poll() is None
+
+
+def test_metrics_count_reconciles_by_result(api: KMockAPI, operator: OperatorProcess) -> None:
+    status, text = operator.http_get("/metrics")
+    assert status == 200
+    values = dict(re.findall(r'^kvpilot_reconciles_total\{result="(\w+)"\} ([0-9.e+]+)$', text, re.M))
+    assert float(values["success"]) >= 4
+    assert float(values["invalid"]) >= 1
+    assert re.search(r"^kvpilot_reconcile_duration_seconds_count ([1-9][0-9]*)\.0$", text, re.M)
+
+
+def test_logs_are_json_and_free_of_errors(operator: OperatorProcess) -> None:
+    lines = [line for line in operator.log().splitlines() if line.strip()]
+    assert lines
+    records = [json.loads(line) for line in lines]
+    assert {"message", "severity", "timestamp"} <= set(records[0])
+    bad = [r for r in records if r.get("severity") in ("error", "critical") or "Traceback" in r["message"]]
+    assert bad == []
+
+
+def _rbac_need(method: str, path: str) -> tuple[str, str, str] | None:
+    """(apiGroup, resource, verb) of a resource request; None for discovery."""
+    parts = path.strip("/").split("/")
+    if parts[0] == "api" and len(parts) > 2:
+        group, rest = "", parts[2:]
+    elif parts[0] == "apis" and len(parts) > 3:
+        group, rest = parts[1], parts[3:]
+    else:
+        return None
+    if rest[0] == "namespaces" and len(rest) > 2:
+        rest = rest[2:]
+    resource = rest[0] + (f"/{rest[2]}" if len(rest) > 2 else "")
+    named = len(rest) > 1
+    verb = {"GET": "get" if named else "list", "POST": "create", "PATCH": "patch",
+            "PUT": "update", "DELETE": "delete"}[method]
+    return group, resource, verb
+
+
+def test_every_call_is_covered_by_the_declared_rbac(api: KMockAPI, operator: OperatorProcess) -> None:
+    needed = {need for m, p in api.calls if (need := _rbac_need(m, p))}
+    # The test itself also calls KMock; keep only what the operator needs (the test's own writes
+    # are creates/deletes of InferenceServices and status writes of Deployments).
+    test_only = {("kvpilot.dev", "inferenceservices", "create"), ("kvpilot.dev", "inferenceservices", "delete"),
+                 ("apps", "deployments/status", "patch"), ("", "events", "list")}
+    missing = sorted(n for n in needed - test_only if not rbac.allows(*n))
+    assert missing == []
+    for group, resource, verb in needed:
+        if verb == "list":
+            assert rbac.allows(group, resource, "watch") or (group, resource, verb) in test_only
+
+
+def test_monitoring_objects_when_the_cluster_serves_the_crds(tmp_path: Path) -> None:
+    with KMockAPI(monitoring_crds=True) as mon_api, kopf_operator(mon_api, tmp_path):
+        mon_api.create_isvc(make("watched", replicas=1))
+        base = f"/apis/monitoring.coreos.com/v1/namespaces/{NS}"
+        sm = wait_for(lambda: mon_api.get_or_none(f"{base}/servicemonitors/watched"), what="ServiceMonitor")
+        rule = wait_for(lambda: mon_api.get_or_none(f"{base}/prometheusrules/watched-slo"), what="PrometheusRule")
+        uid = mon_api.get_isvc(NS, "watched")["metadata"]["uid"]
+        for child in (sm, rule):
+            assert child["metadata"]["ownerReferences"][0]["uid"] == uid
+        assert sm["spec"]["endpoints"][0]["port"] == "http"
+        assert rule["spec"]["groups"]
+        wait_for(lambda: mon_api.get_isvc(NS, "watched").get("status", {}).get("observedGeneration") == 1,
+                 what="status")
+        assert not [e for e in mon_api.events(NS) if e.get("reason") == "MonitoringSkipped"]
