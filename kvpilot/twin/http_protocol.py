@@ -51,6 +51,10 @@ class GenerationRequest:
     continuous_usage_stats: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
+    # A shareable prompt prefix (a chat's leading system message) for the engine's prefix cache:
+    # requests with the same key reuse its full KV blocks, as vLLM's hash-based cache would.
+    prefix_key: str | None = None
+    prefix_tokens: int = 0
 
     def output_budget(self) -> tuple[int, bool]:
         """Tokens to generate, and whether stopping there is an end-of-sequence ("stop") rather
@@ -185,21 +189,33 @@ def _message_text(message: Any, index: int) -> str:
                       param=f"{where}.content")
 
 
-def _chat_prompt(body: dict[str, Any]) -> tuple[int, int]:
+def _chat_prompt(body: dict[str, Any]) -> tuple[int, int, str | None, int]:
+    """(prompt tokens, seed, prefix key, prefix tokens) of a chat request."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise OpenAIError("`messages` is required: a non-empty list of {role, content} objects.",
                           param="messages")
     contents = [_message_text(m, i) for i, m in enumerate(messages)]
     roles = "".join(str(m.get("role")) for m in messages)
-    return tokens.count_chat_tokens(contents), tokens.prompt_seed(roles + "\x00" + "\x00".join(contents))
+    prompt = tokens.count_chat_tokens(contents)
+    seed = tokens.prompt_seed(roles + "\x00" + "\x00".join(contents))
+    if messages[0].get("role") == "system" and len(messages) > 1:
+        # BOS + the system message with its template tokens come first in every such prompt.
+        prefix = 1 + tokens.CHAT_TOKENS_PER_MESSAGE + tokens.count_text_tokens(contents[0])
+        return prompt, seed, f"system:{tokens.prompt_seed(contents[0]):08x}", prefix
+    return prompt, seed, None, 0
 
 
 def parse_generation_request(body: dict[str, Any], kind: Kind, *, served_model_name: str,
                              max_model_len: int) -> GenerationRequest:
     """Validate a /v1/completions (kind "completion") or /v1/chat/completions ("chat") body."""
     model = _check_model(body, served_model_name)
-    prompt_tokens, seed = _completion_prompt(body) if kind == "completion" else _chat_prompt(body)
+    prefix_key: str | None = None
+    prefix_tokens = 0
+    if kind == "completion":
+        prompt_tokens, seed = _completion_prompt(body)
+    else:
+        prompt_tokens, seed, prefix_key, prefix_tokens = _chat_prompt(body)
     max_tokens = _optional_int(body, "max_tokens", 1)
     if kind == "chat":
         # The newer name wins when both are sent, as in vLLM.
@@ -237,7 +253,8 @@ def parse_generation_request(body: dict[str, Any], kind: Kind, *, served_model_n
     return GenerationRequest(kind=kind, model=model, prompt_tokens=prompt_tokens, max_tokens=resolved,
                              max_tokens_param=max_tokens, output_seed=seed, stream=stream,
                              include_usage=include_usage, continuous_usage_stats=continuous,
-                             ignore_eos=ignore_eos, min_tokens=min_tokens)
+                             ignore_eos=ignore_eos, min_tokens=min_tokens, prefix_key=prefix_key,
+                             prefix_tokens=prefix_tokens)
 
 
 # --------------------------------------------------------------------------- responses

@@ -49,7 +49,8 @@ class EngineLike(Protocol):
     """What the server needs from the twin's engine (kvpilot.twin.engine.Engine)."""
 
     def add_request(self, request_id: str, prompt_tokens: int, max_tokens: int,
-                    arrival_time: float) -> Any: ...
+                    arrival_time: float, *, prefix_key: str | None = None,
+                    prefix_tokens: int = 0) -> Any: ...
 
     def abort_request(self, request_id: str) -> Any: ...
 
@@ -126,7 +127,13 @@ class EngineLoop:
         budget, eos_stop = req.output_budget()
         tr = Tracked(request_id=proto.new_request_id(req.kind), req=req, arrival=time.monotonic(),
                      eos_stop=eos_stop)
-        self.engine.add_request(tr.request_id, req.prompt_tokens, budget, tr.arrival)
+        extra: dict[str, Any] = {}
+        if req.prefix_key is not None:
+            extra = {"prefix_key": req.prefix_key, "prefix_tokens": req.prefix_tokens}
+        try:
+            self.engine.add_request(tr.request_id, req.prompt_tokens, budget, tr.arrival, **extra)
+        except ValueError as exc:  # the engine's own admission check (vLLM's wording)
+            raise proto.OpenAIError(str(exc)) from None
         self.tracked[tr.request_id] = tr
         self._empty.clear()
         self._wake.set()
@@ -329,6 +336,8 @@ class TwinServer:
         try:
             return await handler(request)
         except proto.OpenAIError as exc:
+            log.debug("request rejected", extra={"fields": {
+                "path": request.path, "status": exc.status, "param": exc.param, "error": exc.message}})
             return _json_error(exc)
         except web.HTTPException as exc:
             if exc.status < 400:
@@ -474,10 +483,10 @@ async def serve(make_engine: Callable[[], tuple[EngineLike, ServingInfo]], *, ho
     except OSError as exc:
         log.error("cannot listen", extra={"fields": {"host": host, "port": port, "error": str(exc)}})
         raise
-    log.info("Starting vLLM API server", extra={"fields": {
-        "url": f"http://{host}:{server.port}", "model": info.served_model_name,
-        "max_model_len": info.max_model_len, **{k: info.cache_config[k] for k in
-                                                ("num_gpu_blocks", "block_size") if k in info.cache_config}}})
+    fields: dict[str, Any] = {"url": f"http://{host}:{server.port}", "model": info.served_model_name,
+                              "max_model_len": info.max_model_len}
+    fields.update({k: info.cache_config[k] for k in ("num_gpu_blocks", "block_size") if k in info.cache_config})
+    log.info("Starting vLLM API server", extra={"fields": fields})
     if on_ready is not None:
         on_ready(server)
     await stop.wait()

@@ -52,10 +52,6 @@ class TwinStartError(RuntimeError):
 
 def twin_command(args: Sequence[str]) -> list[str]:
     """`python -m kvpilot.cli twin serve ARGS` with this interpreter (the venv's)."""
-    import importlib.util
-
-    if importlib.util.find_spec("kvpilot.twin.commands") is None:  # TEMPORARY until twin/commands.py lands
-        return [sys.executable, "-m", "kvpilot.twin.serve_cli", *args]
     return [sys.executable, "-m", "kvpilot.cli", "twin", "serve", *args]
 
 

@@ -255,3 +255,41 @@ def test_loadgen_open_loop_records_every_token(twin):
     assert result.fraction_itl_at_most(max(result.itls())) == 1
     summary = result.summary()
     assert summary["succeeded"] == 12 and summary["output_tokens"] == 72
+
+
+def _simulated_times(args: tuple[str, ...], prompt_tokens: int, max_tokens: int) -> tuple[float, float]:
+    """(TTFT, e2e) of one request alone in an engine built from the same flags, in simulated time."""
+    import argparse
+
+    from kvpilot.twin.engine import Engine
+    from kvpilot.twin.flags import add_engine_arguments, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    engine = Engine(engine_config_from_args(parser.parse_args(list(args))))
+    engine.add_request("r", prompt_tokens, max_tokens, 0.0)
+    clock, ttft = 0.0, None
+    while engine.has_unfinished_requests():
+        out = engine.step()
+        clock += out.duration_s
+        if ttft is None and any(o.new_token_count for o in out.outputs):
+            ttft = clock
+    assert ttft is not None
+    return ttft, clock
+
+
+def test_tokens_are_paced_by_the_simulated_engine(twin):
+    from kvpilot.twin.text import count_prompt_tokens
+
+    prompt = " ".join(["pacing"] * 3000)  # a long prefill: several chunks of 1024 tokens
+    sim_ttft, sim_e2e = _simulated_times((*FAST_TWIN_ARGS, "--max-num-seqs", "64",
+                                          "--max-num-batched-tokens", "1024"),
+                                         count_prompt_tokens(prompt), 20)
+    result = run_load_sync(twin.base_url, num_requests=1, concurrency=1, max_tokens=20,
+                           prompt=lambda i: prompt)
+    rec = result.records[0]
+    assert rec.ok and rec.output_chunks == 20 and rec.prompt_tokens == count_prompt_tokens(prompt)
+    # The server sleeps every step's simulated duration before it delivers the step's tokens,
+    # so real latencies can only be longer than the simulated ones, never shorter.
+    assert rec.ttft >= sim_ttft
+    assert rec.e2e >= sim_e2e

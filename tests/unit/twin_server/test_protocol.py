@@ -160,3 +160,18 @@ def test_models_body():
     body = proto.models_body(MODEL, "meta-llama/Llama-3.1-8B-Instruct", 8192, created=5)
     assert body["data"][0]["id"] == MODEL and body["data"][0]["root"] == MODEL
     assert body["data"][0]["max_model_len"] == 8192
+
+
+def test_chat_system_message_is_a_shared_prefix():
+    system = {"role": "system", "content": "You are a helpful assistant who answers briefly."}
+    a = parse({"messages": [system, {"role": "user", "content": "first question"}]}, "chat")
+    b = parse({"messages": [system, {"role": "user", "content": "another, longer question here"}]}, "chat")
+    assert a.prefix_key is not None and a.prefix_key == b.prefix_key
+    assert a.prefix_tokens == b.prefix_tokens == 1 + text.CHAT_TOKENS_PER_MESSAGE + text.count_text_tokens(
+        system["content"])
+    assert a.prefix_tokens < a.prompt_tokens
+    other = parse({"messages": [{"role": "system", "content": "Be verbose."},
+                                {"role": "user", "content": "first question"}]}, "chat")
+    assert other.prefix_key != a.prefix_key
+    assert parse({"messages": [{"role": "user", "content": "no system"}]}, "chat").prefix_key is None
+    assert parse({"prompt": "completion"}).prefix_key is None
