@@ -245,7 +245,9 @@ class Engine:
         k = self.num_steps
         self.num_steps = k + 1
         scheduled, finished, tokens, preempted, pairs, decode_kv, sampled, steady, gaps = self.scheduler.step(k)
-        duration = self.step_model.step_time(tokens, len(scheduled), sampled, pairs, decode_kv)
+        # vLLM computes logits for every scheduled request (a partial prefill's are discarded).
+        n = len(scheduled)
+        duration = self.step_model.step_time(tokens, n, n, pairs, decode_kv)
         return duration, scheduled, finished, preempted, tokens, steady, gaps
 
     def step(self) -> StepOutput:

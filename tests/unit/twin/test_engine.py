@@ -1,0 +1,156 @@
+"""The Engine API step by step: chunking, budgets, preemption, prefix caching, validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpilot.twin.engine import Engine, EngineConfig
+from kvpilot.twin.hardware import resolve_gpu
+from kvpilot.twin.models import resolve_model
+
+SMALL = resolve_model("Qwen2.5-0.5B")
+
+
+def engine(blocks: int = 200, **kw) -> Engine:
+    bs = kw.get("block_size", 16)
+    kw.setdefault("max_model_len", (blocks - 1) * bs)
+    return Engine(EngineConfig(model=SMALL, gpu=resolve_gpu("L4"),
+                               kv_cache_memory_bytes=blocks * bs * SMALL.kv_bytes_per_token(), **kw))
+
+
+def drain(e: Engine, limit: int = 10000) -> list:
+    outs = []
+    while e.has_unfinished_requests():
+        outs.append(e.step())
+        assert len(outs) < limit
+    return outs
+
+
+def test_prompt_is_chunked_into_the_budget_and_then_decodes_one_token_per_step() -> None:
+    e = engine(max_num_batched_tokens=32, max_num_seqs=4)
+    assert e.num_gpu_blocks == 200
+    e.add_request("a", prompt_tokens=100, max_tokens=3, arrival_time=0.0)
+    outs = drain(e)
+    seen = [(o.outputs[0].num_computed_prompt_tokens, o.outputs[0].new_token_count, o.num_scheduled_tokens)
+            for o in outs]
+    assert seen == [(32, 0, 32), (64, 0, 32), (96, 0, 32), (100, 1, 4), (100, 1, 1), (100, 1, 1)]
+    assert outs[-1].outputs[0].finished and outs[-1].outputs[0].finish_reason == "length"
+    assert all(o.duration_s > 0 for o in outs)
+    # A 32-token prefill chunk costs at least what a single decode does.
+    assert outs[0].duration_s >= outs[-1].duration_s
+
+
+def test_running_requests_are_served_before_waiting_ones() -> None:
+    e = engine(max_num_batched_tokens=64, max_num_seqs=8)
+    e.add_request("a", 100, 5)
+    e.step()  # a: 64 of 100
+    e.add_request("b", 100, 5)
+    out = e.step()
+    sched = {o.request_id: o.num_computed_prompt_tokens for o in out.outputs}
+    assert sched == {"a": 100, "b": 28}  # a finishes its prompt first, b gets the rest of the budget
+
+
+def test_max_num_seqs_bounds_the_running_set() -> None:
+    e = engine(max_num_batched_tokens=256, max_num_seqs=2)
+    for i in range(5):
+        e.add_request(f"r{i}", 10, 4)
+    out = e.step()
+    assert out.num_running == 2 and out.num_waiting == 3
+    assert sorted(o.request_id for o in out.outputs) == ["r0", "r1"]  # first come, first served
+    drain(e)
+
+
+def test_long_prefill_token_threshold_caps_each_chunk() -> None:
+    e = engine(max_num_batched_tokens=512, max_num_seqs=8, long_prefill_token_threshold=64)
+    e.add_request("a", 300, 2)
+    e.add_request("b", 300, 2)
+    out = e.step()
+    assert out.num_scheduled_tokens == 128
+    assert [o.num_computed_prompt_tokens for o in out.outputs] == [64, 64]
+
+
+def test_newest_running_request_is_preempted_and_recomputed() -> None:
+    # 20 usable-ish blocks of 16 tokens: three requests of 64 prompt tokens each need 4 blocks to
+    # start and grow by a block every 16 tokens.
+    e = engine(blocks=21, max_num_batched_tokens=512, max_num_seqs=8)
+    for i in range(3):
+        e.add_request(f"r{i}", 64, 100)
+    preempted_at = None
+    victims: set[str] = set()
+    running_before: list[str] = []
+    for step in range(400):
+        running_before = [r.request_id for r in e.scheduler.running]
+        out = e.step()
+        if out.num_preemptions and preempted_at is None:
+            preempted_at = step
+            waiting_now = [r.request_id for r in e.scheduler.waiting]
+            victims = set(running_before) & set(waiting_now)
+            # No new admissions in a step that preempted.
+            assert all(o.request_id in running_before for o in out.outputs)
+        if not e.has_unfinished_requests():
+            break
+    assert preempted_at is not None
+    assert victims == {running_before[-1]} or victims <= set(running_before[1:])
+    assert "r0" not in victims  # the oldest request keeps running
+    assert not e.has_unfinished_requests()
+    assert e.scheduler.num_preemptions_total >= 1
+
+
+def test_reserve_full_isl_waits_for_room_for_the_whole_prompt() -> None:
+    e = engine(blocks=40, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=600)
+    e.add_request("big", 400, 150)  # will hold 25+ blocks
+    for _ in range(8):
+        e.step()
+    e.add_request("next", 300, 1)  # 19 blocks for the full prompt: does not fit beside "big"
+    out = e.step()
+    assert "next" not in {o.request_id for o in out.outputs}
+    assert out.num_waiting == 1
+    e2 = engine(blocks=40, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=600)
+    e2.scheduler.reserve_full_isl = False
+    e2.add_request("big", 400, 150)
+    for _ in range(8):
+        e2.step()
+    e2.add_request("next", 300, 1)
+    assert "next" in {o.request_id for o in e2.step().outputs}  # its first chunk fits
+
+
+def test_prefix_cache_hits_skip_the_shared_prefix() -> None:
+    e = engine(max_num_batched_tokens=1024, max_num_seqs=8)
+    e.add_request("a", 300, 1, prefix_key="sys", prefix_tokens=200)
+    drain(e)
+    e.add_request("b", 300, 1, prefix_key="sys", prefix_tokens=200)
+    out = e.step()
+    # 200 // 16 = 12 full blocks = 192 tokens come from the cache.
+    assert out.num_scheduled_tokens == 300 - 192
+    e2 = engine(max_num_batched_tokens=1024, max_num_seqs=8, enable_prefix_caching=False)
+    e2.add_request("a", 300, 1, prefix_key="sys", prefix_tokens=200)
+    drain(e2)
+    e2.add_request("b", 300, 1, prefix_key="sys", prefix_tokens=200)
+    assert e2.step().num_scheduled_tokens == 300
+
+
+def test_abort_frees_blocks_and_unknown_ids_are_ignored() -> None:
+    e = engine(max_num_batched_tokens=256, max_num_seqs=8)
+    e.add_request("a", 200, 50)
+    e.add_request("b", 20, 50)
+    e.step()
+    assert e.kv_cache_usage() > 0
+    e.abort_request("a")
+    e.abort_request("b")
+    e.abort_request("nope")
+    assert not e.has_unfinished_requests()
+    assert e.kv_cache_usage() == 0.0
+    e.scheduler.check_invariants()
+
+
+def test_add_request_validation_uses_vllm_wording() -> None:
+    e = engine(blocks=100, max_model_len=1000)
+    with pytest.raises(ValueError, match="maximum context length is 1000 tokens"):
+        e.add_request("x", 900, 200)
+    with pytest.raises(ValueError, match="at least one token"):
+        e.add_request("x", 0, 10)
+    with pytest.raises(ValueError, match="max_tokens"):
+        e.add_request("x", 10, 0)
+    e.add_request("x", 10, 10)
+    with pytest.raises(ValueError, match="already running"):
+        e.add_request("x", 10, 10)
