@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -128,13 +129,13 @@ def _check_sampling(body: dict[str, Any]) -> None:
         raise OpenAIError("`best_of` must be 1 (or omitted) for the engine twin.", param="best_of")
 
 
-def _check_model(body: dict[str, Any], served_model_name: str) -> str:
+def _check_model(body: dict[str, Any], served_model_names: tuple[str, ...]) -> str:
     model = body.get("model")
     if model is None:
-        return served_model_name  # vLLM serves its only model when none is named
+        return served_model_names[0]  # vLLM serves its only model when none is named
     if not isinstance(model, str):
         raise OpenAIError(f"`model` must be a string, got {json.dumps(model)}.", param="model")
-    if model != served_model_name:
+    if model not in served_model_names:
         raise OpenAIError(f"The model `{model}` does not exist.", status=404, param="model")
     return model
 
@@ -206,10 +207,12 @@ def _chat_prompt(body: dict[str, Any]) -> tuple[int, int, str | None, int]:
     return prompt, seed, None, 0
 
 
-def parse_generation_request(body: dict[str, Any], kind: Kind, *, served_model_name: str,
+def parse_generation_request(body: dict[str, Any], kind: Kind, *, served_model_name: str | Sequence[str],
                              max_model_len: int) -> GenerationRequest:
-    """Validate a /v1/completions (kind "completion") or /v1/chat/completions ("chat") body."""
-    model = _check_model(body, served_model_name)
+    """Validate a /v1/completions (kind "completion") or /v1/chat/completions ("chat") body.
+    `served_model_name` is one name or all of them (`--served-model-name a b`)."""
+    names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name)
+    model = _check_model(body, names)
     prefix_key: str | None = None
     prefix_tokens = 0
     if kind == "completion":
@@ -317,10 +320,12 @@ def sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
-def models_body(served_model_name: str, root: str, max_model_len: int, created: int | None = None) -> dict:
+def models_body(served_model_name: str | Sequence[str], root: str, max_model_len: int,
+                created: int | None = None) -> dict:
+    """/v1/models: one entry per served name, each rooted at the model it serves."""
     created = int(time.time()) if created is None else created
+    names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name)
     return {"object": "list", "data": [{
-        "id": served_model_name, "object": "model", "created": created, "owned_by": "vllm",
-        "root": root, "parent": None, "max_model_len": max_model_len,
-        "permission": [],
-    }]}
+        "id": name, "object": "model", "created": created, "owned_by": "vllm",
+        "root": root, "parent": None, "max_model_len": max_model_len, "permission": [],
+    } for name in names]}

@@ -127,9 +127,11 @@ def serve_command(args: argparse.Namespace) -> int:
     def make_engine() -> tuple[Engine, ServingInfo]:
         engine = Engine(config)
         root = getattr(args, "model", None) or getattr(args, "model_flag", None) or config.model.name
-        info = ServingInfo(served_model_name=config.model_name, model=root,
+        names = list(args.served_model_name or [config.model_name])
+        info = ServingInfo(served_model_name=names[0], model=root,
                            max_model_len=int(config.max_model_len or 0),
-                           cache_config=cache_config_info(config, engine.num_gpu_blocks))
+                           cache_config=cache_config_info(config, engine.num_gpu_blocks),
+                           extra_served_names=tuple(n for n in names[1:] if n != names[0]))
         return engine, info
 
     try:

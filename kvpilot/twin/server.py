@@ -63,10 +63,15 @@ class EngineLike(Protocol):
 class ServingInfo:
     """What the API reports about the served model, and the cache config for /metrics."""
 
-    served_model_name: str
+    served_model_name: str  # the first name: the model_name label of every metric
     model: str
     max_model_len: int
     cache_config: dict[str, Any] = field(default_factory=dict)
+    extra_served_names: tuple[str, ...] = ()  # further --served-model-name values
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.extra_served_names)
 
 
 @dataclass
@@ -299,7 +304,7 @@ class TwinServer:
         self._runner = web.AppRunner(self.app, handle_signals=False, handler_cancellation=True,
                                      access_log=None, shutdown_timeout=_FLUSH_SECONDS)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, shutdown_timeout=_FLUSH_SECONDS)
+        site = web.TCPSite(self._runner, host, port)
         try:
             await site.start()
         except OSError:
@@ -357,7 +362,7 @@ class TwinServer:
         return web.Response(status=200)
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response(proto.models_body(self.info.served_model_name, self.info.model,
+        return web.json_response(proto.models_body(self.info.served_model_names, self.info.model,
                                                    self.info.max_model_len, self.created))
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -386,7 +391,7 @@ class TwinServer:
     async def _generate(self, request: web.Request, kind: proto.Kind) -> web.StreamResponse:
         self._refuse_if_unavailable()
         body = proto.decode_json_object(await request.read())
-        req = proto.parse_generation_request(body, kind, served_model_name=self.info.served_model_name,
+        req = proto.parse_generation_request(body, kind, served_model_name=self.info.served_model_names,
                                              max_model_len=self.info.max_model_len)
         self._refuse_if_unavailable()  # reading the body awaited; a SIGTERM may have come meanwhile
         task = asyncio.current_task()

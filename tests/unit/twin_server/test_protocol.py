@@ -175,3 +175,18 @@ def test_chat_system_message_is_a_shared_prefix():
     assert other.prefix_key != a.prefix_key
     assert parse({"messages": [{"role": "user", "content": "no system"}]}, "chat").prefix_key is None
     assert parse({"prompt": "completion"}).prefix_key is None
+
+
+def test_several_served_names():
+    names = ("llama", "meta-llama/Llama-3.1-8B-Instruct")
+    req = proto.parse_generation_request({"model": "llama", "prompt": "x"}, "completion",
+                                         served_model_name=names, max_model_len=64)
+    assert req.model == "llama"
+    assert proto.parse_generation_request({"prompt": "x"}, "completion", served_model_name=names,
+                                          max_model_len=64).model == "llama"
+    with pytest.raises(proto.OpenAIError):
+        proto.parse_generation_request({"model": "other", "prompt": "x"}, "completion",
+                                       served_model_name=names, max_model_len=64)
+    body = proto.models_body(names, "meta-llama/Llama-3.1-8B-Instruct", 64, created=1)
+    assert [m["id"] for m in body["data"]] == list(names)
+    assert {m["root"] for m in body["data"]} == {"meta-llama/Llama-3.1-8B-Instruct"}
