@@ -1,0 +1,75 @@
+"""The step-time model and its calibration."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvpilot.twin.calibration import load_profiles, nelder_mead, relative_errors
+from kvpilot.twin.hardware import resolve_gpu
+from kvpilot.twin.models import resolve_model
+from kvpilot.twin.steptime import StepTimeModel, params_for, per_layer_linear_time, prefill_pairs
+
+PROFILES = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "vidur-profiles"
+LLAMA8 = resolve_model("Llama-3.1-8B")
+H100 = resolve_gpu("H100-80GB")
+
+
+def test_linear_time_grows_with_tokens_and_has_a_floor() -> None:
+    m = StepTimeModel(LLAMA8, H100)
+    times = [m.linear_time(t) for t in (1, 16, 256, 1024, 4096, 16384)]
+    assert times == sorted(times)
+    # Weight-bound at one token: about the weights over the bandwidth, plus launch floors.
+    weights_s = 2 * 32 * LLAMA8.layer_params() / H100.hbm_bandwidth
+    assert weights_s < times[0] < 2 * weights_s
+    # Compute-bound at 16k tokens: within 2x of the FLOP roofline.
+    flops_s = 2 * 16384 * 32 * LLAMA8.layer_params() / H100.bf16_flops
+    assert flops_s < times[-1] < 2 * flops_s
+
+
+def test_attention_grows_with_context() -> None:
+    m = StepTimeModel(LLAMA8, H100)
+    short = m.step_time(64, 64, 64, 0.0, 64 * 100)
+    long = m.step_time(64, 64, 64, 0.0, 64 * 8000)
+    assert long > short
+    assert m.step_time(2048, 1, 1, prefill_pairs(2048, 6000), 0) > m.step_time(2048, 1, 1, prefill_pairs(2048, 0), 0)
+
+
+def test_tensor_parallel_trades_linear_time_for_all_reduce() -> None:
+    model = resolve_model("Llama-3.1-70B")
+    tp2, tp8 = StepTimeModel(model, H100, 2), StepTimeModel(model, H100, 8)
+    assert tp8.linear_time(4096) < tp2.linear_time(4096)
+    assert tp8.allreduce_time(4096) > 0 and StepTimeModel(LLAMA8, H100, 1).allreduce_time(4096) == 0
+
+
+def test_breakdown_adds_up_to_step_time() -> None:
+    m = StepTimeModel(resolve_model("Qwen2.5-32B"), resolve_gpu("H200"), 2)
+    args = (3000, 40, 40, prefill_pairs(2961, 100), 39 * 1500)
+    b = m.breakdown(*args)
+    parts = sum(v for k, v in b.items() if k not in ("total_ms", "per_layer_linear_ms"))
+    assert b["total_ms"] == pytest.approx(parts)
+    assert b["total_ms"] == pytest.approx(m.step_time(*args) * 1e3)
+    assert b["per_layer_linear_ms"] == pytest.approx(
+        per_layer_linear_time(m.model, m.gpu, 2, 3000) * 1e3)
+
+
+def test_unmeasured_architectures_get_the_generic_constants() -> None:
+    assert params_for(resolve_gpu("L40S")) is params_for(resolve_gpu("L4"))
+    assert params_for(resolve_gpu("A100-80GB")) != params_for(resolve_gpu("H100-80GB"))
+
+
+def test_nelder_mead_finds_a_quadratic_minimum() -> None:
+    best = nelder_mead(lambda x: float(((x - np.array([1.0, -2.0, 0.5])) ** 2).sum()), np.zeros(3), iters=2000)
+    assert np.allclose(best, [1.0, -2.0, 0.5], atol=1e-3)
+
+
+@pytest.mark.skipif(not PROFILES.is_dir(), reason=f"Vidur profiles not found at {PROFILES}")
+def test_stored_constants_meet_the_calibration_goal() -> None:
+    profiles = load_profiles(PROFILES)
+    assert profiles
+    for p in profiles:
+        err = relative_errors(p, params_for(p.gpu))
+        assert np.median(err) <= 0.07, p.name
+        assert err.max() <= 0.30, p.name
