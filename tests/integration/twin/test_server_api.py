@@ -293,3 +293,16 @@ def test_tokens_are_paced_by_the_simulated_engine(twin):
     # so real latencies can only be longer than the simulated ones, never shorter.
     assert rec.ttft >= sim_ttft
     assert rec.e2e >= sim_e2e
+
+
+def test_loadgen_stops_at_its_deadline_and_the_server_aborts_what_was_cut(twin):
+    labels = {"model_name": MODEL, "engine": "0"}
+    aborted0 = value(metric_families(twin), "vllm:request_success", "vllm:request_success_total",
+                     finished_reason="abort", **labels)
+    result = run_load_sync(twin.base_url, num_requests=2, concurrency=2, max_tokens=3000,
+                           max_duration_s=0.5)
+    assert result.deadline_hit and len(result.records) == 2
+    assert all(not r.ok and "deadline" in (r.error or "") for r in result.records)
+    wait_for(lambda: value(metric_families(twin), "vllm:request_success", "vllm:request_success_total",
+                           finished_reason="abort", **labels) == aborted0 + 2,
+             what="both cut requests to be aborted in the engine")
