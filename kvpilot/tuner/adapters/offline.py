@@ -167,13 +167,15 @@ class TwinTarget:
         from kvpilot.twin.engine import EngineConfig
         from kvpilot.twin.hardware import resolve_gpu
         from kvpilot.twin.models import resolve_model
-        from kvpilot.twin.steptime import CALIBRATED
+        from kvpilot.twin.steptime import params_for
 
-        stp = CALIBRATED
+        gpu = resolve_gpu(self.gpu)
+        stp = None  # the twin's calibration for the GPU's architecture
         if self.perturb:
-            stp = replace(stp, **{k: getattr(stp, k) * f for k, f in self.perturb})
+            base = params_for(gpu)
+            stp = replace(base, **{k: getattr(base, k) * f for k, f in self.perturb})
         return EngineConfig(
-            model=resolve_model(self.model), gpu=resolve_gpu(self.gpu),
+            model=resolve_model(self.model), gpu=gpu,
             max_num_batched_tokens=params.max_num_batched_tokens,
             max_num_seqs=params.max_num_seqs,
             gpu_memory_utilization=params.gpu_memory_utilization,

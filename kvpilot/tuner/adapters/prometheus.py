@@ -1,0 +1,101 @@
+"""Signals from Prometheus: p99 TTFT/ITL, SLO burn rate and offered load over a window.
+
+Queries come from `kvpilot.slo.promql`.  Any failure to read (connection refused, timeout, a
+query error, an empty or NaN answer, no requests in the window) raises SignalsUnavailable, which
+makes the loop pause: the tuner never judges, or changes, an engine on signals it cannot trust.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from kvpilot.slo import promql
+from kvpilot.slo.promql import Matcher, Selector
+from kvpilot.tuner.core.loop import SignalsUnavailable
+from kvpilot.tuner.core.objective import SLO, Measurement
+
+
+def parse_selector(text: str) -> Selector:
+    """`job="twin",namespace="x"` -> Selector; empty -> every series with a job label."""
+    text = text.strip().strip("{}")
+    if not text:
+        return Selector((Matcher("job", ".+", "=~"),))
+    ms = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        for op in ("=~", "!~", "!=", "="):
+            name, sep, value = part.partition(op)
+            if sep:
+                ms.append(Matcher(name.strip(), value.strip().strip('"'), op))  # type: ignore[arg-type]
+                break
+        else:
+            raise ValueError(f"--selector: expected name=\"value\", got {part!r}")
+    return Selector(tuple(ms))
+
+
+def _window(seconds: float) -> str:
+    return f"{max(1, int(round(seconds)))}s"
+
+
+class PrometheusSignals:
+    def __init__(self, url: str, *, selector: Selector | str = "", slo: SLO, objective: float = 0.99,
+                 timeout_s: float = 5.0) -> None:
+        self.url = url.rstrip("/")
+        self.selector = parse_selector(selector) if isinstance(selector, str) else selector
+        self.slo, self.objective, self.timeout_s = slo, objective, timeout_s
+        promql.check_bucket_edge("ttft", slo.ttft_seconds)
+        promql.check_bucket_edge("itl", slo.itl_seconds)
+
+    # -- HTTP ----------------------------------------------------------------------------
+    def query(self, expr: str) -> float | None:
+        """A scalar from an instant query; None when the answer is empty."""
+        q = urllib.parse.urlencode({"query": expr})
+        try:
+            with urllib.request.urlopen(f"{self.url}/api/v1/query?{q}", timeout=self.timeout_s) as resp:
+                body: dict[str, Any] = json.load(resp)
+        except urllib.error.HTTPError as exc:
+            raise SignalsUnavailable("PrometheusQueryError", f"HTTP {exc.code} for {expr[:120]}") from None
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            raise SignalsUnavailable("PrometheusUnreachable", f"{self.url}: {exc}") from None
+        if body.get("status") != "success":
+            raise SignalsUnavailable("PrometheusQueryError", str(body.get("error", body))[:200])
+        result = body.get("data", {}).get("result", [])
+        if not result:
+            return None
+        value = float(result[0]["value"][1])
+        return None if math.isnan(value) else value
+
+    def _need(self, expr: str, what: str) -> float:
+        v = self.query(expr)
+        if v is None:
+            raise SignalsUnavailable("NoData", f"no {what} in the window")
+        return v
+
+    # -- SignalSource ----------------------------------------------------------------------
+    def request_rate(self, window_s: float) -> float:
+        rate = self.query(promql.observations_rate("ttft", self.selector, _window(window_s)))
+        if not rate:
+            raise SignalsUnavailable("NoTraffic", f"no requests in the last {window_s:g}s")
+        return rate
+
+    def burn_rate(self, window_s: float) -> float:
+        """The faster-burning of the TTFT and ITL SLOs over the window."""
+        self.request_rate(window_s)
+        w = _window(window_s)
+        ttft = self._need(promql.burn_rate("ttft", self.slo.ttft_seconds, self.objective, self.selector, w), "TTFT")
+        itl = self.query(promql.burn_rate("itl", self.slo.itl_seconds, self.objective, self.selector, w))
+        return max(ttft, itl or 0.0)
+
+    def measure(self, window_s: float) -> Measurement:
+        w = _window(window_s)
+        rate = self.request_rate(window_s)
+        ttft = self._need(promql.quantile("ttft", 0.99, self.selector, w), "p99 TTFT")
+        itl = self.query(promql.quantile("itl", 0.99, self.selector, w))
+        burn = self.burn_rate(window_s)
+        count = self.query(promql.observations("ttft", self.selector, w))
+        return Measurement(ttft_p99=ttft, itl_p99=itl or 0.0, request_rate=rate, burn_rate=burn,
+                           sample_count=int(count or 0))

@@ -1,0 +1,127 @@
+"""`kvpilot tune` (offline on the twin, or live against a local engine) and `kvpilot tuner`
+(the in-cluster tuner process).  Heavy imports live inside the handlers."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+TUNE_EPILOG = """\
+examples:
+  kvpilot tune --offline
+  kvpilot tune --offline --model Qwen2.5-7B --gpu A100-80GB --workload rag --slo ttft=1.0,itl=0.1 \\
+      --trials 30 --report out/report.html
+  kvpilot tune --offline --workload prompt=lognormal:1500:0.6,output=200,cv=1.5
+  kvpilot tune --local --prometheus http://127.0.0.1:9090 --trials 8 --window 300 -- \\
+      kvpilot twin serve --model Llama-3.1-8B --port 8000
+
+workloads: chat, rag, decode, bursty, or prompt=LEN,output=LEN[,cv=X][,requests=N] where LEN is
+N, uniform:LO:HI or lognormal:MEDIAN:SIGMA.
+"""
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "tune",
+        help="tune maxNumBatchedTokens / gpuMemoryUtilization / maxNumSeqs against a latency SLO",
+        description=(
+            "Search vLLM's token budget, KV-cache memory fraction and sequence cap with Optuna "
+            "(multivariate TPE, vLLM's defaults tried first).  --offline searches the engine twin in "
+            "virtual time for the most requests per second within the SLO; --local tunes a running local "
+            "engine live, reading p99s and burn rates from Prometheus.  The study is kept in Optuna "
+            "storage, so a rerun resumes it.  Prints a results table and, last, the recommended engine "
+            "block for an InferenceService."
+        ),
+        epilog=TUNE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--offline", action="store_true", help="search the engine twin (the default)")
+    mode.add_argument("--local", action="store_true", help="tune a local engine process live")
+    p.add_argument("--model", default="Llama-3.1-8B", help="twin model preset (default %(default)s)")
+    p.add_argument("--gpu", default="H100-80GB", help="twin GPU preset (default %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=8192, help="default %(default)s")
+    p.add_argument("--workload", default="chat", help="preset or spec, see below (default %(default)s)")
+    p.add_argument("--slo", default="ttft=0.5,itl=0.05",
+                   help="p99 targets in seconds, ttft=S,itl=S (default %(default)s)")
+    p.add_argument("--goal", choices=("capacity", "latency"), default="capacity",
+                   help="offline: capacity (most req/s within SLO) or latency (at --rate); default %(default)s")
+    p.add_argument("--rate", type=float, default=5.0, help="offline latency goal: offered req/s")
+    p.add_argument("--trials", type=int, default=30, help="default %(default)s")
+    p.add_argument("--seed", type=int, default=0, help="sampler and workload seed (default %(default)s)")
+    p.add_argument("--storage", default="sqlite:///out/kvpilot-tune.db",
+                   help="Optuna storage URL (default %(default)s)")
+    p.add_argument("--study-name", help="default: derived from the target and a hash of the search space")
+    p.add_argument("--report", default="out/kvpilot-tune-report.html",
+                   help="report file, .html or .png ('' for none; default %(default)s)")
+    p.add_argument("--tokens", metavar="MIN:MAX", help="maxNumBatchedTokens range (default 256:16384)")
+    p.add_argument("--util", metavar="MIN:MAX", help="gpuMemoryUtilization range (default 0.70:0.95)")
+    p.add_argument("--seqs", metavar="MIN:MAX", help="maxNumSeqs range (default 64:1024)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    live = p.add_argument_group("live (--local)")
+    live.add_argument("--prometheus", metavar="URL", help="Prometheus that scrapes the engine")
+    live.add_argument("--selector", default="", help="extra PromQL label matchers, e.g. job=\"vllm\"")
+    live.add_argument("--objective", type=float, default=0.99, help="SLO objective (default %(default)s)")
+    live.add_argument("--warmup", type=float, default=120.0, help="seconds after a change before measuring")
+    live.add_argument("--window", type=float, default=600.0, help="trial window, seconds")
+    live.add_argument("--poll", type=float, default=15.0, help="burn-rate poll interval, seconds")
+    live.add_argument("--fast-burn-window", type=float, default=300.0,
+                      help="window of the fast-burn check, seconds (default 300 = 5m)")
+    live.add_argument("--keep-running", action="store_true", help="leave the engine running at the end")
+    live.add_argument("engine_command", nargs=argparse.REMAINDER, help="after --: the engine command")
+    p.set_defaults(handler=_tune)
+
+    t = subparsers.add_parser(
+        "tuner",
+        help="run the in-cluster tuner for every InferenceService with spec.tuning.enabled",
+        description=(
+            "The in-cluster tuner: a process of its own (apart from the operator) that tunes every "
+            "InferenceService with spec.tuning.enabled, one trial at a time per service, by patching "
+            "only the tuned spec.engine fields (field manager kvpilot-tuner).  Writes status.tuning, an "
+            "Event per trial, and serves its metrics on --metrics-port."
+        ),
+    )
+    t.add_argument("--prometheus", required=True, metavar="URL", help="the cluster's Prometheus")
+    t.add_argument("--namespace", help="only this namespace (default: all)")
+    t.add_argument("--storage", default="sqlite:////var/lib/kvpilot/tuner.db", help="Optuna storage URL")
+    t.add_argument("--metrics-port", type=int, default=9109, help="default %(default)s; 0 disables")
+    t.add_argument("--resync", type=float, default=30.0, help="seconds between scans for services")
+    t.add_argument("--poll", type=float, default=15.0, help="burn-rate poll interval, seconds")
+    t.set_defaults(handler=_tuner)
+
+
+def _setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from kvpilot.tuner.jobs import UsageError, tune_local, tune_offline
+
+    if args.engine_command and args.engine_command[0] == "--":
+        args.engine_command = args.engine_command[1:]
+    if args.trials < 1:
+        print("kvpilot tune: --trials must be >= 1", file=sys.stderr)
+        return 2
+    _setup_logging(verbose=bool(args.local))
+    try:
+        if args.local:
+            return tune_local(args)
+        if args.engine_command:
+            raise UsageError("an engine command after -- needs --local")
+        return tune_offline(args)
+    except UsageError as exc:
+        print(f"kvpilot tune: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"kvpilot tune: {exc}", file=sys.stderr)
+        return 2
+
+
+def _tuner(args: argparse.Namespace) -> int:
+    _setup_logging(verbose=True)
+    from kvpilot.tuner.incluster import run_tuner
+
+    return run_tuner(args)

@@ -1,0 +1,216 @@
+"""What `kvpilot tune` runs: the offline job on the twin, and the live job against a local engine."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvpilot.tuner.core.objective import SLO, Goal, Measurement, Outcome, infeasible, score
+from kvpilot.tuner.core.space import EngineParams, SearchSpace
+from kvpilot.tuner.core.study import TunerStudy, study_name
+
+log = logging.getLogger(__name__)
+
+
+class UsageError(ValueError):
+    """Bad command-line input: printed as one line, exit code 2."""
+
+
+def parse_range(text: str, flag: str, kind: type) -> tuple[Any, Any]:
+    lo, sep, hi = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return kind(lo), kind(hi)
+    except ValueError:
+        raise UsageError(f"{flag}: expected MIN:MAX, got {text!r}") from None
+
+
+def space_from_args(args: argparse.Namespace) -> SearchSpace:
+    kw: dict[str, Any] = {}
+    if args.tokens:
+        kw["max_num_batched_tokens"] = parse_range(args.tokens, "--tokens", int)
+    if args.util:
+        kw["gpu_memory_utilization"] = parse_range(args.util, "--util", float)
+    if args.seqs:
+        kw["max_num_seqs"] = parse_range(args.seqs, "--seqs", int)
+    try:
+        return SearchSpace(**kw)
+    except ValueError as exc:
+        raise UsageError(str(exc).replace("spec.tuning.space.", "space ")) from None
+
+
+def engine_yaml(params: EngineParams, comment: str) -> str:
+    """The engine block, ready to paste under an InferenceService's spec."""
+    body = yaml.safe_dump({"engine": params.as_spec()}, sort_keys=False)
+    return f"# {comment}\n{body}"
+
+
+def trials_table(st: TunerStudy, limit: int = 12) -> str:
+    """Best trials first: number, params, value, p99s, reason."""
+    rows = []
+    maximize = st.goal.direction == "maximize"
+    for t in st.trials():
+        if t.value is None:
+            continue
+        p = st.engine_of(t)
+        m = st.measurement_of(t)
+        rows.append((t, p, m))
+    feasible = {t.number for t in st.feasible()}
+    rows.sort(key=lambda r: (r[0].number not in feasible, -(r[0].value or 0) if maximize else (r[0].value or 0)))
+    head = f"{'#':>3} {'tokens':>7} {'util':>5} {'seqs':>5} {'value':>9} {'p99 TTFT':>9} {'p99 ITL':>8}  reason"
+    lines = [head, "-" * len(head)]
+    for t, p, m in rows[:limit]:
+        ttft = f"{m.ttft_p99:.3f}" if m else "-"
+        itl = f"{m.itl_p99:.4f}" if m else "-"
+        lines.append(
+            f"{t.number:>3} {p.max_num_batched_tokens:>7} {p.gpu_memory_utilization:>5.2f} {p.max_num_seqs:>5} "
+            f"{t.value:>9.3f} {ttft:>9} {itl:>8}  {t.user_attrs.get('reason', '')}"
+        )
+    if len(rows) > limit:
+        lines.append(f"... {len(rows) - limit} more in the study")
+    return "\n".join(lines)
+
+
+def _sqlite_url(storage: str) -> str:
+    """Make the directory of a sqlite file exist (Optuna does not)."""
+    prefix = "sqlite:///"
+    if storage.startswith(prefix):
+        Path(storage[len(prefix):]).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    return storage
+
+
+# --- offline ----------------------------------------------------------------------------
+
+
+def tune_offline(args: argparse.Namespace) -> int:
+    import optuna
+
+    from kvpilot.tuner.adapters.offline import TwinEvaluator, TwinTarget, parse_workload
+    from kvpilot.tuner.core.search import run_offline
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    slo = SLO.parse(args.slo)
+    try:
+        workload = parse_workload(args.workload)
+    except (ValueError, KeyError) as exc:
+        raise UsageError(str(exc)) from None
+    target = TwinTarget(model=args.model, gpu=args.gpu, max_model_len=args.max_model_len)
+    try:
+        defaults = target.vllm_defaults()
+        target.engine_config(defaults)
+    except ValueError as exc:  # unknown model or GPU: the twin's message names what it knows
+        raise UsageError(str(exc)) from None
+    space = space_from_args(args)
+    goal = Goal(args.goal)
+    evaluator = TwinEvaluator(target, workload, slo, seed=args.seed)
+
+    def evaluate(params: EngineParams) -> Outcome:
+        if goal is Goal.CAPACITY:
+            return evaluator.evaluate(params)
+        from kvpilot.twin.memory import EngineStartupError
+
+        try:
+            s = evaluator.run(params, args.rate)
+        except (EngineStartupError, ValueError) as exc:
+            return infeasible(goal, "StartupFailed", str(exc).splitlines()[0][:300])
+        m = Measurement(ttft_p99=s.ttft_p99, itl_p99=s.itl_p99, request_rate=args.rate)
+        return score(goal, m, slo)
+
+    name = args.study_name or study_name("offline", f"{target.model}.{target.gpu}.{workload.name}", space, goal)
+    st = TunerStudy(storage=_sqlite_url(args.storage), name=name, goal=goal, space=space, slo=slo,
+                    seed=args.seed, n_trials=args.trials)
+    st.enqueue(defaults, "vllmDefaults")
+    already = st.finished_count()
+    print(f"kvpilot tune --offline: {target.model} on {target.gpu}, workload {workload.name} "
+          f"({workload.prompt.as_text()} prompt / {workload.output.as_text()} output tokens), "
+          f"SLO p99 TTFT <= {slo.ttft_seconds:g}s, ITL <= {slo.itl_seconds:g}s; goal {goal.value}", file=sys.stderr)
+    print(f"study {name!r} in {args.storage}" + (f" (resuming: {already} trials done)" if already else ""),
+          file=sys.stderr)
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=args.trials, initial=min(already, args.trials), unit="trial", file=sys.stderr,
+               disable=args.quiet, dynamic_ncols=True)
+
+    def on_trial(frozen: Any, params: EngineParams, outcome: Outcome) -> None:
+        bar.update(1)
+        best = st.best_trial()
+        if best is not None and best.value is not None:
+            bar.set_postfix_str(f"best {best.value:.3f}")
+
+    try:
+        run_offline(st, evaluate, args.trials, on_trial)
+    finally:
+        bar.close()
+    table = trials_table(st)
+    print(table)
+    best = st.best_engine()
+    if best is None:
+        print("\nno config met the SLO on the twin: relax the SLO, or try a larger GPU", file=sys.stderr)
+        return 1
+    params, value = best
+    dflt = next((t for t in st.trials() if t.user_attrs.get("source") == "vllmDefaults"), None)
+    unit = "req/s within SLO" if goal is Goal.CAPACITY else "x SLO (lower is better)"
+    comment = f"kvpilot tune --offline: {value:.3f} {unit}"
+    if dflt is not None and dflt.value is not None and goal is Goal.CAPACITY:
+        comment += f" (vLLM defaults: {dflt.value:.3f})"
+    yml = engine_yaml(params, comment)
+    if args.report:
+        from kvpilot.tuner.report import write_report
+
+        out = write_report(st, Path(args.report), f"kvpilot tune: {target.model} on {target.gpu}, {workload.name}",
+                           yml, table)
+        print(f"\nreport: {out}", file=sys.stderr)
+    print()
+    print(yml, end="")
+    return 0
+
+
+# --- local, live ------------------------------------------------------------------------
+
+
+def tune_local(args: argparse.Namespace) -> int:
+    import optuna
+
+    from kvpilot.tuner.adapters.local import LocalApplier, parse_engine_command
+    from kvpilot.tuner.adapters.prometheus import PrometheusSignals
+    from kvpilot.tuner.core.loop import LiveSettings, LiveTuner
+    from kvpilot.tuner.observe import LogObserver
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if not args.engine_command:
+        raise UsageError("--local needs the engine command after `--`, e.g. -- kvpilot twin serve --port 8000")
+    if not args.prometheus:
+        raise UsageError("--local needs --prometheus URL (the server that scrapes the engine)")
+    slo = SLO.parse(args.slo)
+    space = space_from_args(args)
+    try:
+        command, port, start = parse_engine_command(args.engine_command)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    name = args.study_name or study_name("local", f"port{port}", space, Goal.LATENCY)
+    st = TunerStudy(storage=_sqlite_url(args.storage), name=name, goal=Goal.LATENCY, space=space, slo=slo,
+                    seed=args.seed, n_trials=args.trials)
+    st.enqueue(start, "current")
+    settings = LiveSettings(warmup_s=args.warmup, window_s=args.window, poll_s=args.poll,
+                            fast_burn_window_s=args.fast_burn_window, pause_poll_s=args.poll,
+                            max_trials=args.trials)
+    signals = PrometheusSignals(args.prometheus, selector=args.selector, slo=slo, objective=args.objective)
+    applier = LocalApplier(command, port=port, start=start)
+    applier.start()
+    try:
+        tuner = LiveTuner(st, applier, signals, settings, observer=LogObserver())
+        best = tuner.run()
+    finally:
+        if not args.keep_running:
+            applier.stop()
+    print(trials_table(st))
+    print()
+    print(engine_yaml(best, "kvpilot tune --local"), end="")
+    return 0

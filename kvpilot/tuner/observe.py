@@ -1,0 +1,89 @@
+"""Observers of the trial loop: structured logs, and the tuner's own Prometheus metrics."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvpilot.tuner.core.loop import Observer
+from kvpilot.tuner.core.objective import Outcome
+from kvpilot.tuner.core.space import EngineParams
+from kvpilot.tuner.core.study import Incumbent
+
+log = logging.getLogger("kvpilot.tuner")
+
+
+class LogObserver(Observer):
+    """One structured log line per phase change and per trial."""
+
+    def __init__(self, target: str = "local") -> None:
+        self.target = target
+
+    def phase(self, phase: str, reason: str, message: str) -> None:
+        log.info("phase=%s reason=%s target=%s %s", phase, reason, self.target, message)
+
+    def trial_started(self, number: int, params: EngineParams, kind: str) -> None:
+        log.info("trial=%d kind=%s target=%s started %s", number, kind, self.target, params.label())
+
+    def trial_finished(self, number: int, params: EngineParams, state: str, outcome: Outcome | None) -> None:
+        detail = f"value={outcome.value:.4f} reason={outcome.reason} {outcome.message}" if outcome else ""
+        log.info("trial=%d state=%s target=%s %s %s", number, state, self.target, params.label(), detail)
+
+    def best_changed(self, incumbent: Incumbent) -> None:
+        log.info("best trial=%d value=%.4f target=%s %s", incumbent.trial, incumbent.value, self.target,
+                 incumbent.params.label())
+
+
+class Fanout(Observer):
+    def __init__(self, *observers: Observer) -> None:
+        self.observers = observers
+
+    def phase(self, phase: str, reason: str, message: str) -> None:
+        for o in self.observers:
+            o.phase(phase, reason, message)
+
+    def trial_started(self, number: int, params: EngineParams, kind: str) -> None:
+        for o in self.observers:
+            o.trial_started(number, params, kind)
+
+    def trial_finished(self, number: int, params: EngineParams, state: str, outcome: Outcome | None) -> None:
+        for o in self.observers:
+            o.trial_finished(number, params, state, outcome)
+
+    def best_changed(self, incumbent: Incumbent) -> None:
+        for o in self.observers:
+            o.best_changed(incumbent)
+
+
+class TunerMetrics:
+    """kvpilot_tuning_trials_total{state}, kvpilot_tuning_best_value, kvpilot_tuning_current_trial,
+    each labelled with the InferenceService's namespace and name."""
+
+    def __init__(self, registry: Any = None) -> None:
+        from prometheus_client import REGISTRY, Counter, Gauge
+
+        reg = registry or REGISTRY
+        labels = ("namespace", "name")
+        self.trials = Counter("kvpilot_tuning_trials_total", "Tuning trials finished, by state",
+                              (*labels, "state"), registry=reg)
+        self.best = Gauge("kvpilot_tuning_best_value", "Best feasible objective value so far", labels, registry=reg)
+        self.current = Gauge("kvpilot_tuning_current_trial", "Number of the trial in progress (-1: none)",
+                             labels, registry=reg)
+
+    def observer(self, namespace: str, name: str) -> Observer:
+        return _MetricsObserver(self, namespace, name)
+
+
+class _MetricsObserver(Observer):
+    def __init__(self, m: TunerMetrics, namespace: str, name: str) -> None:
+        self.m, self.labels = m, (namespace, name)
+
+    def trial_started(self, number: int, params: EngineParams, kind: str) -> None:
+        self.m.current.labels(*self.labels).set(number)
+
+    def trial_finished(self, number: int, params: EngineParams, state: str, outcome: Outcome | None) -> None:
+        self.m.trials.labels(*self.labels, state).inc()
+        self.m.current.labels(*self.labels).set(-1)
+
+    def best_changed(self, incumbent: Incumbent) -> None:
+        self.m.best.labels(*self.labels).set(incumbent.value)
