@@ -107,18 +107,18 @@ seccompProfile:
 {{/*
 The tuner's command line. The storage URL comes from the environment (KVPILOT_TUNER_STORAGE):
 Kubernetes expands $(VAR) in args, so a PostgreSQL password never sits in the pod spec.
+`kvpilot tuner` watches one namespace or all of them.
 */}}
 {{- define "kvpilot.tunerArgs" -}}
 - tuner
-- run
-{{- if .Values.watch.allNamespaces }}
-- --all-namespaces
-{{- else }}
-{{- range (include "kvpilot.watchNamespaces" . | fromJsonArray) }}
-- --namespace={{ . }}
+- --prometheus={{ .Values.tuner.prometheusUrl }}
+{{- if not .Values.watch.allNamespaces }}
+{{- $namespaces := include "kvpilot.watchNamespaces" . | fromJsonArray }}
+{{- if gt (len $namespaces) 1 }}
+{{- fail (printf "the tuner watches one namespace or all of them, and watch.namespaces lists %d: set tuner.enabled=false, list one namespace, or set watch.allNamespaces=true" (len $namespaces)) }}
 {{- end }}
+- --namespace={{ first $namespaces }}
 {{- end }}
-- --prometheus-url={{ .Values.tuner.prometheusUrl }}
 - --storage=$(KVPILOT_TUNER_STORAGE)
-- --log-level={{ .Values.tuner.logLevel }}
+- --metrics-port={{ .Values.tuner.metricsPort }}
 {{- end -}}

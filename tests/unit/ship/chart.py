@@ -26,7 +26,13 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     # A team that may only touch its own namespaces: Roles instead of a ClusterRole.
     "namespace-scoped": {
         "rbac": {"scope": "namespace"},
+        "watch": {"allNamespaces": False, "namespaces": ["team-a"]},
+    },
+    # Several namespaces, operator only (`kvpilot tuner` watches one namespace or all).
+    "namespaces-operator-only": {
+        "rbac": {"scope": "namespace"},
         "watch": {"allNamespaces": False, "namespaces": ["team-a", "team-b"]},
+        "tuner": {"enabled": False},
     },
     # A shared / HA Optuna study in PostgreSQL; no PVC.
     "postgresql": {

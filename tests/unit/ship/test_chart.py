@@ -240,9 +240,16 @@ def test_operator_watches_all_namespaces_by_default_and_runs_twins_from_its_own_
 
 
 def test_operator_watches_listed_namespaces() -> None:
-    c = _container(render("namespace-scoped"), "-operator")
+    c = _container(render("namespaces-operator-only"), "-operator")
     assert "--all-namespaces" not in c["args"]
     assert _flag(c["args"], "namespace") == ["team-a", "team-b"]
+    tuner = _container(render("namespace-scoped"), "-tuner")
+    assert _flag(tuner["args"], "namespace") == ["team-a"]
+
+
+def test_tuner_refuses_several_namespaces_with_a_clear_message() -> None:
+    with pytest.raises(helm_python.HelmError, match="the tuner watches one namespace or all of them"):
+        render({"watch": {"allNamespaces": False, "namespaces": ["a", "b"]}})
 
 
 def test_watching_no_listed_namespace_means_the_release_namespace() -> None:
@@ -264,7 +271,7 @@ def test_chart_args_parse_with_the_real_cli() -> None:
     from kvpilot.cli import build_parser
 
     parser = build_parser()
-    for value_set in ("default", "namespace-scoped", "postgresql"):
+    for value_set in ("default", "namespace-scoped", "namespaces-operator-only", "postgresql"):
         objects = render(value_set)
         for _, pod in _pod_specs(objects):
             for c in pod["containers"]:
@@ -272,6 +279,9 @@ def test_chart_args_parse_with_the_real_cli() -> None:
                 args = [a.replace("$(KVPILOT_TUNER_STORAGE)", "sqlite:////tmp/x.db") for a in c["args"]]
                 try:
                     parsed = parser.parse_args(args)
+                    if "--metrics-port" in " ".join(args) and hasattr(parsed, "metrics_port"):
+                        # The port the chart's Service and probes point at is the one the process opens.
+                        assert str(parsed.metrics_port) in {str(p["containerPort"]) for p in c["ports"]}
                 except (SystemExit, argparse.ArgumentError):
                     pytest.fail(f"`kvpilot {' '.join(args)}` is rejected by the CLI ({value_set})")
                 assert callable(parsed.handler)
@@ -331,7 +341,7 @@ def test_tuner_off_leaves_no_tuner_objects() -> None:
 
 def test_tuner_reads_the_configured_prometheus() -> None:
     c = _container(render({"tuner": {"prometheusUrl": "http://prom.example:9090"}}), "-tuner")
-    assert _flag(c["args"], "prometheus-url") == ["http://prom.example:9090"]
+    assert _flag(c["args"], "prometheus") == ["http://prom.example:9090"]
 
 
 # --- RBAC shape (what is granted is in test_chart_rbac.py) ----------------------------------------
@@ -350,12 +360,12 @@ def test_cluster_scope_binds_cluster_roles_to_the_service_accounts() -> None:
 
 
 def test_namespace_scope_grants_roles_in_each_watched_namespace_only() -> None:
-    objects = render("namespace-scoped")
+    objects = render("namespaces-operator-only")
     # Only the cluster-scoped reads a Role cannot grant (CRDs) stay in a ClusterRole.
     (cluster_role,) = find(objects, "ClusterRole")
     assert {r for rule in cluster_role["rules"] for r in rule["resources"]} == {"customresourcedefinitions"}
     assert all(set(rule["verbs"]) <= {"get", "list", "watch"} for rule in cluster_role["rules"])
-    for component in ("operator", "tuner"):
+    for component in ("operator",):
         roles = find(objects, "Role", f"-{component}")
         bindings = find(objects, "RoleBinding", f"-{component}")
         assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
@@ -488,12 +498,17 @@ def test_monitoring_objects_are_off_by_default_and_on_when_asked() -> None:
     assert find(render("default"), "ServiceMonitor") == [] and find(render("default"), "PrometheusRule") == []
     objects = render("monitoring")
     sm = one(objects, "ServiceMonitor")
-    service = one(objects, "Service", "-operator")
     assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
-    # The ServiceMonitor selects the operator's Service and scrapes its named port.
-    selector = sm["spec"]["selector"]["matchLabels"]
-    assert selector.items() <= service["metadata"]["labels"].items()
-    assert sm["spec"]["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"]
+    # The ServiceMonitor selects the operator's and the tuner's Services and scrapes their named port.
+    selector = sm["spec"]["selector"]
+    (expression,) = selector["matchExpressions"]
+    for component in ("operator", "tuner"):
+        service = one(objects, "Service", f"-{component}")
+        labels = service["metadata"]["labels"]
+        assert selector["matchLabels"].items() <= labels.items()
+        assert expression["operator"] == "In" and labels[expression["key"]] in expression["values"]
+        assert sm["spec"]["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"]
+    assert one(render("operator-only"), "Service")["metadata"]["name"].endswith("-operator")
     assert sm["spec"]["namespaceSelector"]["matchNames"] == [NAMESPACE]
     rule = one(objects, "PrometheusRule")
     alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
