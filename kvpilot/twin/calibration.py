@@ -29,8 +29,8 @@ from kvpilot.twin.steptime import StepTimeParams, per_layer_linear_time
 
 # The linear-part constants `fit` tunes (attention, all-reduce and CPU terms are not profiled here).
 FIT_FIELDS: tuple[str, ...] = (
-    "gemm_compute_eff", "gemm_memory_eff", "gemm_floor_s", "gemm_sharpness", "norm_eff", "rope_eff",
-    "act_eff", "add_eff", "elementwise_floor_s",
+    "gemm_compute_eff", "gemm_memory_eff", "gemm_floor_s", "gemm_sharpness", "gemm_ramp_bytes", "norm_eff",
+    "rope_eff", "act_eff", "add_eff", "elementwise_floor_s",
 )
 EXCLUDED_OPS = ("emb",)
 
@@ -170,7 +170,7 @@ def _bounded(name: str, value: float) -> float:
 
 
 def fit(profiles: Sequence[Profile], start: StepTimeParams | None = None,
-        names: Iterable[str] = FIT_FIELDS, iters: int = 600) -> StepTimeParams:
+        names: Iterable[str] = FIT_FIELDS, iters: int = 800) -> StepTimeParams:
     """Fit the named constants (positive; efficiencies capped at 1) to the profiles."""
     start = start or StepTimeParams()
     names = tuple(names)
@@ -193,7 +193,7 @@ CLASS_FIELDS: tuple[str, ...] = ("gemm_compute_eff", "gemm_memory_eff", "gemm_fl
 
 
 def fit_by_class(profiles: Sequence[Profile], start: StepTimeParams | None = None,
-                 iters: int = 600) -> tuple[StepTimeParams, dict[str, StepTimeParams]]:
+                 iters: int = 800) -> tuple[StepTimeParams, dict[str, StepTimeParams]]:
     """(generic, {architecture: params}): generic fits every constant on every profile and is
     what GPUs of an unmeasured architecture get; each measured architecture then refits the
     CLASS_FIELDS on its own profiles, starting from generic."""

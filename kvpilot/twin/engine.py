@@ -55,11 +55,11 @@ class EngineConfig:
 
     model: ModelSpec = field(default_factory=lambda: resolve_model("Llama-3.1-8B"))
     gpu: GpuSpec = field(default_factory=resolve_gpu)
-    max_num_batched_tokens: int | None = None  # type: ignore[assignment]
-    max_num_seqs: int | None = None  # type: ignore[assignment]
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
     gpu_memory_utilization: float | None = vllm_facts.DEFAULT_GPU_MEMORY_UTILIZATION
     kv_cache_memory_bytes: int | None = None
-    max_model_len: int | None = None  # type: ignore[assignment]
+    max_model_len: int | None = None
     tensor_parallel_size: int = 1
     block_size: int = vllm_facts.DEFAULT_BLOCK_SIZE
     kv_cache_dtype: str = "auto"

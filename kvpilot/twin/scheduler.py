@@ -82,8 +82,8 @@ class Scheduler:
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.usable_blocks = max(0, num_gpu_blocks - 1)  # one null block
         self.free = self.usable_blocks  # blocks holding nothing
-        self.cache: dict[tuple[str, int], int] = {}  # prefix block -> reference count
-        self.evictable: OrderedDict[tuple[str, int], None] = OrderedDict()  # cached, unreferenced
+        self.cache: dict[tuple[str | None, int], int] = {}  # prefix block -> reference count
+        self.evictable: OrderedDict[tuple[str | None, int], None] = OrderedDict()  # cached, unreferenced
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
@@ -360,10 +360,10 @@ class Scheduler:
         used = held_private + len(self.cache)
         assert self.free >= 0 and used + self.free == self.usable_blocks, (used, self.free, self.usable_blocks)
         assert len(self.running) <= self.max_num_seqs
-        refs: dict[tuple[str, int], int] = {}
+        refs: dict[tuple[str | None, int], int] = {}
         for r in self.running:
             for j in range(r.shared):
-                refs[(r.prefix_key, j)] = refs.get((r.prefix_key, j), 0) + 1  # type: ignore[index]
+                refs[(r.prefix_key, j)] = refs.get((r.prefix_key, j), 0) + 1
         for k, c in self.cache.items():
             assert refs.get(k, 0) == c, (k, c, refs.get(k, 0))
             assert (c == 0) == (k in self.evictable)
