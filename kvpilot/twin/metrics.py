@@ -127,6 +127,16 @@ class VllmMetrics:
                                  "Histogram of time spent in PREFILL phase for request.", latency)
         self.decode = histogram(vllm.METRIC_DECODE, "Histogram of time spent in DECODE phase for request.",
                                 latency)
+        # The twin's own health (not vLLM metrics): does the real-time loop keep the simulated pace?
+        self.twin_steps = Counter("kvpilot_twin_engine_steps", "Engine steps the twin has run.",
+                                  labels, registry=reg).labels(*values)
+        self.twin_simulated = Counter("kvpilot_twin_simulated_seconds",
+                                      "Sum of the simulated durations of the twin's engine steps.",
+                                      labels, registry=reg).labels(*values)
+        self.twin_behind = Counter("kvpilot_twin_behind_seconds",
+                                   "Time the twin's engine loop fell behind the simulated timeline and "
+                                   "dropped (CPU too busy to keep real time); 0 when it keeps up.",
+                                   labels, registry=reg).labels(*values)
         # Info metric emulated as a gauge set to 1, as vLLM does (multiprocess mode has no Info).
         info = cache_config_labels({**cache_config, "engine": str(engine_index)})
         Gauge(vllm.METRIC_CACHE_CONFIG, "Information of the LLMEngine CacheConfig", tuple(info),
@@ -158,6 +168,13 @@ class VllmMetrics:
         self.running.set(num_running)
         self.waiting.set(num_waiting)
         self.kv_usage.set(kv_cache_usage)
+
+    def record_engine_step(self, duration_s: float) -> None:
+        self.twin_steps.inc()
+        self.twin_simulated.inc(duration_s)
+
+    def record_behind(self, seconds: float) -> None:
+        self.twin_behind.inc(seconds)
 
     def record_first_token(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)

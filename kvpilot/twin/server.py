@@ -41,6 +41,8 @@ log = logging.getLogger(LOGGER_NAME)
 
 # Prompts of long-context models run to megabytes of JSON; aiohttp's default cap is 1 MiB.
 MAX_BODY_BYTES = 64 * 1024 * 1024
+# How far behind the simulated timeline the engine loop may fall and still catch up.
+CATCH_UP_S = 0.05
 # After the drain, how long handlers get to write their final chunk before the sockets close.
 _FLUSH_SECONDS = 2.0
 
@@ -116,6 +118,9 @@ class EngineLoop:
         self._empty = asyncio.Event()
         self._empty.set()
         self._task: asyncio.Task[None] | None = None
+        self.steps = 0
+        self.simulated_s = 0.0
+        self.behind_s = 0.0
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="twin-engine-loop")
@@ -193,11 +198,23 @@ class EngineLoop:
                     await self._wake.wait()
                     next_start = loop_clock()
                     continue
-                # The step starts when the previous one ended in simulated time, or now if the
-                # loop fell behind (the CPU is busy) - then lateness is not carried forward.
-                started = max(next_start, loop_clock())
+                # The step starts when the previous one ended in simulated time: the CPU time of
+                # delivering tokens and of step() itself is absorbed by the next sleep, so the
+                # twin keeps the simulated pace on average.  Once the loop is more than
+                # CATCH_UP_S behind (an overloaded CPU), it restarts the timeline from now rather
+                # than rush steps out back to back; the dropped time is counted as "behind".
+                now = loop_clock()
+                behind = now - next_start
+                if behind > CATCH_UP_S:
+                    self.behind_s += behind
+                    self.metrics.record_behind(behind)
+                    next_start = now
+                started = next_start
                 out = self.engine.step()
                 next_start = started + float(out.duration_s)
+                self.steps += 1
+                self.simulated_s += float(out.duration_s)
+                self.metrics.record_engine_step(float(out.duration_s))
                 await asyncio.sleep(max(0.0, next_start - loop_clock()))
                 self._deliver(out, started, loop_clock())
                 if not self.engine.has_unfinished_requests():
@@ -331,7 +348,10 @@ class TwinServer:
         if self._runner is not None:
             await self._runner.cleanup()
         await self.engine_loop.stop()
-        log.info("shutdown complete", extra={"fields": {"drained": drained}})
+        loop = self.engine_loop
+        log.info("shutdown complete", extra={"fields": {
+            "drained": drained, "engine_steps": loop.steps, "simulated_s": round(loop.simulated_s, 6),
+            "behind_s": round(loop.behind_s, 6)}})
 
     # ------------------------------------------------------------------ middleware
 

@@ -214,6 +214,10 @@ def test_metrics_names_edges_and_counts(twin):
     assert info["block_size"] == "16" and info["gpu_memory_utilization"] == "0.92"
     assert int(info["num_gpu_blocks"]) > 0 and info["engine"] == "0"
     assert value(after, vllm.METRIC_ITERATION_TOKENS, vllm.METRIC_ITERATION_TOKENS + "_count", **labels) > 0
+    # the twin's own pacing counters: it ran steps and simulated time passed
+    assert value(after, "kvpilot_twin_engine_steps", "kvpilot_twin_engine_steps_total", **labels) >= 5
+    assert value(after, "kvpilot_twin_simulated_seconds", "kvpilot_twin_simulated_seconds_total", **labels) > 0
+    assert value(after, "kvpilot_twin_behind_seconds", "kvpilot_twin_behind_seconds_total", **labels) >= 0
 
 
 def test_client_disconnect_aborts_the_request(twin):
