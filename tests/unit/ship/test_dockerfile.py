@@ -187,3 +187,14 @@ def test_parser_catches_a_bad_dockerfile() -> None:
     assert bad[0].all("USER")[0].args == "root"
     with pytest.raises(json.JSONDecodeError):
         json.loads(bad[0].all("ENTRYPOINT")[0].args)
+
+
+def test_build_context_sources_exist(stages: list[Stage]) -> None:
+    """Every path the builder COPYs from the context is in the repository."""
+    for stage in stages:
+        for instruction in stage.all("COPY"):
+            if "--from=" in instruction.args:
+                continue
+            *sources, _dest = instruction.args.split()
+            for source in sources:
+                assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
