@@ -36,13 +36,18 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-# A small model on a fast GPU: short steps, so real-time tests take a few seconds.
+# A small model on a fast GPU: steps of a few milliseconds, so real-time tests take a few seconds.
 FAST_TWIN_ARGS: tuple[str, ...] = ("--model", "Qwen2.5-0.5B", "--gpu", "H100-80GB",
+                                   "--max-model-len", "4096")
+# An 8B model on an L4: decode steps of ~60-70 ms (about 15 tokens/s per stream), for tests that
+# need requests to stay in flight for seconds (draining, rollouts, SLO burn under load).
+SLOW_TWIN_ARGS: tuple[str, ...] = ("--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "L4",
                                    "--max-model-len", "4096")
 
 
@@ -127,6 +132,26 @@ class TwinProcess:
                 if isinstance(obj, dict):
                     records.append(obj)
         return records
+
+    def metric_families(self) -> dict[str, Any]:
+        """/metrics scraped now and parsed with prometheus_client's parser, by family name
+        (counters appear without `_total`: `families["vllm:request_success"]`)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as resp:
+            text = resp.read().decode()
+        return {f.name: f for f in text_string_to_metric_families(text)}
+
+    def metric_value(self, sample_name: str, **labels: str) -> float | None:
+        """One sample's value from a fresh scrape, e.g.
+        `twin.metric_value("vllm:request_success_total", finished_reason="length")`, or
+        `twin.metric_value("vllm:time_to_first_token_seconds_bucket", le="0.5")`; None if absent.
+        Labels not given are not matched (model_name and engine, usually)."""
+        for family in self.metric_families().values():
+            for s in family.samples:
+                if s.name == sample_name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    return float(s.value)
+        return None
 
     def _port_from_log(self) -> int | None:
         for rec in self.log_records():

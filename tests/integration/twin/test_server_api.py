@@ -74,6 +74,13 @@ def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def test_harness_metric_helpers(twin):
+    assert twin.metric_value("vllm:request_success_total", finished_reason="abort") is not None
+    assert twin.metric_value("vllm:time_to_first_token_seconds_bucket", le="0.5") is not None
+    assert twin.metric_value("vllm:no_such_metric") is None
+    assert "vllm:request_success" in twin.metric_families()
+
+
 def test_health_models_version(twin):
     assert get(twin.health_url)[0] == 200
     status, raw = get(twin.base_url + "/v1/models")

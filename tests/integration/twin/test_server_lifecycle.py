@@ -12,6 +12,7 @@ import pytest
 
 from tests.support.twin_process import (
     FAST_TWIN_ARGS,
+    SLOW_TWIN_ARGS,
     free_port,
     port_is_open,
     start_twin,
@@ -19,9 +20,7 @@ from tests.support.twin_process import (
 
 pytestmark = pytest.mark.integration
 
-# Llama-3.1-8B on an L4 decodes at roughly 15 tokens/s: a 40-token stream lasts a few seconds,
-# long enough to be surely in flight when SIGTERM arrives.
-SLOW_TWIN_ARGS = ("--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "L4", "--max-model-len", "4096")
+# With SLOW_TWIN_ARGS a 40-token stream lasts a few seconds: surely in flight when SIGTERM arrives.
 STREAM_TOKENS = 40
 
 
