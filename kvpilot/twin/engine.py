@@ -242,8 +242,8 @@ class Engine:
     def _run_step(self) -> tuple[float, list[Request], list[Request], int, int, int, list[tuple[int, int]]]:
         """Schedule, apply and price one step: (duration, scheduled, finished, preemptions,
         tokens, steady, gaps); see Scheduler.step."""
-        k = self.num_steps
-        self.num_steps = k + 1
+        k = self.num_steps + 1  # step indices start at 1 (the scheduler relies on it)
+        self.num_steps = k
         scheduled, finished, tokens, preempted, pairs, decode_kv, sampled, steady, gaps = self.scheduler.step(k)
         # vLLM computes logits for every scheduled request (a partial prefill's are discarded).
         n = len(scheduled)

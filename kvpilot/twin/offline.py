@@ -162,9 +162,10 @@ def simulate(
     run = engine._run_step
     usable = sched.usable_blocks or 1
     evictable = sched.evictable
-    starts: list[float] = []
-    ends: list[float] = []
-    steadies: list[int] = []
+    # Indexed by engine step; steps count from 1, so index 0 is a placeholder.
+    starts: list[float] = [0.0]
+    ends: list[float] = [0.0]
+    steadies: list[int] = [0]
     gaps: list[tuple[int, int]] = []
     done: list[Request] = []
     usage_area = 0.0
@@ -211,10 +212,10 @@ def _report(engine: Engine, config: EngineConfig, workload: Workload | RequestBa
             slo: SLO, window: float, n: int, done: list[Request], starts_l: list[float], ends_l: list[float],
             steadies_l: list[int], gaps_l: list[tuple[int, int]], usage_area: float, usage_max: float,
             tokens_total: int, wall0: float) -> Report:
-    starts = np.asarray(starts_l, dtype=float)
+    starts = np.asarray(starts_l, dtype=float)  # [0] is a placeholder (steps count from 1)
     ends = np.asarray(ends_l, dtype=float)
-    makespan = float(ends[-1]) if len(ends) else 0.0
-    busy = float((ends - starts).sum()) if len(ends) else 0.0
+    makespan = float(ends[-1])
+    busy = float((ends - starts).sum())
     m = len(done)
     arrival = np.fromiter((r.arrival_time for r in done), float, m)
     s_sched = np.fromiter((r.step_scheduled for r in done), np.int64, m)
@@ -247,7 +248,7 @@ def _report(engine: Engine, config: EngineConfig, workload: Workload | RequestBa
     out_tokens = int(n_out.sum())
     in_tokens = int(n_prompt.sum())
     sched = engine.scheduler
-    num_steps = len(ends)
+    num_steps = len(ends) - 1
     hist = {
         vllm_facts.METRIC_TTFT: _histogram(ttft, vllm_facts.TTFT_BUCKETS),
         vllm_facts.METRIC_ITL: _histogram(itl, vllm_facts.ITL_BUCKETS),

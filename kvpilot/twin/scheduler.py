@@ -37,7 +37,7 @@ class Request:
     __slots__ = (
         "request_id", "prompt_tokens", "max_tokens", "arrival_time", "num_computed", "num_tokens",
         "num_output", "num_blocks", "status", "prefix_key", "prefix_blocks", "shared", "register_ok",
-        "num_preemptions", "sched", "context", "finish_reason", "step_scheduled", "step_first_token",
+        "num_preemptions", "sched", "finish_reason", "step_scheduled", "step_first_token",
         "step_last_token", "user",
     )
 
@@ -58,7 +58,6 @@ class Request:
         self.register_ok = True
         self.num_preemptions = 0
         self.sched = 0  # tokens scheduled in the current step
-        self.context = 0  # num_computed before the current step
         self.finish_reason: str | None = None
         # Engine step indices (not times: the driver owns the clock): first scheduled, first and
         # latest token.  -1 = not yet.
@@ -179,9 +178,29 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.num_preemptions_total += 1
 
+    def _grow(self, req: Request, total: int) -> tuple[int, bool]:
+        """Give a running request the blocks to hold `total` tokens, preempting the LAST running
+        request until they fit (vLLM's FCFS policy).  Returns (preemptions, scheduled): not
+        scheduled when the request had to preempt itself."""
+        bs = self.block_size
+        need = (total + bs - 1) // bs - req.num_blocks
+        running = self.running
+        preempted = 0
+        while need > self.free + len(self.evictable):
+            victim = running.pop()
+            self._preempt(victim)
+            preempted += 1
+            if victim is req:
+                return preempted, False
+        self._take(need)
+        req.num_blocks += need
+        if self.enable_prefix_caching and req.prefix_key is not None and req.register_ok:
+            self._register(req, total)
+        return preempted, True
+
     # -- the step ---------------------------------------------------------------------------
     def step(self, k: int) -> tuple[list[Request], list[Request], int, int, float, int, int, int, list[tuple[int, int]]]:
-        """Schedule step `k` and apply its outcome.
+        """Schedule step `k` (>= 1) and apply its outcome.
 
         Returns (scheduled, finished, tokens, preemptions, prefill_pairs, decode_kv_tokens,
         sampled, steady, gaps).  `req.sched` holds the tokens scheduled for each request,
@@ -219,39 +238,53 @@ class Scheduler:
             computed = req.num_computed
             num_tokens = req.num_tokens
             n = num_tokens - computed
+            if n == 1:
+                # A decode (or the last token of a prompt): the common case, kept short.
+                if num_tokens > req.num_blocks * bs:
+                    pre, ok = self._grow(req, num_tokens)
+                    if pre:
+                        preempted += pre
+                        nrun = len(running)
+                    if not ok:
+                        break
+                append(req)
+                budget -= 1
+                req.num_computed = num_tokens
+                decode_kv += num_tokens
+                sampled += 1
+                req.num_tokens = num_tokens + 1
+                out = req.num_output + 1
+                req.num_output = out
+                req.sched = -1
+                last = req.step_last_token
+                if last == prev:  # k >= 1, so prev >= 0: a request with no token yet never matches
+                    steady += 1
+                elif last < 0:
+                    req.step_first_token = k
+                else:
+                    gaps.append((last, k))
+                req.step_last_token = k
+                if out >= req.max_tokens:
+                    finished.append(req)
+                i += 1
+                continue
             if cap and n > thr:
                 n = thr
             if n > budget:
                 n = budget
             total = computed + n
             if total > req.num_blocks * bs:
-                need = (total + bs - 1) // bs - req.num_blocks
-                victim = None
-                while need > self.free + len(self.evictable):
-                    victim = running.pop()
-                    nrun -= 1
-                    self._preempt(victim)
-                    preempted += 1
-                    if victim is req:
-                        break
-                if victim is req:
+                pre, ok = self._grow(req, total)
+                if pre:
+                    preempted += pre
+                    nrun = len(running)
+                if not ok:
                     break
-                self._take(need)
-                req.num_blocks += need
-                if prefix and req.prefix_key is not None and req.register_ok:
-                    self._register(req, total)
-            # -- apply (the same block follows in the waiting loop) --
-            req.context = computed
             req.sched = n
             append(req)
             budget -= n
             req.num_computed = total
-            if n == 1:
-                decode_kv += total
-            else:
-                pairs += n * (computed + (n + 1) * 0.5)
-            if req.step_scheduled < 0:
-                req.step_scheduled = k
+            pairs += n * (computed + (n + 1) * 0.5)
             if total == num_tokens:
                 sampled += 1
                 req.num_tokens = total + 1
@@ -313,8 +346,7 @@ class Scheduler:
                     self._register(req, total)
                 req.status = RUNNING
                 running.append(req)
-                # -- apply --
-                req.context = computed
+                # -- apply (as in the running loop) --
                 req.sched = n
                 append(req)
                 budget -= n
