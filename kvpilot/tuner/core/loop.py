@@ -161,6 +161,19 @@ class LiveTuner:
                 log.warning("paused: %s", exc)
                 self.clock.sleep(self.s.pause_poll_s)
 
+    def _cool_down(self) -> None:
+        """After a prune, wait until the fast-burn window no longer holds the bad config's errors;
+        otherwise the next trial would be judged (and pruned) on its predecessor's burn."""
+        self.obs.phase("CoolingDown", "FastBurn", "waiting for the burn rate to fall after the rollback")
+        deadline = self.clock.monotonic() + 2 * self.s.fast_burn_window_s
+        while self.clock.monotonic() < deadline:
+            self.clock.sleep(self.s.poll_s)
+            try:
+                if self.signals.burn_rate(self.s.fast_burn_window_s) < self.s.fast_burn:
+                    return
+            except SignalsUnavailable:
+                self._wait_for_signals()
+
     def _watch(self, seconds: float) -> bool:
         """Poll the burn rate for `seconds`.  True if the span was clean, False if signals dropped
         out (the caller starts the span again).  Raises TrialPruned on a fast burn."""
@@ -217,6 +230,7 @@ class LiveTuner:
             )
             self.obs.trial_finished(number, params, "pruned", None)
             self._restore()
+            self._cool_down()
             return "pruned"
         outcome = score(self.goal, m, self.study.slo)
         if kind == KIND_REMEASURE:
