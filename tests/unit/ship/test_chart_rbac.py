@@ -264,7 +264,14 @@ def test_every_call_of_a_real_operator_run_is_granted(tmp_path: Path) -> None:
     name = isvc["metadata"]["name"]
     with kmock_api.KMockAPI(monitoring_crds=True) as api:
         ours = own_requests(api)
-        with kmock_api.kopf_operator(api, tmp_path):  # --all-namespaces, as the chart runs it
+        # The operator exactly as the chart runs it, except the port (a free one, chosen by the harness).
+        deployment = next(
+            r.obj for r in render("default") if r.kind == "Deployment" and r.name.endswith("-operator")
+        )
+        chart_args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert chart_args[0] == "operator"
+        args = [a for a in chart_args[1:] if not a.startswith("--metrics-port")]
+        with kmock_api.kopf_operator(api, tmp_path, *args):
             api.create_isvc(isvc)
             deploy_path = f"/apis/apps/v1/namespaces/team-a/deployments/{name}"
             deployment = kmock_api.wait_for(
@@ -278,6 +285,7 @@ def test_every_call_of_a_real_operator_run_is_granted(tmp_path: Path) -> None:
                     != deployment["metadata"]["resourceVersion"]
                 ),
                 what="the Deployment to be patched",
+                timeout=60,
             )
             # Rollout progress comes from Deployment status, which only a controller writes.
             replicas = isvc["spec"]["replicas"]
@@ -300,6 +308,7 @@ def test_every_call_of_a_real_operator_run_is_granted(tmp_path: Path) -> None:
                     for c in (api.get_isvc("team-a", name).get("status") or {}).get("conditions", [])
                 ),
                 what="the InferenceService to become Ready",
+                timeout=60,
             )
         operator_calls = without(api.calls, ours)
 
