@@ -275,7 +275,7 @@ def test_every_call_of_a_real_operator_run_is_granted(tmp_path: Path) -> None:
             api.create_isvc(isvc)
             deploy_path = f"/apis/apps/v1/namespaces/team-a/deployments/{name}"
             deployment = kmock_api.wait_for(
-                lambda: api.get_or_none(deploy_path), what="the engine Deployment"
+                lambda: api.get_or_none(deploy_path), what="the engine Deployment", timeout=60
             )
             # A tuned-field change: the operator patches the Deployment and tracks its rollout.
             api.patch(api.isvc_path("team-a", name), {"spec": {"engine": {"maxNumBatchedTokens": 4096}}})
