@@ -102,10 +102,6 @@ class Tracked:
     done: bool = False
 
 
-class EngineDeadError(RuntimeError):
-    pass
-
-
 class EngineLoop:
     """Drives the engine in real time and routes its outputs to the requests' queues."""
 
@@ -133,7 +129,7 @@ class EngineLoop:
 
     def submit(self, req: proto.GenerationRequest) -> Tracked:
         if self.dead is not None:
-            raise EngineDeadError(str(self.dead))
+            raise proto.OpenAIError("The engine is dead; the server must be restarted.", status=503)
         budget, eos_stop = req.output_budget()
         tr = Tracked(request_id=proto.new_request_id(req.kind), req=req, arrival=time.monotonic(),
                      eos_stop=eos_stop)
@@ -233,7 +229,8 @@ class EngineLoop:
             if tr is None:
                 continue  # aborted while the step ran
             if tr.scheduled_at is None:
-                tr.scheduled_at = started
+                # A loop catching up starts steps slightly in the past; never before arrival.
+                tr.scheduled_at = max(started, tr.arrival)
             n = int(o.new_token_count)
             if n > 0:
                 if tr.first_token_at is None:
@@ -328,16 +325,25 @@ class TwinServer:
             await self._runner.cleanup()
             await self.engine_loop.stop()
             raise
-        server = site._server  # the bound socket tells the real port when 0 was asked for
-        sockets = getattr(server, "sockets", None) or []
-        self.port = sockets[0].getsockname()[1] if sockets else port
+        # The bound address tells the real port when 0 (any free port) was asked for.
+        addresses = self._runner.addresses
+        self.port = int(addresses[0][1]) if addresses else port
 
-    async def shutdown(self, timeout: float) -> None:
-        """Refuse new work, drain for up to `timeout` seconds, abort the rest, close."""
+    async def shutdown(self, timeout: float, force: asyncio.Event | None = None) -> None:
+        """Refuse new work, drain for up to `timeout` seconds (or until `force` is set: a second
+        signal), abort the rest, close."""
         self.draining = True
         in_flight = len(self.engine_loop.tracked)
         log.info("shutting down", extra={"fields": {"in_flight": in_flight, "shutdown_timeout_s": timeout}})
-        drained = await self.engine_loop.wait_empty(timeout) if timeout > 0 else not in_flight
+        drained = not in_flight
+        if timeout > 0 and in_flight:
+            waiters = [asyncio.create_task(self.engine_loop.wait_empty(timeout))]
+            if force is not None:
+                waiters.append(asyncio.create_task(force.wait()))
+            _, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
+            drained = not self.engine_loop.tracked
         if not drained:
             left = len(self.engine_loop.tracked)
             log.info("shutdown timeout reached, aborting requests", extra={"fields": {"aborted": left}})
@@ -479,10 +485,18 @@ class TwinServer:
         return resp
 
 
-def _install_signal_handlers(stop: asyncio.Event) -> None:
+def _install_signal_handlers(stop: asyncio.Event, force: asyncio.Event) -> None:
+    """The first SIGTERM/SIGINT starts a graceful shutdown; a second one cuts the drain short."""
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            log.info("second signal: aborting in-flight requests now")
+            force.set()
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
 
 
 async def serve(make_engine: Callable[[], tuple[EngineLike, ServingInfo]], *, host: str, port: int,
@@ -492,8 +506,8 @@ async def serve(make_engine: Callable[[], tuple[EngineLike, ServingInfo]], *, ho
 
     `make_engine` builds the engine (it may raise the engine's start-up error, which the caller
     reports); it runs after the start-up delay, as vLLM loads weights before profiling memory."""
-    stop = asyncio.Event()
-    _install_signal_handlers(stop)
+    stop, force = asyncio.Event(), asyncio.Event()
+    _install_signal_handlers(stop, force)
     log.info("loading engine", extra={"fields": {"startup_delay_s": startup_delay}})
     if startup_delay > 0:
         with contextlib.suppress(TimeoutError):
@@ -515,5 +529,5 @@ async def serve(make_engine: Callable[[], tuple[EngineLike, ServingInfo]], *, ho
     if on_ready is not None:
         on_ready(server)
     await stop.wait()
-    await server.shutdown(shutdown_timeout)
+    await server.shutdown(shutdown_timeout, force)
     return 0

@@ -59,7 +59,7 @@ async def _poll_status(session: aiohttp.ClientSession, url: str, want: int, time
     raise AssertionError(f"{url} never answered {want}")
 
 
-async def _sigterm_while_streaming(twin, n_streams: int, *, probe: bool = True
+async def _sigterm_while_streaming(twin, n_streams: int, *, probe: bool = True, second_signal: bool = False
                                    ) -> tuple[list[dict], int | None, dict | None]:
     async with aiohttp.ClientSession() as session:
         firsts = [asyncio.Event() for _ in range(n_streams)]
@@ -74,6 +74,8 @@ async def _sigterm_while_streaming(twin, n_streams: int, *, probe: bool = True
         async with session.post(twin.base_url + "/v1/completions",
                                 json={"prompt": "too late", "max_tokens": 2}) as resp:
             refused_status, refused = resp.status, await resp.json()
+        if second_signal:
+            twin.terminate()
         results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
     return results, refused_status, refused
 
@@ -107,6 +109,20 @@ def test_sigterm_with_zero_shutdown_timeout_aborts_in_flight_streams(tmp_path):
             assert 1 <= res["pieces"] < STREAM_TOKENS
             assert res["usage"]["completion_tokens"] == res["pieces"]
         assert twin.wait(20) == 0
+    finally:
+        twin.stop()
+
+
+def test_a_second_sigterm_cuts_the_drain_short(tmp_path):
+    twin = start_twin(*SLOW_TWIN_ARGS, "--shutdown-timeout", "600", log_dir=tmp_path)
+    try:
+        twin.wait_healthy(30)
+        results, refused_status, _ = asyncio.run(_sigterm_while_streaming(twin, 2, second_signal=True))
+        assert refused_status == 503
+        for res in results:
+            assert res["done"] and res["finish_reason"] == "abort" and res["pieces"] < STREAM_TOKENS
+        assert twin.wait(20) == 0
+        assert any(r["msg"].startswith("second signal") for r in twin.log_records())
     finally:
         twin.stop()
 
