@@ -150,6 +150,9 @@ def per_layer_linear_time(
     return total
 
 
+_LINEAR_TABLES: dict[tuple[ModelSpec, GpuSpec, int, StepTimeParams], list[float]] = {}
+
+
 class StepTimeModel:
     """Step time for one (model, GPU, TP) with the token-count-only part cached.
 
@@ -185,7 +188,11 @@ class StepTimeModel:
     ) -> None:
         params = params or params_for(gpu)
         self.model, self.gpu, self.tp, self.params = model, gpu, tp, params
-        self._linear: dict[int, float] = {}
+        # Linear time of all layers by token count, shared by every model with the same key (the
+        # tuner builds thousands of engines for one model and GPU).
+        if len(_LINEAR_TABLES) > 64:  # a bound, not an LRU: tables are cheap to rebuild
+            _LINEAR_TABLES.clear()
+        self._linear: list[float] = _LINEAR_TABLES.setdefault((model, gpu, tp, params), [])
         self._layers = model.num_hidden_layers
         heads = model.num_attention_heads // tp
         # QK^T and PV: 2 GEMMs x 2 FLOPs per multiply-add, per head dim, per (query, key) pair.
@@ -206,14 +213,18 @@ class StepTimeModel:
         self._kv_cost = self._layers * self._kv_bytes_per_token_layer / self._attn_decode_rate
 
     def linear_time(self, tokens: int) -> float:
-        """Linear + element-wise time of all layers for `tokens` tokens (cached)."""
-        t = self._linear.get(tokens)
-        if t is None:
-            t = self._layers * float(
-                per_layer_linear_time(self.model, self.gpu, self.tp, tokens, self.params)
-            )
-            self._linear[tokens] = t
-        return t
+        """Linear + element-wise time of all layers for `tokens` tokens (from a table, filled
+        with one vectorised computation per doubling of the largest token count seen)."""
+        table = self._linear
+        if tokens >= len(table):
+            start = len(table)
+            stop = max(2 * tokens + 1, 8193)
+            counts = np.arange(start, stop)
+            times = self._layers * per_layer_linear_time(self.model, self.gpu, self.tp, counts, self.params)
+            if start == 0:
+                times[0] = 0.0
+            table.extend(times.tolist())
+        return table[tokens]
 
     def allreduce_time(self, tokens: int) -> float:
         if self.tp == 1 or tokens == 0:
@@ -247,9 +258,8 @@ class StepTimeModel:
         p = self.params
         if tokens == 0:
             return p.cpu_overhead_s
-        lin = self._linear.get(tokens)
-        if lin is None:
-            lin = self.linear_time(tokens)
+        table = self._linear
+        lin = table[tokens] if tokens < len(table) else self.linear_time(tokens)
         t = (
             lin
             + p.cpu_overhead_s
