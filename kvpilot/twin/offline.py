@@ -124,7 +124,7 @@ class Report:
 
 def simulate(
     config: EngineConfig,
-    workload: Workload | RequestBatch,
+    workload: Workload | RequestBatch | str,
     *,
     duration_s: float | None = None,
     num_requests: int | None = None,
@@ -132,7 +132,8 @@ def simulate(
     slo: SLO | None = None,
     max_sim_time_s: float | None = None,
 ) -> Report:
-    """Run a workload through the twin in virtual time.
+    """Run a workload (a Workload, its spec string, or a RequestBatch) through the twin in
+    virtual time.
 
     Raises EngineStartupError (as vLLM would at start-up) for a configuration that cannot start.
     Prompt + output lengths are clipped to `max_model_len` (the output is shortened), as a
@@ -141,6 +142,8 @@ def simulate(
     `num_unfinished` and are not good.
     """
     wall0 = time.perf_counter()
+    if isinstance(workload, str):
+        workload = Workload.parse(workload)
     slo = slo or SLO()
     engine = Engine(config)
     batch = workload if isinstance(workload, RequestBatch) else workload.generate(

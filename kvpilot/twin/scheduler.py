@@ -115,8 +115,10 @@ class Scheduler:
         shared = req.shared
         self.free += req.num_blocks - shared
         if shared:
+            # Tail blocks first, as vLLM frees them, so eviction eats a prefix from its end and
+            # the blocks that later requests can still hit survive longest.
             cache, ev, key = self.cache, self.evictable, req.prefix_key
-            for i in range(shared):
+            for i in range(shared - 1, -1, -1):
                 k = (key, i)
                 c = cache[k] - 1
                 cache[k] = c
