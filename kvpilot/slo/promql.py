@@ -28,6 +28,8 @@ ISVC_POD_LABEL = "kvpilot_dev_inferenceservice"
 _LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 # A Prometheus duration: one or more <number><unit>, e.g. 5m, 1h30m, 600s.
 _DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")
+# Grafana fills these in before a query reaches Prometheus (dashboards only).
+GRAFANA_RANGES = ("$__rate_interval", "$__interval", "$__range")
 _DURATION_PART = re.compile(r"([0-9]+)(ms|s|m|h|d|w|y)")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
 
@@ -73,6 +75,8 @@ def regex_literal(value: str) -> str:
 
 def validate_duration(window: str) -> str:
     """Return `window` if it is a Prometheus range duration (`5m`, `600s`, `1h30m`), else raise ValueError."""
+    if window in GRAFANA_RANGES:
+        return window
     if not isinstance(window, str) or not _DURATION.match(window):
         raise ValueError(
             f"window {window!r} is not a Prometheus duration: use a number and a unit "
