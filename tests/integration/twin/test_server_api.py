@@ -317,3 +317,25 @@ def test_loadgen_stops_at_its_deadline_and_the_server_aborts_what_was_cut(twin):
     wait_for(lambda: value(metric_families(twin), "vllm:request_success", "vllm:request_success_total",
                            finished_reason="abort", **labels) == aborted0 + 2,
              what="both cut requests to be aborted in the engine")
+
+
+def test_structured_logs_one_json_line_per_request_at_debug(twin):
+    reply = post(twin.base_url + "/v1/completions",
+                 json.dumps({"prompt": "log me", "max_tokens": 2, "ignore_eos": True}).encode())[1]
+    assert reply is not None
+    post(twin.base_url + "/v1/completions", b'{"prompt": "x", "max_tokens": 0}')
+
+    def lines():
+        recs = twin.log_records()
+        done = [r for r in recs if r["msg"] == "request finished" and r.get("request_id") == reply["id"]]
+        rejected = [r for r in recs if r["msg"] == "request rejected" and r.get("param") == "max_tokens"]
+        return (done, rejected) if done and rejected else None
+
+    done, rejected = wait_for(lines, what="the request log lines")
+    rec = done[0]
+    assert rec["level"] == "debug" and rec["finish_reason"] == "length" and rec["generated_tokens"] == 2
+    assert rec["prompt_tokens"] == reply["usage"]["prompt_tokens"]
+    assert 0 <= rec["queue_s"] <= rec["ttft_s"] <= rec["e2e_s"]
+    assert rejected[-1]["status"] == 400
+    starts = [r for r in twin.log_records() if r["msg"] == "Starting vLLM API server"]
+    assert starts and starts[0]["level"] == "info" and starts[0]["url"] == twin.base_url
