@@ -10,4 +10,6 @@ Modules:
   workload   arrivals and request lengths (Poisson, gamma, fixed/uniform/lognormal, ShareGPT-like, JSONL)
   offline    virtual-time runs and their report (`simulate`)
   flags      the `vllm serve` flags the twin accepts
+  spec       an EngineConfig from an InferenceService (through those flags)
+  calibration  fitting the step-time constants to measured layer times
 """
