@@ -265,14 +265,23 @@ async def run_load(base_url: str, *, num_requests: int, rate: float | None = Non
             await asyncio.gather(*(worker() for _ in range(min(concurrency, num_requests))))
 
         driver = asyncio.create_task(open_loop() if rate is not None else closed_loop())
-        try:
-            await asyncio.wait_for(asyncio.shield(driver), max_duration_s)
-        except TimeoutError:
-            deadline_hit = True
+
+        async def cancel_everything() -> None:
             driver.cancel()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(driver, *tasks, return_exceptions=True)
+
+        try:
+            await asyncio.wait_for(asyncio.shield(driver), max_duration_s)
+        except TimeoutError:
+            deadline_hit = True
+            await cancel_everything()
+        except asyncio.CancelledError:
+            # Cancelled from outside (a background load being stopped): stop every request
+            # before the session closes, so nothing is left running on the loop.
+            await cancel_everything()
+            raise
     for rec in records:  # requests cancelled before their coroutine first ran
         if not rec.ok and rec.error is None:
             rec.error = "cancelled at the run's deadline"

@@ -69,3 +69,45 @@ def test_unreachable_server_is_recorded_as_failures_not_raised():
                            max_duration_s=10)
     assert len(result.records) == 3 and not result.succeeded()
     assert all(r.error for r in result.records)
+
+
+def test_cancelling_a_run_cancels_its_requests():
+    import asyncio
+
+    from aiohttp import web
+
+    from tests.support.loadgen import run_load
+
+    async def main() -> tuple[int, int]:
+        started = asyncio.Event()
+        hanging = 0
+
+        async def hang(request: web.Request) -> web.StreamResponse:
+            nonlocal hanging
+            hanging += 1
+            started.set()
+            await asyncio.sleep(3600)
+            return web.Response()
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", hang)
+        runner = web.AppRunner(app, handler_cancellation=True)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            run = asyncio.create_task(run_load(f"http://127.0.0.1:{port}", num_requests=5, concurrency=5))
+            await asyncio.wait_for(started.wait(), 10)
+            run.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await run
+            ours = ("_one_request", "open_loop", "closed_loop", "worker")
+            others = [t for t in asyncio.all_tasks() if not t.done()
+                      and getattr(t.get_coro(), "__name__", "") in ours]
+            return hanging, len(others)
+        finally:
+            await runner.cleanup()
+
+    hanging, left = asyncio.run(main())
+    assert hanging >= 1 and left == 0
