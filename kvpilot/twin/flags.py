@@ -91,41 +91,41 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
     if model_positional:
         g.add_argument("model", nargs="?", default=None,
                        help="model: a preset name or Hugging Face id (e.g. meta-llama/Llama-3.1-8B-Instruct)")
-    g.add_argument("--model", dest="model_flag", default=None, help="the model, as a flag (same as the positional)")
-    g.add_argument("--served-model-name", nargs="+", default=None,
+    g.add_argument("--model", dest="model_flag", default=None, metavar="MODEL", help="the model, as a flag (same as the positional)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="name(s) the API serves the model under (default: the model)")
-    g.add_argument("--max-num-batched-tokens", type=_positive, default=None,
+    g.add_argument("--max-num-batched-tokens", type=_positive, default=None, metavar="TOKENS",
                    help="token budget per step, the chunked-prefill chunk size (default as vLLM: 8192 on "
                         ">=70 GiB GPUs other than A100, else 2048)")
-    g.add_argument("--max-num-seqs", type=_positive, default=None,
+    g.add_argument("--max-num-seqs", type=_positive, default=None, metavar="N",
                    help="most requests running at once (default as vLLM: 1024 or 256)")
-    g.add_argument("--gpu-memory-utilization", type=_fraction, default=None,
+    g.add_argument("--gpu-memory-utilization", type=_fraction, default=None, metavar="FRACTION",
                    help=f"fraction of GPU memory for the engine (default {vllm_facts.DEFAULT_GPU_MEMORY_UTILIZATION})")
-    g.add_argument("--kv-cache-memory-bytes", type=_positive, default=None,
+    g.add_argument("--kv-cache-memory-bytes", type=_positive, default=None, metavar="BYTES",
                    help="KV-cache size in bytes (e.g. 20Gi); overrides --gpu-memory-utilization")
-    g.add_argument("--max-model-len", type=_positive, default=None,
+    g.add_argument("--max-model-len", type=_positive, default=None, metavar="TOKENS",
                    help="longest prompt + output in tokens, e.g. 8192 or 32k (default: the model's)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1, help="GPUs per replica (default 1)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1, metavar="N", help="GPUs per replica (default 1)")
     g.add_argument("--pipeline-parallel-size", "-pp", type=_positive, default=1, action=_PipelineParallel,
                    help=argparse.SUPPRESS)
     g.add_argument("--block-size", type=int, choices=vllm_facts.BLOCK_SIZES, default=vllm_facts.DEFAULT_BLOCK_SIZE,
                    help="tokens per KV-cache block (default 16)")
     g.add_argument("--kv-cache-dtype", choices=vllm_facts.KV_CACHE_DTYPES, default="auto",
                    help="KV-cache dtype; fp8 variants halve the bytes per token (default auto = model dtype)")
-    g.add_argument("--long-prefill-token-threshold", type=_non_negative,
+    g.add_argument("--long-prefill-token-threshold", type=_non_negative, metavar="TOKENS",
                    default=vllm_facts.DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD,
                    help="cap on one request's prefill chunk per step when others are eligible (0 = none)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of shared prompt prefixes (vLLM V1 default: on)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="accepted for compatibility: chunked prefill is always on in vLLM V1")
-    g.add_argument("--watermark", type=float, default=0.0,
+    g.add_argument("--watermark", type=float, default=0.0, metavar="FRACTION",
                    help="fraction of KV blocks kept free when admitting new requests (default 0)")
-    g.add_argument("--shutdown-timeout", type=_non_negative, default=0,
+    g.add_argument("--shutdown-timeout", type=_non_negative, default=0, metavar="SECONDS",
                    help="seconds to let in-flight requests finish after SIGTERM (0 = abort them)")
-    g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    g.add_argument("--seed", type=int, default=0, help="random seed (default 0); `twin run` also seeds the workload with it")
     t = parser.add_argument_group("twin only")
-    t.add_argument("--gpu", default=None,
+    t.add_argument("--gpu", default=None, metavar="GPU",
                    help=f"GPU preset: {', '.join(GPU_PRESETS)} (default ${GPU_ENV} or H100-80GB)")
     t.add_argument("--model-config", default=None, metavar="CONFIG_JSON",
                    help="a Hugging Face config.json for a model without a preset")
