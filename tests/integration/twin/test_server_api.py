@@ -339,3 +339,33 @@ def test_structured_logs_one_json_line_per_request_at_debug(twin):
     assert rejected[-1]["status"] == 400
     starts = [r for r in twin.log_records() if r["msg"] == "Starting vLLM API server"]
     assert starts and starts[0]["level"] == "info" and starts[0]["url"] == twin.base_url
+
+
+def test_server_histograms_agree_with_what_clients_measured(twin):
+    """The server clocks TTFT from the moment it has the request to the moment it writes the
+    first token; the client from before sending to after receiving.  So the server's interval
+    lies inside the client's: for every bucket edge, at least as many server observations fall
+    at or below it as client measurements do, and the sums are ordered the same way."""
+    labels = {"model_name": MODEL, "engine": "0"}
+
+    def snapshot() -> dict[str, float]:
+        fams = metric_families(twin)
+        snap = {f"le={le}": value(fams, vllm.METRIC_TTFT, vllm.METRIC_TTFT + "_bucket", le=str(le), **labels)
+                for le in vllm.TTFT_BUCKETS}
+        for suffix in ("_sum", "_count"):
+            snap["ttft" + suffix] = value(fams, vllm.METRIC_TTFT, vllm.METRIC_TTFT + suffix, **labels)
+            snap["itl" + suffix] = value(fams, vllm.METRIC_ITL, vllm.METRIC_ITL + suffix, **labels)
+            snap["e2e" + suffix] = value(fams, vllm.METRIC_E2E, vllm.METRIC_E2E + suffix, **labels)
+        return snap
+
+    before = snapshot()
+    result = run_load_sync(twin.base_url, num_requests=20, rate=50.0, seed=11, max_tokens=8, prompt_words=200)
+    assert len(result.succeeded()) == 20
+    after = snapshot()
+    delta = {k: after[k] - before[k] for k in after}
+    assert delta["ttft_count"] == delta["e2e_count"] == 20
+    assert delta["itl_count"] == len(result.itls()) == 20 * 7  # one gap per token after the first
+    assert delta["ttft_sum"] <= sum(result.ttfts())
+    assert delta["e2e_sum"] <= sum(result.e2es())
+    for le in vllm.TTFT_BUCKETS:
+        assert delta[f"le={le}"] >= sum(1 for t in result.ttfts() if t <= le), le
