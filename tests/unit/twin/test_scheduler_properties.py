@@ -41,7 +41,7 @@ def scenarios(draw):
     return config, requests
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_scheduler_invariants(scenario) -> None:
     config, requests = scenario
