@@ -191,3 +191,19 @@ def test_sigterm_while_loading_exits_0_without_opening_the_port(tmp_path):
         assert not port_is_open("127.0.0.1", port)
     finally:
         twin.stop()
+
+
+def test_a_taken_port_is_a_clear_error_and_exit_1(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        twin = start_twin(*FAST_TWIN_ARGS, port=port, log_dir=tmp_path)
+        try:
+            assert twin.wait(30) == 1
+            assert f"cannot listen on 127.0.0.1:{port}" in twin.logs()
+            assert "Traceback" not in twin.logs()
+        finally:
+            twin.stop()
