@@ -69,6 +69,7 @@ class EngineConfig:
     seed: int = 0
     scheduler_reserve_full_isl: bool = True
     watermark: float = 0.0
+    prefill_schedule_interval: int = 1
     step_time_params: StepTimeParams | None = None  # None: calibrated for the GPU's architecture
 
     def __post_init__(self) -> None:
@@ -131,6 +132,8 @@ class EngineConfig:
             raise EngineStartupError("long_prefill_token_threshold must be >= 0")
         if not 0.0 <= self.watermark < 1.0:
             raise EngineStartupError("watermark must be in [0, 1)")
+        if self.prefill_schedule_interval < 1:
+            raise EngineStartupError("prefill_schedule_interval must be >= 1")
 
     def memory_plan(self) -> MemoryPlan:
         self.validate()
@@ -153,7 +156,8 @@ class EngineConfig:
             "kv_cache_memory_bytes": self.kv_cache_memory_bytes, "max_model_len": self.max_model_len,
             "tensor_parallel_size": self.tensor_parallel_size, "block_size": self.block_size,
             "kv_cache_dtype": self.kv_cache_dtype, "long_prefill_token_threshold": self.long_prefill_token_threshold,
-            "enable_prefix_caching": self.enable_prefix_caching,
+            "enable_prefix_caching": self.enable_prefix_caching, "watermark": self.watermark,
+            "prefill_schedule_interval": self.prefill_schedule_interval,
         }
 
 
@@ -192,6 +196,7 @@ class Engine:
             enable_prefix_caching=config.enable_prefix_caching,
             reserve_full_isl=config.scheduler_reserve_full_isl,
             watermark=config.watermark,
+            prefill_schedule_interval=config.prefill_schedule_interval,
         )
         self.step_model = StepTimeModel(
             config.model, config.gpu, config.tensor_parallel_size, config.step_time_params,

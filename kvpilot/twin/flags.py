@@ -61,6 +61,16 @@ def _fraction(text: str) -> float:
     return v
 
 
+def _watermark(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= v < 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is outside [0, 1)")
+    return v
+
+
 def _positive(text: str) -> int:
     v = human_int(text)
     if v < 1:
@@ -119,8 +129,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
                    help="reuse KV blocks of shared prompt prefixes (vLLM V1 default: on)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="accepted for compatibility: chunked prefill is always on in vLLM V1")
-    g.add_argument("--watermark", type=float, default=0.0, metavar="FRACTION",
+    g.add_argument("--watermark", type=_watermark, default=0.0, metavar="FRACTION",
                    help="fraction of KV blocks kept free when admitting new requests (default 0)")
+    g.add_argument("--prefill-schedule-interval", type=_positive, default=1, metavar="N",
+                   help="admit new prefills only every N steps; the steps between decode alone (default 1)")
     g.add_argument("--shutdown-timeout", type=_non_negative, default=0, metavar="SECONDS",
                    help="seconds to let in-flight requests finish after SIGTERM (0 = abort them)")
     g.add_argument("--seed", type=int, default=0, help="random seed (default 0); `twin run` also seeds the workload with it")
@@ -169,4 +181,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         served_model_name=served,
         seed=args.seed,
         watermark=args.watermark,
+        prefill_schedule_interval=args.prefill_schedule_interval,
     )

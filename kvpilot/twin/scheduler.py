@@ -9,7 +9,8 @@ One `schedule()` per engine step, as vLLM does it (see ../shared/notes/toolchain
    the tokens scheduled; when none are left the LAST running request is preempted (its blocks
    freed, its progress dropped: it recomputes later) and the allocation retried.  If the victim
    is the request itself it is not scheduled this step.
-2. Only if nothing was preempted this step: WAITING requests, first come first served, while
+2. Only if nothing was preempted this step (and, with `prefill_schedule_interval` N > 1, only
+   every N-th step): WAITING requests, first come first served, while
    budget remains and fewer than `max_num_seqs` run.  A prompt is chunked into what is left of
    the budget; with `reserve_full_isl` (vLLM's default) a request is admitted only if its whole
    prompt fits in the free blocks.  A preempted request goes back to the FRONT of the queue.
@@ -70,7 +71,7 @@ class Request:
 class Scheduler:
     def __init__(self, *, num_gpu_blocks: int, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
                  long_prefill_token_threshold: int = 0, enable_prefix_caching: bool = True,
-                 reserve_full_isl: bool = True, watermark: float = 0.0) -> None:
+                 reserve_full_isl: bool = True, watermark: float = 0.0, prefill_schedule_interval: int = 1) -> None:
         self.num_gpu_blocks = num_gpu_blocks
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -79,6 +80,7 @@ class Scheduler:
         self.enable_prefix_caching = enable_prefix_caching
         self.reserve_full_isl = reserve_full_isl
         self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.prefill_schedule_interval = max(1, prefill_schedule_interval)
         self.usable_blocks = max(0, num_gpu_blocks - 1)  # one null block
         self.free = self.usable_blocks  # blocks holding nothing
         self.cache: dict[tuple[str | None, int], int] = {}  # prefix block -> reference count
@@ -305,7 +307,9 @@ class Scheduler:
                     finished.append(req)
             i += 1
 
-        if not preempted:
+        # New requests only in a step that preempted nothing, and (--prefill-schedule-interval)
+        # only every N-th step.
+        if not preempted and (self.prefill_schedule_interval == 1 or k % self.prefill_schedule_interval == 0):
             max_seqs = self.max_num_seqs
             wm = self.watermark_blocks
             while waiting and budget > 0 and len(running) < max_seqs:

@@ -185,3 +185,19 @@ def test_prefix_caching_lowers_ttft_on_a_shared_system_prompt() -> None:
     assert on.batch["prefix_cache_hit_rate"] > 0.8
     assert off.batch["prefix_cache_hit_rate"] == 0.0
     assert on.ttft_s["p50"] < off.ttft_s["p50"]
+
+
+def test_prefill_schedule_interval_admits_new_requests_every_nth_step() -> None:
+    e = engine(max_num_batched_tokens=256, max_num_seqs=8, prefill_schedule_interval=3)
+    seen: set[str] = set()
+    admitted_at = []
+    for step in range(1, 10):
+        e.add_request(f"r{step}", 8, 20)
+        out = e.step()
+        ids = {o.request_id for o in out.outputs}
+        if ids - seen:
+            admitted_at.append(step)
+            assert ids - seen == {f"r{s}" for s in range(step - 2, step + 1)}  # the three that waited
+        seen |= ids
+        assert ids <= seen  # admitted requests keep decoding in the steps between
+    assert admitted_at == [3, 6, 9]
