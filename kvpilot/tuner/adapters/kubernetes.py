@@ -1,0 +1,177 @@
+"""The kubernetes applier: change an InferenceService's tuned engine fields, wait on the operator.
+
+The tuner writes with server-side apply under its own field manager `kvpilot-tuner`, and the body
+holds only the three tuned `spec.engine` fields and the `kvpilot.dev/tuning-trial` annotation,
+so the API server records exactly those as the tuner's (managedFields): a GitOps tool can be
+told to ignore precisely them (Argo CD `managedFieldsManagers: [kvpilot-tuner]`, Flux's
+`kustomize.toolkit.fluxcd.io/ssa: IfNotPresent` or field-level ignore rules).
+
+"Rollout complete" is the operator's word, read from the InferenceService's status:
+observedGeneration has caught up with the generation the patch produced, and Progressing is
+False with reason RolloutComplete (every replica updated and ready).  Degraded with reason
+RolledBack for that generation means the operator gave the config up (crash loop, OOM, progress
+deadline): the trial is infeasible.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+import uuid
+from typing import Any
+
+from kvpilot.tuner.core.loop import ApplyFailed, Observer
+from kvpilot.tuner.core.objective import Outcome
+from kvpilot.tuner.core.space import PARAM_GPU_UTIL, PARAM_SEQS, PARAM_TOKENS, EngineParams
+from kvpilot.tuner.core.study import Incumbent
+
+log = logging.getLogger(__name__)
+
+GROUP, VERSION, PLURAL, KIND = "kvpilot.dev", "v1alpha1", "inferenceservices", "InferenceService"
+FIELD_MANAGER = "kvpilot-tuner"
+TRIAL_ANNOTATION = "kvpilot.dev/tuning-trial"
+# vLLM resolves missing flags at start-up; the operator's model defaults are the same.
+_DEFAULTS = {PARAM_TOKENS: 2048, PARAM_GPU_UTIL: 0.92, PARAM_SEQS: 256}
+
+
+def _condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c.get("type") == type_:
+            return dict(c)
+    return {}
+
+
+def rollout_state(obj: dict[str, Any], generation: int) -> tuple[str, str]:
+    """('complete' | 'failed' | 'progressing', message) for the rollout of `generation`."""
+    status = obj.get("status") or {}
+    if int(status.get("observedGeneration") or 0) < generation:
+        return "progressing", f"the operator has not seen generation {generation} yet"
+    degraded = _condition(obj, "Degraded")
+    if degraded.get("status") == "True" and degraded.get("reason") == "RolledBack":
+        return "failed", degraded.get("message", "rolled back")
+    prog = _condition(obj, "Progressing")
+    if prog.get("reason") == "RolloutComplete" and prog.get("status") == "False":
+        want = int((obj.get("spec") or {}).get("replicas") or 1)
+        if (int(status.get("updatedReplicas") or 0) >= want and int(status.get("readyReplicas") or 0) >= want):
+            return "complete", prog.get("message", "")
+    if prog.get("reason") == "ProgressDeadlineExceeded":
+        return "failed", prog.get("message", "progress deadline exceeded")
+    return "progressing", prog.get("message", "")
+
+
+class KubernetesApplier:
+    def __init__(self, api_client: Any, namespace: str, name: str, *, timeout_s: float = 3600.0,
+                 poll_s: float = 2.0) -> None:
+        from kubernetes import client
+
+        self.api = client.CustomObjectsApi(api_client)
+        self.namespace, self.name = namespace, name
+        self.timeout_s, self.poll_s = timeout_s, poll_s
+
+    def get(self) -> dict[str, Any]:
+        return dict(self.api.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name))
+
+    def current(self) -> EngineParams:
+        engine = dict(_DEFAULTS)
+        spec_engine = (self.get().get("spec") or {}).get("engine") or {}
+        engine.update({k: v for k, v in spec_engine.items() if k in _DEFAULTS and v is not None})
+        return EngineParams.from_spec(engine)
+
+    def body(self, params: EngineParams, trial: int | None) -> dict[str, Any]:
+        """The server-side apply body: the tuned fields and the trial annotation, nothing else."""
+        meta: dict[str, Any] = {"name": self.name, "namespace": self.namespace}
+        meta["annotations"] = {TRIAL_ANNOTATION: "restore" if trial is None else str(trial)}
+        return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": meta,
+                "spec": {"engine": params.as_spec()}}
+
+    def apply(self, params: EngineParams, trial: int | None) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            obj = self.api.patch_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, PLURAL, self.name, self.body(params, trial),
+                field_manager=FIELD_MANAGER, force=True, _content_type="application/apply-patch+yaml",
+            )
+        except ApiException as exc:
+            if exc.status == 422:  # the API (or its admission) refused the config
+                raise ApplyFailed("Invalid", f"{exc.reason}: {exc.body}"[:300]) from None
+            raise
+        generation = int(obj["metadata"].get("generation") or 0)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            state, message = rollout_state(self.get(), generation)
+            if state == "complete":
+                return
+            if state == "failed":
+                raise ApplyFailed("RolloutFailed", message)
+            if time.monotonic() >= deadline:
+                raise ApplyFailed("RolloutTimeout", f"not complete after {self.timeout_s:g}s: {message}")
+            time.sleep(self.poll_s)
+
+
+# Loop phases -> the API's status.tuning.phase vocabulary.
+_PHASES = {
+    "Applying": "Applying", "RollingBack": "Applying", "Finishing": "Applying", "WarmingUp": "WarmingUp",
+    "Measuring": "Measuring", "CoolingDown": "Measuring", "Remeasuring": "Measuring", "Paused": "Paused",
+    "Completed": "Done", "WarmStart": "WarmStart", "Failed": "Failed", "Idle": "Idle",
+}
+
+
+class KubeStatusObserver(Observer):
+    """status.tuning on the InferenceService, and one Event per trial."""
+
+    def __init__(self, api_client: Any, namespace: str, name: str, study: str) -> None:
+        from kubernetes import client
+
+        self.custom = client.CustomObjectsApi(api_client)
+        self.core = client.CoreV1Api(api_client)
+        self.namespace, self.name, self.study = namespace, name, study
+        self.trial: int | None = None
+
+    def _status(self, patch: dict[str, Any]) -> None:
+        try:
+            self.custom.patch_namespaced_custom_object_status(
+                GROUP, VERSION, self.namespace, PLURAL, self.name,
+                {"status": {"tuning": {"study": self.study, **patch}}},
+            )
+        except Exception as exc:  # status is best effort: never stop tuning for it
+            log.warning("could not write status.tuning of %s/%s: %s", self.namespace, self.name, exc)
+
+    def _event(self, type_: str, reason: str, message: str) -> None:
+        from kubernetes import client
+
+        obj = self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name)
+        now = datetime.datetime.now(datetime.UTC)
+        ev = client.CoreV1Event(
+            metadata=client.V1ObjectMeta(name=f"{self.name}.{uuid.uuid4().hex[:12]}", namespace=self.namespace),
+            involved_object=client.V1ObjectReference(
+                api_version=f"{GROUP}/{VERSION}", kind=KIND, name=self.name, namespace=self.namespace,
+                uid=obj["metadata"].get("uid"),
+            ),
+            reason=reason, message=message[:1024], type=type_, count=1,
+            first_timestamp=now, last_timestamp=now, reporting_component=FIELD_MANAGER,
+            source=client.V1EventSource(component=FIELD_MANAGER),
+        )
+        try:
+            self.core.create_namespaced_event(self.namespace, ev)
+        except Exception as exc:
+            log.warning("could not post an Event for %s/%s: %s", self.namespace, self.name, exc)
+
+    def phase(self, phase: str, reason: str, message: str) -> None:
+        self._status({"phase": _PHASES.get(phase, phase), "trial": self.trial, "message": f"{reason}: {message}"})
+
+    def trial_started(self, number: int, params: EngineParams, kind: str) -> None:
+        self.trial = number
+        self._event("Normal", "TrialStarted", f"trial {number} ({kind}): {params.label()}")
+
+    def trial_finished(self, number: int, params: EngineParams, state: str, outcome: Outcome | None) -> None:
+        detail = f": {outcome.reason}, value {outcome.value:.4g}" if outcome else ""
+        type_ = "Normal" if state == "complete" else "Warning"
+        reason = {"complete": "TrialComplete", "pruned": "TrialPruned", "infeasible": "TrialInfeasible"}.get(
+            state, "TrialFinished")
+        self._event(type_, reason, f"trial {number} {state}{detail} ({params.label()})")
+
+    def best_changed(self, incumbent: Incumbent) -> None:
+        self._status({"best": {"trial": incumbent.trial, "value": incumbent.value,
+                               "params": incumbent.params.as_spec()}})
