@@ -51,7 +51,7 @@ def test_layout_is_valid_and_ids_unique() -> None:
     assert len(ids) == len(set(ids))
     for p in board["panels"]:
         g = p["gridPos"]
-        assert 0 <= g["x"] and g["x"] + g["w"] <= 24 and g["h"] > 0
+        assert g["x"] >= 0 and g["x"] + g["w"] <= 24 and g["h"] > 0
     json.dumps(board)  # serialisable
 
 
