@@ -188,7 +188,7 @@ def test_prefix_caching_lowers_ttft_on_a_shared_system_prompt() -> None:
 
 
 def test_prefill_schedule_interval_admits_new_requests_every_nth_step() -> None:
-    e = engine(max_num_batched_tokens=256, max_num_seqs=8, prefill_schedule_interval=3)
+    e = engine(max_num_batched_tokens=256, max_num_seqs=16, prefill_schedule_interval=3)
     seen: set[str] = set()
     admitted_at = []
     for step in range(1, 10):
