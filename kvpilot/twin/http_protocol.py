@@ -8,6 +8,7 @@ does I/O, so all of it is unit-tested without a server.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
@@ -318,6 +319,35 @@ def sse(data: dict[str, Any] | str) -> bytes:
     """One server-sent event as vLLM writes it: `data: ...` and a blank line."""
     payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
     return f"data: {payload}\n\n".encode()
+
+
+@functools.lru_cache(maxsize=4096)
+def _json_str(value: str | None) -> bytes:
+    return json.dumps(value).encode()
+
+
+class TokenChunkEncoder:
+    """The SSE bytes of one request's token chunks, from a template built once per request.
+
+    A busy twin streams hundreds of requests a token per engine step each; building and
+    serialising a dict per token costs more CPU than the engine step itself.  The bytes are
+    exactly `sse(stream_chunk(...))` for a token chunk without usage (a unit test holds them to
+    it); chunks with usage go through `stream_chunk`."""
+
+    def __init__(self, req: GenerationRequest, request_id: str, created: int) -> None:
+        head = {"id": request_id, "object": "text_completion" if req.kind == "completion"
+                else "chat.completion.chunk", "created": created, "model": req.model}
+        opening = json.dumps(head, separators=(",", ":"))[:-1]  # without the closing brace
+        if req.kind == "completion":
+            self._prefix = f'data: {opening},"choices":[{{"index":0,"text":'.encode()
+            self._middle = b',"logprobs":null,"finish_reason":'
+        else:
+            self._prefix = f'data: {opening},"choices":[{{"index":0,"delta":{{"content":'.encode()
+            self._middle = b'},"logprobs":null,"finish_reason":'
+        self._suffix = b"}]}\n\n"
+
+    def token(self, text: str, finish_reason: str | None) -> bytes:
+        return b"".join((self._prefix, _json_str(text), self._middle, _json_str(finish_reason), self._suffix))
 
 
 def models_body(served_model_name: str | Sequence[str], root: str, max_model_len: int,

@@ -452,6 +452,7 @@ class TwinServer:
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
         pieces = tokens.output_pieces(req.output_seed)
+        encoder = proto.TokenChunkEncoder(req, tr.request_id, self.created)
         sent = 0
         try:
             while True:
@@ -463,11 +464,13 @@ class TwinServer:
                                                             finish_reason=None, role=True))
                     sent += 1
                     last = d.finished and i == d.tokens - 1
-                    out += proto.sse(proto.stream_chunk(
-                        req, tr.request_id, self.created, text=next(pieces),
-                        finish_reason=d.finish_reason if last else None,
-                        usage_so_far=proto.usage(req.prompt_tokens, sent) if req.continuous_usage_stats
-                        else None))
+                    reason = d.finish_reason if last else None
+                    if req.continuous_usage_stats:
+                        out += proto.sse(proto.stream_chunk(
+                            req, tr.request_id, self.created, text=next(pieces), finish_reason=reason,
+                            usage_so_far=proto.usage(req.prompt_tokens, sent)))
+                    else:
+                        out += encoder.token(next(pieces), reason)
                 if d.finished and d.tokens == 0:  # aborted: close the choice with its reason
                     out += proto.sse(proto.stream_chunk(req, tr.request_id, self.created, text="",
                                                         finish_reason=d.finish_reason))

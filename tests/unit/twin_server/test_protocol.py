@@ -190,3 +190,14 @@ def test_several_served_names():
     body = proto.models_body(names, "meta-llama/Llama-3.1-8B-Instruct", 64, created=1)
     assert [m["id"] for m in body["data"]] == list(names)
     assert {m["root"] for m in body["data"]} == {"meta-llama/Llama-3.1-8B-Instruct"}
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+@pytest.mark.parametrize(("piece", "finish"), [(" the", None), (" of", "length"), ('"quoted" \\ é', "stop"),
+                                               ("", "abort")])
+def test_token_chunk_template_is_byte_identical_to_the_dict_path(kind, piece, finish):
+    body = {"prompt": "x"} if kind == "completion" else {"messages": [{"role": "user", "content": "x"}]}
+    req = parse({**body, "model": MODEL, "stream": True}, kind)
+    encoder = proto.TokenChunkEncoder(req, "id-1", 1700000000)
+    expected = proto.sse(proto.stream_chunk(req, "id-1", 1700000000, text=piece, finish_reason=finish))
+    assert encoder.token(piece, finish) == expected
