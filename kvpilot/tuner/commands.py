@@ -69,6 +69,9 @@ def register(subparsers: Any) -> None:
     live.add_argument("--poll", type=float, default=15.0, help="burn-rate poll interval, seconds")
     live.add_argument("--fast-burn-window", type=float, default=300.0,
                       help="window of the fast-burn check, seconds (default 300 = 5m)")
+    live.add_argument("--warm-start", action="store_true",
+                      help="first search the twin (--model/--gpu) under the measured workload; try its best 3 first")
+    live.add_argument("--warm-start-trials", type=int, default=20, help="twin trials of the warm start")
     live.add_argument("--keep-running", action="store_true", help="leave the engine running at the end")
     live.add_argument("engine_command", nargs=argparse.REMAINDER, help="after --: the engine command")
     p.set_defaults(handler=_tune)

@@ -206,6 +206,8 @@ def tune_local(args: argparse.Namespace) -> int:
     applier.start()
     try:
         tuner = LiveTuner(st, applier, signals, settings, observer=LogObserver())
+        if args.warm_start and st.finished_count() == 0:
+            _warm_start_local(args, st, tuner, signals, space, slo, start)
         best = tuner.run()
     finally:
         if not args.keep_running:
@@ -214,3 +216,27 @@ def tune_local(args: argparse.Namespace) -> int:
     print()
     print(engine_yaml(best, "kvpilot tune --local"), end="")
     return 0
+
+
+def _warm_start_local(args: argparse.Namespace, st: TunerStudy, tuner: Any, signals: Any, space: SearchSpace,
+                      slo: SLO, start: EngineParams) -> None:
+    """Watch the starting engine's traffic for a warm-up, search the twin under it, queue its best 3."""
+    from kvpilot.tuner.adapters.offline import TwinEvaluator, TwinTarget, workload_from_estimate
+    from kvpilot.tuner.adapters.prometheus import estimate_workload
+    from kvpilot.tuner.core.loop import SignalsUnavailable
+    from kvpilot.tuner.core.warmstart import enqueue_warm_start, twin_best
+
+    tuner._wait_for_signals()
+    tuner.clock.sleep(args.warmup)
+    try:
+        est = estimate_workload(signals, window_s=max(args.warmup, 10.0))
+        target = TwinTarget(model=args.model, gpu=args.gpu, max_model_len=args.max_model_len)
+        target.engine_config(start)
+    except (SignalsUnavailable, ValueError) as exc:
+        log.warning("warm start skipped: %s", exc)
+        return
+    log.info("warm start: %.2f req/s, prompt ~%.0f tokens, output ~%.0f tokens; searching the twin",
+             est.request_rate, est.prompt_median, est.output_median)
+    ev = TwinEvaluator(target, workload_from_estimate(est), slo, seed=args.seed)
+    picks = twin_best(space, slo, ev.evaluate, trials=args.warm_start_trials, k=3, first=[start])
+    enqueue_warm_start(st, picks)

@@ -358,3 +358,12 @@ def _p99(xs: list[float]) -> float:
     if not xs:
         return 0.0
     return float(np.percentile(np.asarray(xs), 99))
+
+
+def workload_from_estimate(est: Any, num_requests: int = 160) -> Workload:
+    """A twin workload shaped like a live one (a `core.warmstart.WorkloadEstimate`)."""
+    return Workload(
+        prompt=Lengths("lognormal", est.prompt_median, est.prompt_sigma, 1, 32768),
+        output=Lengths("lognormal", est.output_median, est.output_sigma, 1, 8192),
+        num_requests=num_requests, name="live",
+    )

@@ -18,6 +18,7 @@ from kvpilot.slo import promql
 from kvpilot.slo.promql import Matcher, Selector
 from kvpilot.tuner.core.loop import SignalsUnavailable
 from kvpilot.tuner.core.objective import SLO, Measurement
+from kvpilot.tuner.core.warmstart import WorkloadEstimate, lognormal_from_mean, lognormal_from_quantiles
 
 
 def parse_selector(text: str) -> Selector:
@@ -99,3 +100,31 @@ class PrometheusSignals:
         count = self.query(promql.observations("ttft", self.selector, w))
         return Measurement(ttft_p99=ttft, itl_p99=itl or 0.0, request_rate=rate, burn_rate=burn,
                            sample_count=int(count or 0))
+
+
+def estimate_workload(signals: PrometheusSignals, window_s: float = 3600.0) -> WorkloadEstimate:
+    """The live workload over the window, from vLLM's metrics.
+
+    Prompt and output lengths come from the per-request token histograms
+    (`vllm:request_prompt_tokens`, `vllm:request_generation_tokens`) as lognormals fitted to their
+    p50 and p90; where those are missing, from token rates over the request rate.
+    """
+    w = _window(window_s)
+    sel = signals.selector.render()
+    rate = signals.request_rate(window_s)
+    out: list[tuple[float, float]] = []
+    for hist, counter in (("vllm:request_prompt_tokens", "vllm:prompt_tokens_total"),
+                          ("vllm:request_generation_tokens", "vllm:generation_tokens_total")):
+        def q(x: float, hist: str = hist) -> float | None:
+            return signals.query(f"histogram_quantile({x}, sum by (le) (rate({hist}_bucket{{{sel}}}[{w}])))")
+
+        p50, p90 = q(0.5), q(0.9)
+        if p50 and p90 and math.isfinite(p50) and math.isfinite(p90):
+            out.append(lognormal_from_quantiles(p50, p90))
+            continue
+        tokens = signals.query(f"sum(rate({counter}{{{sel}}}[{w}]))")
+        if not tokens:
+            raise SignalsUnavailable("NoData", f"neither {hist} nor {counter} has data")
+        out.append(lognormal_from_mean(tokens / rate))
+    (pm, ps), (om, os_) = out
+    return WorkloadEstimate(rate, pm, ps, om, os_)

@@ -197,6 +197,7 @@ class LiveTuner:
         if warmup:
             while not self._watch(self.s.warmup_s):
                 pass
+        self.obs.phase("Measuring", "WindowStarted", f"measuring over {self.s.window_s:g}s")
         while True:
             if not self._watch(self.s.window_s):
                 continue
@@ -219,7 +220,7 @@ class LiveTuner:
             self.obs.trial_finished(number, params, "infeasible", outcome)
             self._restore()
             return "infeasible"
-        self.obs.phase("Measuring", "WarmingUp", f"trial {number}: warm-up then a {self.s.window_s:g}s window")
+        self.obs.phase("WarmingUp", "RolloutComplete", f"trial {number}: {self.s.warmup_s:g}s warm-up")
         try:
             m = self._measure()
         except TrialPruned as exc:

@@ -1,0 +1,204 @@
+"""`kvpilot tuner`: the in-cluster tuner, a process of its own beside the operator.
+
+Why a separate process rather than a kopf daemon inside the operator: a trial lasts minutes and a
+study holds Optuna, SQLAlchemy and NumPy (about 150 MB of RSS) - none of which the operator
+needs to reconcile.  Apart, the operator stays small and quick to restart; a tuner crash or a
+stuck Prometheus query cannot stall reconciliation; the tuner can be scaled to zero (or left
+out) without touching serving; and its RBAC is narrower (patch InferenceServices, write their
+status and Events; no Deployments).  The operator stays the only writer of Deployments: the
+tuner speaks to it through the InferenceService, like a user would.
+
+One worker thread per InferenceService with `spec.tuning.enabled`; a scan every `--resync`
+seconds starts workers for new services and stops those whose tuning was switched off (between
+trials: one engine change at a time, always finished).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from argparse import Namespace
+from typing import Any
+
+from kvpilot.tuner.core.loop import LiveSettings, LiveTuner
+from kvpilot.tuner.core.objective import SLO, Goal
+from kvpilot.tuner.core.space import EngineParams, SearchSpace, SpaceError
+from kvpilot.tuner.core.study import TunerStudy, study_name
+
+log = logging.getLogger("kvpilot.tuner")
+
+
+class Worker:
+    def __init__(self, api_client: Any, obj: dict[str, Any], args: Namespace, metrics: Any) -> None:
+        from kvpilot.api import InferenceService
+
+        self.isvc = InferenceService.model_validate(obj)
+        self.api_client, self.args, self.metrics = api_client, args, metrics
+        self.namespace = self.isvc.metadata.namespace
+        self.name = self.isvc.metadata.name
+        self.tuner: LiveTuner | None = None
+        self.thread = threading.Thread(target=self._run, name=f"tune-{self.namespace}/{self.name}", daemon=True)
+        self.finished = False
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        if self.tuner is not None:
+            self.tuner.stop_requested = True
+
+    def _run(self) -> None:
+        from kvpilot.slo.promql import Selector
+        from kvpilot.tuner.adapters.kubernetes import KubernetesApplier, KubeStatusObserver
+        from kvpilot.tuner.adapters.prometheus import PrometheusSignals
+        from kvpilot.tuner.observe import Fanout, LogObserver
+
+        spec = self.isvc.spec
+        target = f"{self.namespace}/{self.name}"
+        try:
+            space = SearchSpace.from_spec(spec.tuning.space)
+            slo = SLO(spec.slo.ttft_seconds, spec.slo.itl_seconds)
+            goal = Goal(spec.tuning.goal)
+            name = study_name(self.namespace, self.name, space, goal)
+            status = KubeStatusObserver(self.api_client, self.namespace, self.name, name)
+            observer = Fanout(LogObserver(target), self.metrics.observer(self.namespace, self.name), status)
+            storage = spec.tuning.storage or self.args.storage
+            study = TunerStudy(storage=storage, name=name, goal=Goal.LATENCY if goal is Goal.CAPACITY else goal,
+                               space=space, slo=slo, seed=0, n_trials=spec.tuning.max_trials)
+            applier = KubernetesApplier(self.api_client, self.namespace, self.name,
+                                        timeout_s=spec.rollout.progress_deadline_seconds + 300.0)
+            signals = PrometheusSignals(self.args.prometheus, selector=Selector.for_inferenceservice(
+                self.namespace, self.name), slo=slo, objective=spec.slo.objective)
+            current = applier.current()
+            study.enqueue(current, "current")
+            study.enqueue(EngineParams.vllm_defaults(), "vllmDefaults")
+            self._warm_start(study, signals, space, slo, current, observer)
+            if goal is Goal.CAPACITY and study.finished_count() == 0:
+                # capacity is an offline goal: the twin's best config is applied once, then kept.
+                best = next((t for t in study.study.trials if t.user_attrs.get("source") == "warmStart"), None)
+                if best is not None:
+                    applier.apply(study.engine_of(best), best.number)
+                observer.phase("Completed", "TwinBest", "capacity goal: the twin's best config is in force")
+                return
+            settings = LiveSettings(warmup_s=float(spec.tuning.warmup_seconds),
+                                    window_s=float(spec.tuning.trial_seconds), poll_s=self.args.poll,
+                                    pause_poll_s=self.args.poll, max_trials=spec.tuning.max_trials)
+            self.tuner = LiveTuner(study, applier, signals, settings, observer=observer)
+            self.tuner.run()
+        except (SpaceError, ValueError) as exc:
+            log.error("tuning %s: %s", target, exc)
+        except Exception:
+            log.exception("tuning %s failed", target)
+        finally:
+            self.finished = True
+
+    def _warm_start(self, study: TunerStudy, signals: Any, space: SearchSpace, slo: SLO,
+                    current: EngineParams, observer: Any) -> None:
+        """Search the twin under the live workload; enqueue its best 3.  Skipped (logged) when the
+        model or GPU has no twin preset, or Prometheus has no workload to show yet."""
+        if study.finished_count() > 0:
+            return  # resumed: the warm start already happened
+        from kvpilot.tuner.adapters.offline import TwinEvaluator, TwinTarget, workload_from_estimate
+        from kvpilot.tuner.adapters.prometheus import estimate_workload
+        from kvpilot.tuner.core.loop import SignalsUnavailable
+        from kvpilot.tuner.core.warmstart import enqueue_warm_start, twin_best
+
+        observer.phase("WarmStart", "SearchingTwin", "estimating the workload and searching the twin")
+        engine = self.isvc.spec.engine
+        try:
+            twin = TwinTarget(model=self.isvc.spec.model, gpu=engine.twin.gpu,
+                              max_model_len=engine.max_model_len or 8192,
+                              tensor_parallel_size=engine.tensor_parallel_size)
+            twin.engine_config(current)
+            est = estimate_workload(signals, window_s=3600.0)
+        except (ValueError, SignalsUnavailable) as exc:
+            log.info("warm start skipped for %s/%s: %s", self.namespace, self.name, exc)
+            return
+        ev = TwinEvaluator(twin, workload_from_estimate(est), slo)
+        picks = twin_best(space, slo, ev.evaluate, trials=20, k=3, first=[current])
+        enqueue_warm_start(study, picks)
+
+
+def _load_client() -> Any:
+    """In a pod: the service account; elsewhere: $KUBECONFIG / ~/.kube/config."""
+    from kubernetes import client, config
+
+    try:
+        config.load_incluster_config()
+        return client.ApiClient()
+    except config.ConfigException:
+        return config.new_client_from_config()
+
+
+def run_tuner(args: Namespace) -> int:
+    import optuna
+    from kubernetes import client
+    from prometheus_client import start_http_server
+
+    from kvpilot.tuner.adapters.kubernetes import GROUP, PLURAL, VERSION
+    from kvpilot.tuner.observe import TunerMetrics
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    api_client = _load_client()
+    custom = client.CustomObjectsApi(api_client)
+    metrics = TunerMetrics()
+    if args.metrics_port:
+        start_http_server(args.metrics_port)
+    workers: dict[tuple[str, str], Worker] = {}
+    stopping = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        log.info("signal %d: finishing the trials in progress, then exiting", signum)
+        stopping.set()
+        for w in workers.values():
+            w.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    log.info("kvpilot tuner: watching InferenceServices in %s", args.namespace or "all namespaces")
+    while not stopping.is_set():
+        try:
+            if args.namespace:
+                items = custom.list_namespaced_custom_object(GROUP, VERSION, args.namespace, PLURAL)["items"]
+            else:
+                items = custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]
+        except Exception as exc:
+            log.warning("listing InferenceServices failed: %s", exc)
+            items = None
+        if items is not None:
+            seen = set()
+            for obj in items:
+                meta = obj.get("metadata") or {}
+                key = (meta.get("namespace", ""), meta.get("name", ""))
+                seen.add(key)
+                enabled = bool(((obj.get("spec") or {}).get("tuning") or {}).get("enabled"))
+                w = workers.get(key)
+                if enabled and (w is None or (w.finished and _changed(w, obj))):
+                    try:
+                        workers[key] = Worker(api_client, obj, args, metrics)
+                    except Exception as exc:  # an invalid object: the operator reports it; skip
+                        log.warning("not tuning %s/%s: %s", *key, exc)
+                        continue
+                    workers[key].start()
+                elif not enabled and w is not None:
+                    w.stop()
+            for key in set(workers) - seen:
+                workers.pop(key).stop()
+        stopping.wait(args.resync)
+    deadline = time.monotonic() + 60
+    for w in workers.values():
+        w.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    return 0
+
+
+def _changed(w: Worker, obj: dict[str, Any]) -> bool:
+    """A finished study restarts only when its tuning settings changed (a new space is a new study)."""
+    from kvpilot.api import InferenceService
+
+    try:
+        new = InferenceService.model_validate(obj).spec.tuning
+    except Exception:
+        return False  # invalid now: the operator says so in a condition; nothing to tune
+    return new.model_dump(mode="json") != w.isvc.spec.tuning.model_dump(mode="json")
