@@ -8,6 +8,7 @@ Takes the same flags as `vllm serve` (kvpilot.twin.flags) plus the server's own:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any
@@ -131,7 +132,8 @@ def serve_command(args: argparse.Namespace) -> int:
         info = ServingInfo(served_model_name=names[0], model=root,
                            max_model_len=int(config.max_model_len or 0),
                            cache_config=cache_config_info(config, engine.num_gpu_blocks),
-                           extra_served_names=tuple(n for n in names[1:] if n != names[0]))
+                           extra_served_names=tuple(n for n in names[1:] if n != names[0]),
+                           api_key=getattr(args, "api_key", None) or os.environ.get("VLLM_API_KEY") or None)
         return engine, info
 
     try:

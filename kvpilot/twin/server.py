@@ -70,6 +70,7 @@ class ServingInfo:
     max_model_len: int
     cache_config: dict[str, Any] = field(default_factory=dict)
     extra_served_names: tuple[str, ...] = ()  # further --served-model-name values
+    api_key: str | None = None  # --api-key / VLLM_API_KEY: /v1/* then needs "Authorization: Bearer KEY"
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
@@ -365,6 +366,11 @@ class TwinServer:
     async def _errors(self, request: web.Request,
                       handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         try:
+            # vLLM's check: only the OpenAI routes need the key; /health and /metrics do not.
+            key = self.info.api_key
+            if key is not None and request.path.startswith("/v1") and \
+                    request.headers.get("Authorization") != f"Bearer {key}":
+                return web.json_response({"error": "Unauthorized"}, status=401)
             return await handler(request)
         except proto.OpenAIError as exc:
             log.debug("request rejected", extra={"fields": {

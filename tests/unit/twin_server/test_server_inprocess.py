@@ -156,3 +156,24 @@ def test_a_dead_engine_ends_streams_and_turns_unhealthy():
 def test_openai_error_body_shape():
     assert proto.OpenAIError("nope", status=503).body() == {
         "error": {"message": "nope", "type": "ServiceUnavailableError", "param": None, "code": 503}}
+
+
+def test_api_key_guards_the_openai_routes_only():
+    engine = Engine(make_config())
+    server = TwinServer(engine, ServingInfo(served_model_name=MODEL, model=MODEL, max_model_len=4096,
+                                            api_key="s3cret"))
+
+    async def body(srv, session, url):
+        statuses = {}
+        for name, headers in (("none", {}), ("wrong", {"Authorization": "Bearer nope"}),
+                              ("right", {"Authorization": "Bearer s3cret"})):
+            async with session.get(url + "/v1/models", headers=headers) as resp:
+                statuses[name] = resp.status
+        async with session.get(url + "/health") as resp:
+            statuses["health"] = resp.status
+        async with session.get(url + "/metrics") as resp:
+            statuses["metrics"] = resp.status
+        return statuses
+
+    assert run_with_server(body, server) == {"none": 401, "wrong": 401, "right": 200, "health": 200,
+                                             "metrics": 200}
