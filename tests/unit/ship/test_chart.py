@@ -9,6 +9,7 @@ import argparse
 import json
 import re
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -484,6 +485,18 @@ def test_dashboard_configmap_carries_the_checked_in_json() -> None:
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     checked_in = (CHART / "dashboards" / "kvpilot.json").read_text()
     assert json.loads(cm["data"]["kvpilot.json"]) == json.loads(checked_in)
+
+
+def test_checked_in_dashboard_is_the_generated_one(tmp_path: Path) -> None:
+    """charts/kvpilot/dashboards/kvpilot.json is `kvpilot slo dashboard --all`, not a hand-edited copy."""
+    from kvpilot.cli import main
+
+    out = tmp_path / "kvpilot.json"
+    assert main(["slo", "dashboard", "--all", "-o", str(out)]) == 0
+    checked_in = CHART / "dashboards" / "kvpilot.json"
+    assert checked_in.read_text() == out.read_text(), (
+        "the chart's dashboard is stale: kvpilot slo dashboard --all -o charts/kvpilot/dashboards/kvpilot.json"
+    )
 
 
 def test_dashboard_namespace_is_configurable() -> None:
