@@ -12,7 +12,11 @@ Shape (as vLLM's frontend + engine core, in one process):
 * `serve()` is the process lifecycle: the port opens only once the engine is "loaded" (after the
   start-up delay, and after the engine was built without a start-up error); SIGTERM stops new
   work (503 with an OpenAI-style error body, /health 503), lets in-flight requests finish for up
-  to the shutdown timeout (0 aborts them at once, like vLLM's default), then returns 0.
+  to the shutdown timeout (0 aborts them at once, like vLLM's default; a second signal cuts the
+  drain short), then returns 0.
+* Twin-only metrics `kvpilot_twin_engine_steps_total`, `kvpilot_twin_simulated_seconds_total` and
+  `kvpilot_twin_behind_seconds_total` tell whether the loop kept the simulated pace (a starved
+  CPU makes the twin slower than the GPU it simulates; "behind" then grows).
 
 The engine is injected (anything with the `EngineLike` methods), so this module imports no
 engine code and tests can drive it with any engine.
@@ -347,7 +351,9 @@ class TwinServer:
             drained = not self.engine_loop.tracked
         if not drained:
             left = len(self.engine_loop.tracked)
-            log.info("shutdown timeout reached, aborting requests", extra={"fields": {"aborted": left}})
+            why = ("second signal" if force is not None and force.is_set()
+                   else "shutdown timeout reached" if timeout > 0 else "shutdown timeout is 0")
+            log.info("aborting in-flight requests", extra={"fields": {"aborted": left, "reason": why}})
             self.engine_loop.abort_all("shutdown")
         # Let every handler write its last chunk and [DONE] before the sockets close.
         if self._handlers:
