@@ -1,0 +1,51 @@
+"""`kvpilot tune --offline` end to end on the twin (small), and its input errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvpilot.cli import main
+
+
+def test_offline_tune_prints_a_table_writes_study_and_report_and_ends_with_the_engine_block(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    db = tmp_path / "study.db"
+    report = tmp_path / "report.html"
+    argv = ["tune", "--offline", "--model", "Llama-3.1-8B", "--gpu", "H100-80GB", "--trials", "3", "-q",
+            "--workload", "prompt=256,output=32,requests=60", "--slo", "ttft=0.5,itl=0.05",
+            "--storage", f"sqlite:///{db}", "--report", str(report)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "tokens" in out and "WithinSLO" in out
+    block = out[out.index("# kvpilot tune --offline"):]
+    engine = yaml.safe_load(block)["engine"]
+    assert set(engine) == {"maxNumBatchedTokens", "gpuMemoryUtilization", "maxNumSeqs"}
+    assert engine["maxNumBatchedTokens"] >= engine["maxNumSeqs"]
+    assert db.exists() and report.read_text().count("data:image/png;base64") == 3
+    # A rerun resumes the study: 3 trials are done, nothing new runs.
+    assert main([*argv, "--report", ""]) == 0
+    import optuna
+
+    summaries = optuna.get_all_study_summaries(storage=f"sqlite:///{db}")
+    assert len(summaries) == 1 and summaries[0].n_trials == 3
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--slo", "ttft=fast"], "--slo: ttft must be a number"),
+        (["--workload", "prompt=12,colour=blue"], "--workload: expected a preset"),
+        (["--gpu", "TPU-v5"], "unknown GPU 'TPU-v5'"),
+        (["--tokens", "4096:256"], "maxNumBatchedTokens"),
+        (["--trials", "0"], "--trials must be >= 1"),
+    ],
+)
+def test_bad_input_is_one_clear_line(args: list[str], needle: str, capsys: pytest.CaptureFixture[str],
+                                     tmp_path: Path) -> None:
+    assert main(["tune", "--offline", "-q", "--storage", f"sqlite:///{tmp_path}/s.db", *args]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err

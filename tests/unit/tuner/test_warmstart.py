@@ -1,0 +1,50 @@
+"""Warm start: lognormal fits of the live workload, and the twin's best configs queued first."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvpilot.tuner.core.objective import SLO, Goal, Measurement, Outcome, score
+from kvpilot.tuner.core.space import EngineParams, SearchSpace
+from kvpilot.tuner.core.study import TunerStudy
+from kvpilot.tuner.core.warmstart import (
+    enqueue_warm_start,
+    lognormal_from_mean,
+    lognormal_from_quantiles,
+    twin_best,
+)
+
+
+def test_lognormal_from_quantiles_round_trips() -> None:
+    median, sigma = 800.0, 0.7
+    p90 = median * math.exp(1.2815515655446004 * sigma)
+    assert lognormal_from_quantiles(median, p90) == pytest.approx((median, sigma))
+
+
+def test_lognormal_from_mean_keeps_the_mean() -> None:
+    median, sigma = lognormal_from_mean(1000.0, 0.5)
+    assert median * math.exp(sigma**2 / 2) == pytest.approx(1000.0)
+
+
+def _twin(p: EngineParams) -> Outcome:
+    """A fake twin whose capacity peaks at 2048 tokens, 64 seqs, the highest fraction."""
+    cap = 20.0 - abs(math.log2(p.max_num_batched_tokens / 2048)) * 3 - abs(math.log2(p.max_num_seqs / 64)) * 2
+    cap += (p.gpu_memory_utilization - 0.7) * 10
+    return score(Goal.CAPACITY, Measurement(0.1, 0.01, cap, capacity=max(cap, 0.0)), SLO())
+
+
+def test_the_twins_best_are_the_first_live_trials() -> None:
+    space = SearchSpace()
+    picks = twin_best(space, SLO(), _twin, trials=25, k=3, seed=0)
+    assert len(picks) == 3 and len({p for p, _ in picks}) == 3
+    assert picks[0][1] >= picks[1][1] >= picks[2][1]
+    assert picks[0][1] >= 18.0  # close to the fake twin's 22.5 peak after 25 trials
+
+    live = TunerStudy(storage=None, name="live", goal=Goal.LATENCY, space=space, slo=SLO(), seed=0)
+    live.enqueue(EngineParams(8192, 0.92, 1024), "current")
+    assert enqueue_warm_start(live, picks) == 3
+    asked = [live.ask() for _ in range(4)]
+    assert [p for _, p in asked[1:]] == [p for p, _ in picks]
+    assert [live.study.trials[n].user_attrs["source"] for n, _ in asked] == ["current"] + ["warmStart"] * 3
