@@ -245,7 +245,7 @@ def _query(args: argparse.Namespace) -> int:
         queries = signal_queries(selector, target, args.window)
         for hist in ("ttft", "itl", "e2e"):
             for q in (0.5, 0.9):
-                queries[f"{hist}_p{round(q * 100)}_seconds"] = promql.quantile(hist, q, selector, args.window)  # type: ignore[arg-type]
+                queries[f"{hist}_p{round(q * 100)}_seconds"] = promql.quantile(hist, q, selector, args.window)
         queries["e2e_p99_seconds"] = promql.quantile("e2e", 0.99, selector, args.window)
         queries["requests_running"] = promql.requests_running(selector)
         queries["requests_waiting"] = promql.requests_waiting(selector)

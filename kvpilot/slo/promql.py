@@ -379,7 +379,7 @@ def standard_queries(
     q: dict[str, str] = {}
     for hist in ("ttft", "itl", "e2e"):
         for p in (0.5, 0.9, 0.99):
-            q[f"{hist}_p{round(p * 100)}"] = quantile(hist, p, selector, window)  # type: ignore[arg-type]
+            q[f"{hist}_p{round(p * 100)}"] = quantile(hist, p, selector, window)
     q["ttft_error_ratio"] = error_ratio("ttft", ttft_seconds, selector, window)
     q["itl_error_ratio"] = error_ratio("itl", itl_seconds, selector, window)
     q["ttft_burn_rate"] = burn_rate("ttft", ttft_seconds, objective, selector, window)

@@ -162,7 +162,7 @@ class PrometheusReader:
             headers=headers,
             disable_ssl=disable_ssl,
             retry=_retry_policy(retries),
-            timeout=timeout,  # type: ignore[arg-type]  # requests takes floats too
+            timeout=timeout,  # requests takes floats too
             method="POST",  # long selectors stay out of URLs
         )
 
@@ -283,5 +283,5 @@ def read_signals(
         selector=str(selector),
         samples=int(round(samples)),
         itl_samples=int(round(values.pop("itl_samples") or 0)),
-        **values,  # type: ignore[arg-type]
+        **values,
     )
