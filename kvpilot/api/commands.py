@@ -9,7 +9,7 @@ from pathlib import Path
 DEFAULT_CRD_DIR = Path("crds")
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     crd = subparsers.add_parser(
         "crd",
         help="print (or write) the InferenceService CustomResourceDefinition",

@@ -332,8 +332,8 @@ class InferenceServiceStatus(_Status):
 class InferenceService(_Wire):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
-    api_version: Literal["kvpilot.dev/v1alpha1"] = Field(API_VERSION, alias="apiVersion")
-    kind: Literal["InferenceService"] = KIND
+    api_version: Literal["kvpilot.dev/v1alpha1"] = Field("kvpilot.dev/v1alpha1", alias="apiVersion")
+    kind: Literal["InferenceService"] = "InferenceService"
     metadata: ObjectMeta
     spec: InferenceServiceSpec
     status: InferenceServiceStatus | None = None

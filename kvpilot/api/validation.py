@@ -13,6 +13,7 @@ from typing import Any, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from kvpilot.api.models import API_VERSION, KIND, InferenceService
 
@@ -79,7 +80,7 @@ def _unwrap(annotation: Any) -> Any:
     return annotation
 
 
-def _message(error: dict[str, Any]) -> str:
+def _message(error: ErrorDetails) -> str:
     kind = error["type"]
     if kind == "kvpilot_rule":
         return str(error["msg"])
