@@ -42,12 +42,17 @@ the InferenceService (or Prometheus Operator) CRDs being installed while it runs
   verbs: [get, list, watch]
 {{- end -}}
 
-{{/* The tuner: read an InferenceService, patch its tuned engine fields (field manager
-kvpilot-tuner), and say what it did in Events. */}}
+{{/* The tuner (kvpilot/tuner/incluster.py, adapters/kubernetes.py): list InferenceServices to find
+those with tuning enabled, read one, server-side apply its tuned engine fields (field manager
+kvpilot-tuner), write status.tuning, and post an Event per trial. No Deployments: the operator
+stays their only writer. */}}
 {{- define "kvpilot.tunerRules" -}}
 - apiGroups: [kvpilot.dev]
   resources: [inferenceservices]
-  verbs: [get, list, watch, patch]
+  verbs: [get, list, patch]
+- apiGroups: [kvpilot.dev]
+  resources: [inferenceservices/status]
+  verbs: [patch]
 - apiGroups: [""]
   resources: [events]
   verbs: [create]

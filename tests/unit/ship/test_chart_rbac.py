@@ -315,19 +315,28 @@ def test_every_call_of_a_real_operator_run_is_granted(tmp_path: Path) -> None:
     seen = {p for call in operator_calls if (p := request_permission(*call)) is not None}
     assert any(perm == ("apps", "deployments", "create") for _, perm in seen), sorted(seen)
     grants = chart_grants(render("default"), "operator")
-    denied = sorted((ns, perm) for ns, perm in seen if not allowed(grants, ns, perm))
+    denied = sorted(((ns, perm) for ns, perm in seen if not allowed(grants, ns, perm)), key=str)
     assert denied == [], f"the operator called what the chart does not grant: {denied}"
     # And nothing it called is missing from what it declares (kvpilot/operator/rbac.py).
     declared = {None: declared_operator()}
-    undeclared = sorted((ns, perm) for ns, perm in seen if not allowed(declared, ns, perm))
+    undeclared = sorted(((ns, perm) for ns, perm in seen if not allowed(declared, ns, perm)), key=str)
     assert undeclared == [], f"the operator called what rbac.py does not declare: {undeclared}"
 
 
 # --- 3. the tuner ------------------------------------------------------------------------------------
 
+# What the tuner's code calls (kvpilot/tuner/incluster.py and adapters/kubernetes.py); the recorded
+# run below holds this list to what the code really does.
+TUNER_NEEDS: set[Permission] = {
+    ("kvpilot.dev", "inferenceservices", "list"),  # the scan for services with tuning enabled
+    ("kvpilot.dev", "inferenceservices", "get"),
+    ("kvpilot.dev", "inferenceservices", "patch"),  # server-side apply of the tuned fields
+    ("kvpilot.dev", "inferenceservices/status", "patch"),  # status.tuning
+    ("", "events", "create"),  # one Event per trial
+}
+
 
 def test_tuner_grants() -> None:
-    """The tuner reads InferenceServices, patches their tuned engine fields, and posts Events."""
     grants = chart_grants(render("default"), "tuner")
     assert set(grants) == {None}
     assert grants[None] == TUNER_NEEDS, diff(grants[None], TUNER_NEEDS)
@@ -335,10 +344,86 @@ def test_tuner_grants() -> None:
     assert find(render("operator-only"), "ClusterRole", "-tuner") == []
 
 
-TUNER_NEEDS: set[Permission] = {
-    ("kvpilot.dev", "inferenceservices", "get"),
-    ("kvpilot.dev", "inferenceservices", "list"),
-    ("kvpilot.dev", "inferenceservices", "watch"),
-    ("kvpilot.dev", "inferenceservices", "patch"),
-    ("", "events", "create"),
-}
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_every_call_of_the_real_tuner_is_granted(tmp_path: Path) -> None:
+    """The tuner process scanning (`kvpilot tuner`, as the chart runs it), and its Kubernetes applier
+    and status observer driven through one trial, against KMock: every request is granted, and
+    between them they use every grant."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    kmock_api = pytest.importorskip("tests.support.kmock_api", reason="the KMock harness is not there yet")
+    pytest.importorskip(
+        "kvpilot.tuner.adapters.kubernetes", reason="the tuner's kubernetes adapter is not there yet"
+    )
+    from kubernetes import config as kube_config
+
+    from kvpilot.tuner.adapters.kubernetes import KubernetesApplier, KubeStatusObserver
+    from kvpilot.tuner.core.loop import ApplyFailed
+    from kvpilot.tuner.core.space import EngineParams
+
+    isvc = yaml.safe_load((ROOT / "examples" / "twin.yaml").read_text())
+    isvc["metadata"]["namespace"] = "team-a"
+    isvc["spec"]["tuning"]["enabled"] = False  # the scan sees it; no study starts (that needs Prometheus)
+    name = isvc["metadata"]["name"]
+    tuner = next(r.obj for r in render("default") if r.kind == "Deployment" and r.name.endswith("-tuner"))
+    chart_args = tuner["spec"]["template"]["spec"]["containers"][0]["args"]
+    args = [a.replace("$(KVPILOT_TUNER_STORAGE)", f"sqlite:///{tmp_path}/tuner.db") for a in chart_args]
+    args = [a for a in args if not a.startswith("--metrics-port")] + ["--metrics-port=0", "--resync=0.2"]
+
+    with kmock_api.KMockAPI(monitoring_crds=True) as api:
+        api.create_isvc(isvc)
+        kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig", namespace="team-a")
+        before_scan = len(api.calls)
+        env = dict(os.environ, KUBECONFIG=str(kubeconfig))
+        with (tmp_path / "tuner.log").open("wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kvpilot.cli", *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=ROOT,
+            )
+        try:
+            kmock_api.wait_for(
+                lambda: sum(1 for c in api.calls[before_scan:] if c[0] == "GET") >= 2,
+                timeout=60,
+                what="the tuner to scan twice",
+            )
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        scan_calls = api.calls[before_scan:]
+        assert proc.returncode == 0, (tmp_path / "tuner.log").read_text()[-3000:]
+
+        # One trial's worth of the adapter's calls, in-process through the real kubernetes client.
+        before_trial = len(api.calls)
+        client = kube_config.new_client_from_config(config_file=str(kubeconfig))
+        try:
+            applier = KubernetesApplier(client, "team-a", name, timeout_s=0.5, poll_s=0.1)
+            observer = KubeStatusObserver(client, "team-a", name, study="e2e")
+            params = applier.current()
+            observer.trial_started(0, params, "current")
+            observer.phase("Applying", "Trial", "applying trial 0")
+            with pytest.raises(ApplyFailed):  # no operator here to complete the rollout
+                applier.apply(EngineParams.vllm_defaults(), 0)
+            observer.trial_finished(0, params, "infeasible", None)
+        finally:
+            client.close()
+        trial_calls = api.calls[before_trial:]
+
+    seen = {p for call in scan_calls + trial_calls if (p := request_permission(*call)) is not None}
+    used = {perm for _, perm in seen}
+    grants = chart_grants(render("default"), "tuner")
+    denied = sorted(((ns, perm) for ns, perm in seen if not allowed(grants, ns, perm)), key=str)
+    assert denied == [], f"the tuner called what the chart does not grant: {denied}"
+    # Nothing granted that no code path used (a list GET reads as list or watch; see allowed()).
+    unused = sorted(p for p in grants[None] if p not in used)
+    assert unused == [], f"the chart grants the tuner what it never called: {unused}"
