@@ -8,7 +8,8 @@ One run covers the three behaviours (one tuner, one Prometheus, to keep the suit
   TTFT misses the SLO) is pruned at the first burn-rate poll that sees the fast burn, and the
   best engine is put back;
 - Prometheus is killed mid-trial: the tuner pauses without touching the engine, and carries on
-  once Prometheus is back (same port, same TSDB).
+  once Prometheus is back (same port, same TSDB);
+- and the warm start's workload estimate reads the load the test really sent.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import pytest
 from optuna.trial import TrialState
 
 from kvpilot.tuner.adapters.local import LocalApplier, free_port
-from kvpilot.tuner.adapters.prometheus import PrometheusSignals
+from kvpilot.tuner.adapters.prometheus import PrometheusSignals, estimate_workload
 from kvpilot.tuner.core.loop import LiveSettings, LiveTuner, Observer
 from kvpilot.tuner.core.objective import SLO, Goal, Measurement, Outcome
 from kvpilot.tuner.core.space import EngineParams, SearchSpace
@@ -242,3 +243,9 @@ def test_live_tuning_with_a_bad_config_and_a_prometheus_outage(
     cmdline = Path(f"/proc/{applier._engine.proc.pid}/cmdline").read_bytes().split(b"\0")
     flags = [a.decode() for a in cmdline if a]
     assert flags[-6:] == best.as_flags()
+
+    # --- the warm start's workload estimate, from the same Prometheus ---------------------------
+    est = estimate_workload(signals.inner, window_s=20.0)
+    assert RATE / 2 <= est.request_rate <= RATE * 1.5
+    assert 16 <= est.prompt_median <= 80  # 32 words, about a token each
+    assert 8 <= est.output_median <= 20  # max_tokens 16 with ignore_eos, read through histogram buckets
