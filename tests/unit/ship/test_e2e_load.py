@@ -143,3 +143,22 @@ def test_load_counts_a_dead_endpoint_as_failures(tmp_path: Path) -> None:
     assert code == 1
     assert summary["ok"] == 0
     assert any("Connection refused" in e or "URLError" in e for e in summary["errors"])  # type: ignore[union-attr]
+
+
+def test_e2e_manifests_are_valid() -> None:
+    """What the (opt-in) e2e suite sends to a cluster is checked here, where no cluster is needed."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    from kvpilot.api import validate_object
+    from tests.e2e.test_rollout import load_pod, twin_service
+    from tests.unit.ship.test_chart import restricted_violations
+
+    isvc = twin_service("kvpilot-e2e-test")
+    assert validate_object(isvc) == []
+    assert isvc["spec"]["tuning"]["enabled"] is False  # the test, not the tuner, changes the engine
+    pod = load_pod("kvpilot-e2e-test", isvc["metadata"]["name"], isvc["spec"]["model"], "kvpilot:dev")
+    for version in ("1.30", "1.33"):
+        kubernetes_validate.validate(pod, version, strict=True)
+    assert restricted_violations(pod["spec"]) == []
+    # The load script travels inline; it must be the one tested above.
+    assert pod["spec"]["containers"][0]["command"][:2] == ["python", "-c"]
+    assert pod["spec"]["containers"][0]["command"][2] == LOAD.read_text()
