@@ -28,9 +28,12 @@ RUN python -m venv /opt/kvpilot
 COPY pyproject.toml README.md ./
 COPY kvpilot ./kvpilot
 
+# psycopg2 is the driver SQLAlchemy uses for the tuner's `postgresql://` Optuna storage
+# (the chart's tuner.storage.type=postgresql); SQLite needs nothing beyond the standard library.
 RUN /opt/kvpilot/bin/pip wheel --no-deps --wheel-dir /wheels . \
- && /opt/kvpilot/bin/pip install --only-binary=:all: /wheels/kvpilot-*.whl \
- && /opt/kvpilot/bin/kvpilot --version
+ && /opt/kvpilot/bin/pip install --only-binary=:all: /wheels/kvpilot-*.whl "psycopg2-binary>=2.9,<3" \
+ && /opt/kvpilot/bin/kvpilot --version \
+ && /opt/kvpilot/bin/python -c "import psycopg2, optuna, kopf"
 
 # ---------------------------------------------------------------------------------------------
 # final: the slim base plus the virtual environment; no compilers, no pip cache, no sources.

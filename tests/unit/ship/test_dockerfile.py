@@ -198,3 +198,9 @@ def test_build_context_sources_exist(stages: list[Stage]) -> None:
             *sources, _dest = instruction.args.split()
             for source in sources:
                 assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
+
+
+def test_image_carries_the_postgresql_driver(stages: list[Stage]) -> None:
+    """The chart offers tuner.storage.type=postgresql; SQLAlchemy's postgresql:// needs psycopg2."""
+    installs = " ".join(i.args for s in stages[:-1] for i in s.all("RUN"))
+    assert "psycopg2" in installs
