@@ -109,6 +109,10 @@ class LiveSettings:
     max_trials: int = 30
 
 
+class TunerStopped(Exception):
+    """Asked to stop while waiting: the trial in progress stays RUNNING and is measured again on resume."""
+
+
 class TrialPruned(Exception):
     def __init__(self, burn: float) -> None:
         super().__init__(f"fast burn {burn:.1f}x")
@@ -152,6 +156,8 @@ class LiveTuner:
     def _wait_for_signals(self) -> None:
         """Block until signals are readable and traffic flows.  The engine is not touched meanwhile."""
         while True:
+            if self.stop_requested:
+                raise TunerStopped()
             try:
                 self.signals.burn_rate(self.s.fast_burn_window_s)
                 return
@@ -279,12 +285,16 @@ class LiveTuner:
     # -- the loop -------------------------------------------------------------------------
     def run(self) -> EngineParams:
         """Run trials until the budget is spent; leave the best engine in force and return it."""
-        while not self.stop_requested and self.study.finished_count() < self.s.max_trials:
-            number, params = self.study.ask()
-            kind = self.study.study.get_trials(deepcopy=False)[number].user_attrs.get("kind", "trial")
-            self.run_trial(number, params, kind=kind)
-        best = self._fallback()
-        self._wait_for_signals()
+        try:
+            while not self.stop_requested and self.study.finished_count() < self.s.max_trials:
+                number, params = self.study.ask()
+                kind = self.study.study.get_trials(deepcopy=False)[number].user_attrs.get("kind", "trial")
+                self.run_trial(number, params, kind=kind)
+            best = self._fallback()
+            self._wait_for_signals()
+        except TunerStopped:
+            self.obs.phase("Idle", "Stopped", "stopped; a restarted tuner resumes the study")
+            return self.applier.current()
         if self.applier.current() != best:
             self.obs.phase("Finishing", "ApplyingBest", f"putting the best engine in force: {best.label()}")
             self.applier.apply(best, None)

@@ -1,0 +1,102 @@
+"""`kvpilot tuner` as a process, against KMock with the operator running and a real Prometheus.
+
+No engine pods exist here (KMock runs no containers), so Prometheus has no traffic to show: the
+tuner must pick the service up, say so in status.tuning (phase Paused), serve its metrics, and
+never touch the engine - the "never change the engine blind" rule, end to end.  It must also
+stop promptly on SIGTERM while paused.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.kmock_api import KMockAPI, OperatorProcess, free_port, kopf_operator, wait_for
+from tests.support.prometheus import PrometheusServer, require_prometheus
+
+pytestmark = pytest.mark.integration
+
+NS = "tuning"
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module")
+def api() -> Iterator[KMockAPI]:
+    with KMockAPI() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def operator(api: KMockAPI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
+    with kopf_operator(api, tmp_path_factory.mktemp("operator")) as op:
+        yield op
+
+
+def _isvc(name: str, enabled: bool) -> dict[str, Any]:
+    return {
+        "apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {"model": "meta-llama/Meta-Llama-3-8B-Instruct", "replicas": 1,
+                 "engine": {"maxNumBatchedTokens": 2048, "gpuMemoryUtilization": 0.9, "maxNumSeqs": 256},
+                 "tuning": {"enabled": enabled, "maxTrials": 3, "trialSeconds": 10, "warmupSeconds": 0}},
+    }
+
+
+def test_tuner_process_pauses_without_traffic_and_leaves_the_engine_alone(
+    api: KMockAPI, operator: OperatorProcess, tmp_path: Path
+) -> None:
+    require_prometheus()
+    with PrometheusServer(targets=[]) as prom:
+        api.create_isvc(_isvc("tuned", True))
+        api.create_isvc(_isvc("untouched", False))
+        kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig", namespace=NS)
+        metrics_port = free_port()
+        log_path = tmp_path / "tuner.log"
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kvpilot.cli", "tuner", "--prometheus", prom.url,
+                 "--storage", f"sqlite:///{tmp_path / 'tuner.db'}", "--metrics-port", str(metrics_port),
+                 "--resync", "1", "--poll", "1"],
+                stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                env={**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1"},
+            )
+        try:
+            def tuning(name: str) -> dict[str, Any]:
+                return dict((api.get_isvc(NS, name).get("status") or {}).get("tuning") or {})
+
+            def paused() -> bool:
+                if proc.poll() is not None:
+                    raise AssertionError(f"tuner exited {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+                return tuning("tuned").get("phase") == "Paused"
+
+            wait_for(paused, timeout=90, interval=0.2, what="status.tuning.phase Paused")
+            t = tuning("tuned")
+            assert t["study"].startswith("tuning.tuned.latency.")
+            assert "NoTraffic" in t["message"] or "NoData" in t["message"], t
+            assert tuning("untouched") == {}
+            engine = api.get_isvc(NS, "tuned")["spec"]["engine"]
+            assert engine == {"maxNumBatchedTokens": 2048, "gpuMemoryUtilization": 0.9, "maxNumSeqs": 256}
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as resp:
+                text = resp.read().decode()
+            assert "# TYPE kvpilot_tuning_trials_total counter" in text
+            assert "# TYPE kvpilot_tuning_best_value gauge" in text
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                rc = proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+                raise AssertionError(f"tuner ignored SIGTERM:\n{log_path.read_text()[-3000:]}") from None
+        assert rc == 0, log_path.read_text()[-3000:]
+        # Still nothing applied: the engine fields are as the user wrote them, no trial annotation.
+        obj = api.get_isvc(NS, "tuned")
+        assert "kvpilot.dev/tuning-trial" not in (obj["metadata"].get("annotations") or {})
