@@ -198,6 +198,7 @@ def tune_local(args: argparse.Namespace) -> int:
     st = TunerStudy(storage=_sqlite_url(args.storage), name=name, goal=Goal.LATENCY, space=space, slo=slo,
                     seed=args.seed, n_trials=args.trials)
     st.enqueue(start, "current")
+    st.enqueue(EngineParams.vllm_defaults(), "vllmDefaults")
     settings = LiveSettings(warmup_s=args.warmup, window_s=args.window, poll_s=args.poll,
                             fast_burn_window_s=args.fast_burn_window, pause_poll_s=args.poll,
                             max_trials=args.trials)
