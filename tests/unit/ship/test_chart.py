@@ -532,6 +532,12 @@ def test_monitoring_objects_are_off_by_default_and_on_when_asked() -> None:
             assert r["annotations"]["summary"] and r["annotations"]["description"]
 
 
+def test_operator_down_alert_needs_the_service_monitor_it_keys_on() -> None:
+    rule = one(render({"monitoring": {"prometheusRule": {"enabled": True}}}), "PrometheusRule")
+    alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert alerts == {"KvpilotReconcileErrors", "KvpilotRollback"}
+
+
 def test_notes_render() -> None:
     from tests.unit.ship.chart import render_raw
 
