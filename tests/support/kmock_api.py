@@ -74,6 +74,11 @@ class KvpilotEmulator(kmock.KubernetesEmulator):
     """KMock's emulator with the API-server bookkeeping it lacks (see the module docstring)."""
 
     calls: list[tuple[str, str]] = attrs.field(factory=list)
+    # Resource requests with the monotonic time each arrived, as (time, method, path, object name);
+    # the name comes from the body for a create.  Benchmarks read create -> first status from it.
+    timed_calls: list[tuple[float, str, str, str | None]] = attrs.field(factory=list)
+    # Requests being dispatched right now; see __iter__.
+    _dispatching: list[Any] = attrs.field(factory=list)
     _rv: int = attrs.field(default=0)
 
     def _next_rv(self) -> str:
@@ -104,7 +109,30 @@ class KvpilotEmulator(kmock.KubernetesEmulator):
             return aiohttp.web.json_response(listing)
         return await super().__call__(raw_request)
 
+    def __iter__(self) -> Any:
+        # KMock dispatches a request by asking every reaction whether the request is "in" its view,
+        # and a view iterates over every request ever received: quadratic, seconds per request after
+        # a few thousand.  The dispatch check only needs the requests in flight, so that is all the
+        # root view yields (`calls` keeps the history the tests read).
+        yield from list(self._dispatching)
+
     async def _handle(self, request: Any) -> Any:
+        self._dispatching.append(request)
+        if len(self._requests) > 256:  # the history nobody reads any more (see __iter__)
+            del self._requests[:-64]
+            for payload in self._payloads:
+                del payload._requests[:-64]
+        try:
+            return await self._handle_tracked(request)
+        finally:
+            self._dispatching.remove(request)
+
+    async def _handle_tracked(self, request: Any) -> Any:
+        if request.resource is not None:
+            name = request.name
+            if name is None and isinstance(request.data, dict):
+                name = (request.data.get("metadata") or {}).get("name")
+            self.timed_calls.append((time.monotonic(), str(request.method.value).upper(), request.url.path, name))
         if request.resource is not None and isinstance(request.data, dict):
             if request.action == kmock.action.CREATE:
                 self._fill_on_create(request)
@@ -148,6 +176,42 @@ class KvpilotEmulator(kmock.KubernetesEmulator):
         strip = ("metadata", "status")
         if {k: v for k, v in old.items() if k not in strip} != {k: v for k, v in new.items() if k not in strip}:
             meta["generation"] = int(old.get("metadata", {}).get("generation", 1)) + 1
+
+    # KMock finds an object by scanning every stored object (events included) on each request;
+    # at a thousand InferenceServices that is most of the server's time.  Look it up by key instead.
+    def _stored(self, request: Any, namespace: str | None = None, name: str | None = None) -> Any:
+        key = (request.resource, namespace if namespace is not None else request.namespace, name or request.name)
+        obj = self.objects._objects.get(key)
+        if obj is None or obj.empty:
+            raise kmock.KubernetesObjectNotFoundError()
+        return obj
+
+    async def _serve_fetch(self, request: Any) -> Any:
+        obj = self._stored(request)
+        if obj.deleted:
+            raise kmock.KubernetesObjectNotFoundError()
+        return obj.raw
+
+    async def _serve_create(self, request: Any) -> Any:
+        meta = request.data.get("metadata", {}) if isinstance(request.data, dict) else {}
+        return self._stored(request, request.namespace or meta.get("namespace"), meta.get("name")).raw
+
+    async def _serve_update(self, request: Any) -> Any:
+        return self._stored(request).last.raw
+
+    async def _serve_delete(self, request: Any) -> Any:
+        return self._stored(request).last.raw
+
+    async def _render_error(self, exc: Exception) -> Any:
+        # A 404 is routine (get-before-create); KMock formats a traceback into every error body.
+        if isinstance(exc, kmock.KubernetesError) and exc.status < 500:
+            import aiohttp.web
+
+            return aiohttp.web.json_response({
+                "apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure", "code": exc.status,
+                "reason": exc.reason or type(exc).__name__, "message": exc.message or repr(exc),
+                "details": exc.details or {}}, status=exc.status)
+        return await super()._render_error(exc)
 
     async def _serve_version(self, request: Any) -> Any:
         result = await super()._serve_version(request)
