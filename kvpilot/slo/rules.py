@@ -136,7 +136,8 @@ def burn_alert_expr(target: SloTarget, sli: Sli, alert: BurnAlert) -> str:
 def burn_alert_rule(target: SloTarget, sli: Sli, alert: BurnAlert, options: RuleOptions) -> dict[str, Any]:
     factor = alert.factor(target.period)
     short, title = SLI_SHORT[sli], SLI_TITLES[sli]
-    slo_text = f"{target.objective * 100:g}% of requests with {title} at or under {target.threshold(sli):g}s over {target.period}"
+    events = "requests with time to first token" if sli == "ttft" else "inter-token gaps"
+    slo_text = f"{target.objective * 100:g}% of {events} at or under {target.threshold(sli):g}s over {target.period}"
     spend = f"{alert.budget_fraction * 100:g}% of the {target.period} error budget in {alert.long_window}"
     description = (
         f"InferenceService {_ident(target)}: {title} burns its error budget {{{{ $value | printf \"%.2f\" }}}}x "

@@ -172,3 +172,10 @@ def test_reader_against_real_prometheus(prom: PrometheusServer) -> None:
     # The exporter's counters never move after the first scrape: no requests in the window.
     with pytest.raises(NoData, match="no requests in the last 10s"):
         read_signals(sel, "10s", slo=HOSTILE, reader=reader)
+
+
+def test_cli_signals_exit_codes(prom: PrometheusServer, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpilot.cli import main
+
+    assert main(["slo", "signals", "--prometheus", prom.url, "--selector", "namespace=nowhere", "--window", "10s"]) == 3
+    assert "no requests in the last 10s" in capsys.readouterr().err
