@@ -365,31 +365,3 @@ def metrics_present(selector: Selector) -> str:
 def cache_config(selector: Selector) -> str:
     """`vllm:cache_config_info`: the KV-cache config in force, in its labels."""
     return series(vllm.METRIC_CACHE_CONFIG, selector)
-
-
-def standard_queries(
-    selector: Selector,
-    *,
-    ttft_seconds: float,
-    itl_seconds: float,
-    objective: float,
-    window: str = "5m",
-) -> dict[str, str]:
-    """The named queries a human or the tuner reads for one target."""
-    q: dict[str, str] = {}
-    for hist in ("ttft", "itl", "e2e"):
-        for p in (0.5, 0.9, 0.99):
-            q[f"{hist}_p{round(p * 100)}"] = quantile(hist, p, selector, window)
-    q["ttft_error_ratio"] = error_ratio("ttft", ttft_seconds, selector, window)
-    q["itl_error_ratio"] = error_ratio("itl", itl_seconds, selector, window)
-    q["ttft_burn_rate"] = burn_rate("ttft", ttft_seconds, objective, selector, window)
-    q["itl_burn_rate"] = burn_rate("itl", itl_seconds, objective, selector, window)
-    q["request_rate"] = request_rate(selector, window)
-    q["prompt_token_rate"] = prompt_token_rate(selector, window)
-    q["generation_token_rate"] = generation_token_rate(selector, window)
-    q["kv_cache_usage"] = kv_cache_usage(selector)
-    q["requests_running"] = requests_running(selector)
-    q["requests_waiting"] = requests_waiting(selector)
-    q["preemption_rate"] = preemption_rate(selector, window)
-    q["ttft_samples"] = observations("ttft", selector, window)
-    return q
