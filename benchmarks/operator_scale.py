@@ -10,6 +10,8 @@ the time until every object has its status, and the operator process's peak RSS 
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -29,6 +31,11 @@ def proc_status_kb(pid: int, field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise KeyError(field)
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -84,6 +91,9 @@ def main() -> int:
         rss_kb = proc_status_kb(pid, "VmRSS")
         values = list(latencies(api).values())
         calls = len(api.calls)
+        operator_cpu = cpu_seconds(pid)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    kmock_cpu = usage.ru_utime + usage.ru_stime
 
     print(f"InferenceServices created:        {args.count} in {created_s:.1f} s "
           f"({args.count / created_s:.0f}/s, {args.concurrency} clients)")
@@ -91,6 +101,8 @@ def main() -> int:
           f"{calls} API calls in all")
     print(f"reconcile latency create->status: p50 {statistics.median(values) * 1000:.0f} ms, "
           f"p99 {percentile(values, 99) * 1000:.0f} ms, max {max(values) * 1000:.0f} ms")
+    print(f"CPU seconds used:                 operator {operator_cpu:.1f} s, KMock + clients {kmock_cpu:.1f} s "
+          f"(load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
     print(f"operator RSS before the load:     {idle_kb / 1024:.1f} MB")
     print(f"operator RSS after the load:      {rss_kb / 1024:.1f} MB")
     print(f"operator peak RSS (VmHWM):        {peak_kb / 1024:.1f} MB (goal <= 150 MB)")

@@ -127,7 +127,7 @@ class KubeClient:
                         pass
                     raise ApiError(resp.status, str(reason), str(message), method=method, path=path)
                 return json.loads(text) if text else None
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             raise ApiError(0, type(exc).__name__, str(exc) or "connection failed", method=method, path=path) from exc
 
     # ---- verbs ----

@@ -29,6 +29,8 @@ RULES: tuple[Rule, ...] = (
     # Events on InferenceServices (kopf.event posts core/v1 Events).
     Rule(("",), ("events",), ("create",)),
     Rule(("events.k8s.io",), ("events",), ("create",)),
+    # Only with --namespace glob patterns: kopf watches namespaces to follow the matching ones.
+    Rule(("",), ("namespaces",), ("get", "list", "watch")),
     # kopf notices CRDs being (re)installed while it runs.
     Rule(("apiextensions.k8s.io",), ("customresourcedefinitions",), ("get", "list", "watch")),
 )

@@ -29,6 +29,10 @@ async def run_operator(settings: OperatorSettings) -> None:
     rt = Runtime(settings=settings, client=client, metrics=OperatorMetrics())
     registry = build_registry(rt)
     ready = asyncio.Event()
+    operator: asyncio.Task[None] | None = None
+    # The HTTP endpoints first: a taken port fails the start before kopf touches the cluster.
+    http = await start_http(rt.metrics, settings.metrics_host, settings.metrics_port,
+                            healthy=lambda: ready.is_set() and operator is not None and not operator.done())
     operator = asyncio.create_task(kopf.operator(
         registry=registry,
         standalone=True,
@@ -36,8 +40,6 @@ async def run_operator(settings: OperatorSettings) -> None:
         namespaces=settings.watched_namespaces,
         ready_flag=ready,
     ))
-    http = await start_http(rt.metrics, settings.metrics_host, settings.metrics_port,
-                            healthy=lambda: ready.is_set() and not operator.done())
     where = "all namespaces" if settings.all_namespaces else ", ".join(settings.watched_namespaces)
     logger.info("kvpilot operator watching %s; /healthz and /metrics on %s:%d",
                 where, settings.metrics_host, settings.metrics_port)

@@ -193,6 +193,34 @@ def test_a_reconcile_of_an_unchanged_object_writes_no_children(api: KMockAPI, op
     assert writes == []
 
 
+def test_a_permanent_error_sets_a_condition_and_does_not_loop(api: KMockAPI, operator: OperatorProcess) -> None:
+    # Someone else's Service already has the name: never taken over, reported once, not retried hot.
+    api.create(f"/api/v1/namespaces/{NS}/services", {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "squatter", "namespace": NS, "ownerReferences": [
+            {"apiVersion": "apps/v1", "kind": "Deployment", "name": "other", "uid": "not-kvpilot",
+             "controller": True}]},
+        "spec": {"ports": [{"port": 80}]}})
+
+    def errors() -> float:
+        text = operator.http_get("/metrics")[1]
+        return float(re.search(r'^kvpilot_reconciles_total\{result="error"\} (\S+)$', text, re.M).group(1))
+
+    before = errors()
+    api.create_isvc(make("squatter", replicas=1))
+    obj = wait_for(lambda: condition(o := isvc(api, "squatter"), "Degraded").get("reason") == "ApplyFailed" and o,
+                   what="Degraded/ApplyFailed")
+    assert "controlled by another owner" in condition(obj, "Degraded")["message"]
+    service = api.get(f"/api/v1/namespaces/{NS}/services/squatter")
+    assert service["metadata"]["ownerReferences"][0]["uid"] == "not-kvpilot"
+    assert service["spec"]["ports"] == [{"port": 80}]
+    # Another object reconciles afterwards; by then a hot loop would have counted more errors.
+    api.create_isvc(make("after-squatter", replicas=1))
+    wait_for(lambda: isvc(api, "after-squatter").get("status", {}).get("observedGeneration") == 1,
+             what="after-squatter's status")
+    assert errors() == before + 1
+
+
 def test_delete_is_clean(api: KMockAPI, operator: OperatorProcess) -> None:
     api.delete(api.isvc_path(NS, "alpha"))
     wait_for(lambda: api.get_or_none(api.isvc_path(NS, "alpha")) is None, what="alpha gone")

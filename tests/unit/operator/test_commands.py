@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+
+from kvpilot.cli import build_parser, main
+from kvpilot.operator import rbac
+
+
+def run(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_operator_help_names_every_option() -> None:
+    code, out, _ = run(["operator", "--help"])
+    assert code == 0
+    for option in ("--namespace", "--all-namespaces", "--twin-image", "--metrics-port", "--log-format"):
+        assert option in out
+
+
+@pytest.mark.parametrize(("argv", "complaint"), [
+    (["operator", "--metrics-port", "70000"], "must be a port number 1-65535"),
+    (["operator", "--log-format", "xml"], "invalid choice"),
+    (["operator", "-n", "a", "--all-namespaces"], "not allowed with argument"),
+    (["render"], "required: -f/--filename"),
+])
+def test_bad_options_are_refused_with_a_reason(argv: list[str], complaint: str) -> None:
+    code, _, err = run(argv)
+    assert code == 2
+    assert complaint in err
+    assert "Traceback" not in err
+
+
+def test_settings_from_arguments() -> None:
+    args = build_parser().parse_args(["operator", "-n", "a", "-n", "b", "--metrics-port", "9100"])
+    assert (args.namespace, args.all_namespaces, args.metrics_port, args.log_format) == (["a", "b"], False, 9100, "text")
+
+
+def test_rbac_rules_are_well_formed() -> None:
+    rules = rbac.cluster_role_rules()
+    assert {"apiGroups": ["apps"], "resources": ["deployments"],
+            "verbs": ["get", "list", "watch", "create", "patch"]} in rules
+    assert rbac.allows("kvpilot.dev", "inferenceservices/status", "patch")
+    assert not rbac.allows("", "secrets", "get")  # the HF token is mounted by the kubelet, never read
