@@ -138,18 +138,31 @@ def _read(path: str) -> str:
 
 
 def load_services(path: str) -> list[Any]:
-    """Every InferenceService in a YAML file, validated; UsageError lists the problems by field."""
-    from kvpilot.api import validate_text
+    """Every InferenceService in a YAML file, validated; UsageError lists the problems by field.
+
+    Other kinds in the same file (a Secret, a Namespace...) are skipped, as `kubectl apply -f`
+    bundles often hold them.
+    """
+    import yaml
+
+    from kvpilot.api import KIND, InferenceService, validate_object, validate_text
     from kvpilot.api.validation import load_documents
 
     text = _read(path)
-    results = validate_text(text)
-    problems = [f"{path}: {r.label}: {issue}" for r in results for issue in r.issues]
+    try:
+        docs = list(load_documents(text))
+    except yaml.YAMLError:
+        docs = None
+    if docs is None:  # let the API's validator say where the YAML breaks
+        problems = [f"{path}: {issue}" for r in validate_text(text) for issue in r.issues]
+        raise UsageError("invalid YAML:\n  " + "\n  ".join(problems))
+    services = [(i, d) for i, d in enumerate(docs) if not isinstance(d, dict) or d.get("kind", KIND) == KIND]
+    if not services:
+        raise UsageError(f"{path}: no InferenceService found ({len(docs)} document(s) of other kinds)")
+    problems = [f"{path}: document {i + 1}: {issue}" for i, d in services for issue in validate_object(d)]
     if problems:
         raise UsageError("invalid InferenceService:\n  " + "\n  ".join(problems))
-    from kvpilot.api import InferenceService
-
-    return [InferenceService.model_validate(doc) for doc in load_documents(text)]
+    return [InferenceService.model_validate(d) for _, d in services]
 
 
 def _target(args: argparse.Namespace) -> tuple[Any, Any]:

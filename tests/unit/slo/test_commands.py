@@ -94,3 +94,21 @@ def test_help_helps(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for sub in ("rules", "dashboard", "query", "signals"):
         assert sub in out
+
+
+def test_other_kinds_in_the_file_are_skipped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bundle = tmp_path / "bundle.yaml"
+    bundle.write_text("apiVersion: v1\nkind: Namespace\nmetadata: {name: prod}\n---\n" + ISVC)
+    assert main(["slo", "rules", "-f", str(bundle)]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["metadata"]["name"] == "llama-slo"
+    only_ns = tmp_path / "ns.yaml"
+    only_ns.write_text("apiVersion: v1\nkind: Namespace\nmetadata: {name: prod}\n")
+    assert main(["slo", "rules", "-f", str(only_ns)]) == 2
+    assert "no InferenceService found" in capsys.readouterr().err
+
+
+def test_broken_yaml_says_where(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("kind: [unclosed\n")
+    assert main(["slo", "rules", "-f", str(broken)]) == 2
+    assert "not valid YAML at line" in capsys.readouterr().err
