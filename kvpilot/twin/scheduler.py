@@ -13,7 +13,9 @@ One `schedule()` per engine step, as vLLM does it (see ../shared/notes/toolchain
    every N-th step): WAITING requests, first come first served, while
    budget remains and fewer than `max_num_seqs` run.  A prompt is chunked into what is left of
    the budget; with `reserve_full_isl` (vLLM's default) a request is admitted only if its whole
-   prompt fits in the free blocks.  A preempted request goes back to the FRONT of the queue.
+   prompt fits in the free blocks; `watermark` keeps a fraction of the blocks free, but only
+   while some request runs (vLLM's `has_scheduled_reqs`).  A preempted request goes back to
+   the FRONT of the queue.
 
 Every request whose tokens are all computed after the step samples one token.  A partial
 prefill samples nothing.  The pool keeps one block back (vLLM's null block).
@@ -325,7 +327,9 @@ class Scheduler:
                 if n > budget:
                     n = budget
                 total = computed + n
-                free = self.free + len(self.evictable) - idle - wm
+                # vLLM applies the watermark only while some request runs: an idle engine
+                # admits whatever fits, or a prompt longer than (pool - watermark) never starts.
+                free = self.free + len(self.evictable) - idle - (wm if running else 0)
                 need = (total + bs - 1) // bs - hits
                 if self.reserve_full_isl:
                     if (num_tokens + bs - 1) // bs - hits > free:

@@ -201,3 +201,18 @@ def test_prefill_schedule_interval_admits_new_requests_every_nth_step() -> None:
         seen |= ids
         assert ids <= seen  # admitted requests keep decoding in the steps between
     assert admitted_at == [3, 6, 9]
+
+
+def test_watermark_holds_blocks_back_only_while_requests_run() -> None:
+    # vLLM applies the watermark only when something is already running; a prompt that needs
+    # more than (pool - watermark) blocks must still start on an idle engine, not wait forever.
+    e = engine(blocks=100, max_num_batched_tokens=2048, max_num_seqs=8, watermark=0.5)
+    e.add_request("long", 1200, 2)  # 75 blocks of the 99 usable: more than 99 - 50
+    out = e.step()
+    assert [o.request_id for o in out.outputs] == ["long"]
+    # With "long" running, a newcomer that fits the free blocks but not the watermark waits.
+    e.add_request("next", 300, 2)  # 19 blocks; 99 - 76 = 23 free, 23 - 50 < 19
+    out = e.step()
+    assert "next" not in {o.request_id for o in out.outputs} and out.num_waiting == 1
+    drain(e)
+    e.scheduler.check_invariants()
