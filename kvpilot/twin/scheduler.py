@@ -70,6 +70,30 @@ class Request:
         self.user: object = None  # free slot for the driver (offline runner bookkeeping)
 
 
+def _sample(req: Request, k: int, finished: list[Request], gaps: list[tuple[int, int]]) -> int:
+    """A request whose tokens are all computed samples one token at the end of step k.
+
+    Records the token's step (first token, or a gap since the previous one in `gaps`), and
+    queues the request in `finished` when it reached max_tokens.  Returns 1 when the previous
+    token came at the end of step k-1 (a "steady" gap, counted rather than listed).  The decode
+    fast path in `Scheduler.step` inlines the same logic: it runs for every token.
+    """
+    out = req.num_output + 1
+    req.num_output = out
+    req.num_tokens += 1
+    last = req.step_last_token
+    req.step_last_token = k
+    if out >= req.max_tokens:
+        finished.append(req)
+    if last < 0:
+        req.step_first_token = k
+        return 0
+    if last == k - 1:
+        return 1
+    gaps.append((last, k))
+    return 0
+
+
 class Scheduler:
     def __init__(self, *, num_gpu_blocks: int, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
                  long_prefill_token_threshold: int = 0, enable_prefix_caching: bool = True,
@@ -293,20 +317,8 @@ class Scheduler:
             pairs += n * (computed + (n + 1) * 0.5)
             if total == num_tokens:
                 sampled += 1
-                req.num_tokens = total + 1
-                out = req.num_output + 1
-                req.num_output = out
                 req.sched = -n
-                last = req.step_last_token
-                if last < 0:
-                    req.step_first_token = k
-                elif last == prev:
-                    steady += 1
-                else:
-                    gaps.append((last, k))
-                req.step_last_token = k
-                if out >= req.max_tokens:
-                    finished.append(req)
+                steady += _sample(req, k, finished, gaps)
             i += 1
 
         # New requests only in a step that preempted nothing, and (--prefill-schedule-interval)
@@ -369,20 +381,8 @@ class Scheduler:
                     req.step_scheduled = k
                 if total == num_tokens:
                     sampled += 1
-                    req.num_tokens = total + 1
-                    out = req.num_output + 1
-                    req.num_output = out
                     req.sched = -n
-                    last = req.step_last_token
-                    if last < 0:
-                        req.step_first_token = k
-                    elif last == prev:
-                        steady += 1
-                    else:
-                        gaps.append((last, k))
-                    req.step_last_token = k
-                    if out >= req.max_tokens:
-                        finished.append(req)
+                    steady += _sample(req, k, finished, gaps)
 
         if finished:
             for req in finished:
