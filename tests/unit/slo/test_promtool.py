@@ -2,7 +2,8 @@
 (tests/promtool/, from tests/promtool/generate.py) are current and pass `promtool test rules`.
 
 The 1h/5m page file (with the KV, preemption and absent alerts, and the hostile-name file)
-runs here; the 6h and ticket files evaluate days of synthetic series and run as integration.
+runs here; the 6h and ticket files evaluate days of synthetic series and run as integration
+tests (tests/integration/slo/test_promtool_long_windows.py).
 """
 
 from __future__ import annotations
@@ -52,13 +53,6 @@ def test_promtool_check_rules_accepts_generated_rules(tmp_path: Path, target: Sl
 
 @pytest.mark.parametrize("name", ["slo.page-1h.test.yaml", "hostile.page-1h.test.yaml"])
 def test_promtool_rule_tests_page_1h(name: str) -> None:
-    result = _promtool("test", "rules", name, cwd=PROMTOOL_DIR)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
-
-
-@pytest.mark.integration
-@pytest.mark.parametrize("name", ["slo.page-6h.test.yaml", "slo.ticket.test.yaml"])
-def test_promtool_rule_tests_long_windows(name: str) -> None:
     result = _promtool("test", "rules", name, cwd=PROMTOOL_DIR)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
 
