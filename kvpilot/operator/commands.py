@@ -19,7 +19,7 @@ def _port(text: str) -> int:
     return port
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction) -> None:
     op = subparsers.add_parser(
         "operator",
         help="run the InferenceService operator (kopf, standalone)",

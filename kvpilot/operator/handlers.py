@@ -7,13 +7,15 @@ settings and the shared runtime reach them as closures.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
 from kvpilot.api.models import GROUP, PLURAL, VERSION
 from kvpilot.operator.builders.common import LABEL_MANAGED_BY, MANAGED_BY
 from kvpilot.operator.reconcile import RetryLater, Runtime, reconcile_service, track_rollout
+
+Logger = logging.Logger | logging.LoggerAdapter[Any]
 
 ANNOTATION_PREFIX = "kvpilot.dev"
 
@@ -55,7 +57,7 @@ def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
     @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry, id="reconcile", backoff=retry_delay)
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry, id="reconcile", backoff=retry_delay)
     @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry, id="reconcile", backoff=retry_delay)
-    async def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
+    async def reconcile(body: kopf.Body, patch: kopf.Patch, logger: Logger, **_: Any) -> None:
         def emit(type_: str, reason: str, message: str) -> None:
             kopf.event(body, type=type_, reason=reason, message=message)
 
@@ -70,12 +72,12 @@ def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
 
     @kopf.on.event("apps", "v1", "deployments", registry=registry, id="track-rollout",
                    labels={LABEL_MANAGED_BY: MANAGED_BY})
-    async def deployment_event(body: kopf.Body, type: str | None, logger: logging.Logger, **_: Any) -> None:
+    async def deployment_event(body: kopf.Body, type: str, logger: Logger, **_: Any) -> None:
         if type == "DELETED":
             return
 
         def emit_on(obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
-            kopf.event(obj, type=type_, reason=reason, message=message)
+            kopf.event(kopf.Body(cast(kopf.RawBody, obj)), type=type_, reason=reason, message=message)
 
         await track_rollout(rt, dict(body), emit_on, logger)
 

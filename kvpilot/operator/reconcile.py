@@ -40,6 +40,8 @@ from kvpilot.operator.kube import ApiError, KubeClient, resource_path
 from kvpilot.operator.metrics import OperatorMetrics
 from kvpilot.operator.settings import OperatorSettings
 
+Logger = logging.Logger | logging.LoggerAdapter[Any]
+
 # emit(type, reason, message): an Event on the InferenceService being handled.
 Emit = Callable[[str, str, str], None]
 
@@ -87,7 +89,7 @@ def _degraded_only(previous: dict[str, Any], reason: str, message: str, generati
     return status_patch(previous, {"conditions": conditions})
 
 
-async def reconcile_service(rt: Runtime, body: dict[str, Any], emit: Emit, logger: logging.Logger) -> dict[str, Any]:
+async def reconcile_service(rt: Runtime, body: dict[str, Any], emit: Emit, logger: Logger) -> dict[str, Any]:
     """Reconcile one InferenceService; returns the status merge patch (possibly empty)."""
     started = time.perf_counter()
     result = "error"
@@ -103,7 +105,7 @@ async def reconcile_service(rt: Runtime, body: dict[str, Any], emit: Emit, logge
 
 
 async def _reconcile(rt: Runtime, body: dict[str, Any], emit: Emit,
-                     logger: logging.Logger) -> tuple[dict[str, Any], str]:
+                     logger: Logger) -> tuple[dict[str, Any], str]:
     meta = body.get("metadata", {})
     generation = meta.get("generation")
     previous = dict(body.get("status") or {})
@@ -168,7 +170,7 @@ async def _reconcile(rt: Runtime, body: dict[str, Any], emit: Emit,
 
 
 async def track_rollout(rt: Runtime, deployment: dict[str, Any], emit_on: Callable[[dict[str, Any], str, str, str], None],
-                        logger: logging.Logger) -> None:
+                        logger: Logger) -> None:
     """Map a Deployment event to its InferenceService: status, lastGoodEngine, rollback."""
     meta = deployment.get("metadata", {})
     name = (meta.get("labels") or {}).get(LABEL_ISVC)
