@@ -69,6 +69,9 @@ def register(subparsers: Any) -> None:
     live.add_argument("--poll", type=float, default=15.0, help="burn-rate poll interval, seconds")
     live.add_argument("--fast-burn-window", type=float, default=300.0,
                       help="window of the fast-burn check, seconds (default 300 = 5m)")
+    live.add_argument("--slots", metavar="A,B",
+                      help="the two backend ports engines alternate on (default: the engine's --port +1 and +2); "
+                           "clients and Prometheus use the engine's --port")
     live.add_argument("--warm-start", action="store_true",
                       help="first search the twin (--model/--gpu) under the measured workload; try its best 3 first")
     live.add_argument("--warm-start-trials", type=int, default=20, help="twin trials of the warm start")

@@ -203,7 +203,13 @@ def tune_local(args: argparse.Namespace) -> int:
                             fast_burn_window_s=args.fast_burn_window, pause_poll_s=args.poll,
                             max_trials=args.trials)
     signals = PrometheusSignals(args.prometheus, selector=args.selector, slo=slo, objective=args.objective)
-    applier = LocalApplier(command, port=port, start=start)
+    # Engines run on two backend ports behind the forwarder on the public port; Prometheus may
+    # scrape either the public port (the engine in force) or both backend ports.
+    slots = (port + 1, port + 2)
+    if args.slots:
+        a, b = parse_range(args.slots.replace(",", ":"), "--slots", int)
+        slots = (a, b)
+    applier = LocalApplier(command, port=port, start=start, slots=slots)
     applier.start()
     try:
         tuner = LiveTuner(st, applier, signals, settings, observer=LogObserver())

@@ -88,7 +88,7 @@ class _Forwarder:
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.base_events.Server | None = None
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvpilot-forwarder", daemon=True)
-        self._ready = threading.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def start(self) -> None:
         self._thread.start()
@@ -99,6 +99,10 @@ class _Forwarder:
         self._server = await asyncio.start_server(self._handle, self.host, self.port, reuse_address=True)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         try:
             up_r, up_w = await asyncio.open_connection(self.host, self.backend)
         except OSError:
@@ -116,12 +120,22 @@ class _Forwarder:
                 with contextlib.suppress(Exception):
                     w.close()
 
-        await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer))
+        try:
+            await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer))
+        except asyncio.CancelledError:
+            # Shutting down: close both sides and end normally (asyncio's stream callback calls
+            # .exception() on this task, which a cancelled task would raise from).
+            for w in (writer, up_w):
+                with contextlib.suppress(Exception):
+                    w.close()
 
     def stop(self) -> None:
         async def close() -> None:
             if self._server is not None:
                 self._server.close()
+            for task in list(self._tasks):  # connections still open: close them, quietly
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
 
         if self._thread.is_alive():
             asyncio.run_coroutine_threadsafe(close(), self._loop).result(timeout=5)

@@ -263,22 +263,29 @@ class LiveTuner:
             self.obs.best_changed(new)
 
     def _remeasure(self, inc: Incumbent) -> Incumbent | None:
-        """Measure the incumbent again at today's load; returns the refreshed incumbent."""
+        """Measure the incumbent again at today's load; returns the refreshed incumbent, or None
+        when it no longer holds up (then the trial being judged stands on its own)."""
         log.info("load drifted more than %.0f%% since trial %d was measured; measuring it again",
                  self.s.drift * 100, inc.trial)
         self.obs.phase("Remeasuring", "LoadDrift", f"re-measuring the incumbent (trial {inc.trial})")
-        number, params = self.study.ask_remeasure(inc)
-        state = self.run_trial(number, params, kind=KIND_REMEASURE)
-        frozen = self.study.study.get_trials(deepcopy=False)[number]
-        m = self.study.measurement_of(frozen)
-        if state != "complete" or m is None or frozen.value is None:
-            # The incumbent no longer holds up under this load: drop it, the trial stands alone.
+        self._wait_for_signals()
+        try:
+            self.applier.apply(inc.params, None)
+            m = self._measure()
+        except (ApplyFailed, TrialPruned) as exc:
+            log.warning("the incumbent (trial %d) failed its re-measurement: %s", inc.trial, exc)
+            self.study.incumbent = None
+            self._restore()
+            if isinstance(exc, TrialPruned):
+                self._cool_down()
+            return None
+        outcome = score(self.goal, m, self.study.slo)
+        self.study.record(inc.params, outcome, kind=KIND_REMEASURE, source="remeasure",
+                          attrs={"remeasureOf": inc.trial})
+        if not outcome.feasible:
             self.study.incumbent = None
             return None
-        if not all(c <= 0 for c in frozen.constraints.values()):
-            self.study.incumbent = None
-            return None
-        fresh = Incumbent(inc.params, frozen.value, m.request_rate, number)
+        fresh = Incumbent(inc.params, outcome.value, m.request_rate, inc.trial)
         self.study.incumbent = fresh
         return fresh
 

@@ -166,13 +166,25 @@ class TunerStudy:
         self._open[trial.number] = trial
         return trial.number, params
 
-    def ask_remeasure(self, incumbent: Incumbent) -> tuple[int, EngineParams]:
-        """A trial that measures the incumbent again (after load drift)."""
-        self.study.enqueue_trial(
-            self.space.raw_params(incumbent.params),
-            user_attrs={ATTR_SOURCE: "remeasure", ATTR_KIND: KIND_REMEASURE, ATTR_REMEASURE_OF: incumbent.trial},
+    def record(self, params: EngineParams, outcome: Outcome, *, kind: str, source: str,
+               attrs: dict[str, Any] | None = None) -> FrozenTrial:
+        """Add an already measured config as a finished trial (used for re-measuring the incumbent:
+        it must not pop whatever else is queued, and a crash mid-way loses nothing worth keeping)."""
+        ref = next((t for t in self.study.get_trials(deepcopy=False) if t.distributions), None)
+        if ref is None:
+            raise RuntimeError("record() needs a trial that already drew the space's distributions")
+        raw = self.space.raw_params(params)
+        user_attrs = {ATTR_ENGINE: params.as_spec(), ATTR_KIND: kind, ATTR_SOURCE: source,
+                      ATTR_REASON: outcome.reason, ATTR_MESSAGE: outcome.message, **(attrs or {})}
+        if outcome.measurement is not None:
+            user_attrs[ATTR_MEASUREMENT] = outcome.measurement.as_dict()
+        system_attrs = {f"constraints:{CONSTRAINT_NAMES[0]}": float(outcome.constraints[0])}
+        trial = optuna.trial.create_trial(
+            params=raw, distributions={k: ref.distributions[k] for k in raw}, value=outcome.value,
+            user_attrs=user_attrs, system_attrs=system_attrs,
         )
-        return self.ask()
+        self.study.add_trial(trial)
+        return self.study.get_trials(deepcopy=False)[-1]
 
     def _trial(self, number: int) -> optuna.Trial:
         if number in self._open:

@@ -107,6 +107,8 @@ def test_load_drift_remeasures_the_incumbent_before_comparing() -> None:
     world = World(engine=START, load=lambda t: 4.0 if t < 500 else 8.0)
     tuner, _ = _tuner(world)
     tuner.study.enqueue(EngineParams(1024, 0.85, 128), "second")
+    queued = EngineParams(4096, 0.90, 512)
+    tuner.study.enqueue(queued, "queued")  # still waiting when the re-measure happens: must stay queued
     n0, p0 = tuner.study.ask()
     tuner.run_trial(n0, p0)
     first = tuner.study.incumbent
@@ -119,8 +121,9 @@ def test_load_drift_remeasures_the_incumbent_before_comparing() -> None:
     assert tuner.study.engine_of(remeasured) == START
     inc = tuner.study.incumbent
     assert inc is not None and inc.request_rate == 8.0
-    # Remeasures don't spend the trial budget.
+    # Remeasures don't spend the trial budget, and leave the queue alone.
     assert tuner.study.finished_count() == 2
+    assert tuner.study.ask()[1] == queued
 
 
 def test_steady_load_never_remeasures() -> None:
