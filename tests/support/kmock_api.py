@@ -79,6 +79,8 @@ class KvpilotEmulator(kmock.KubernetesEmulator):
     timed_calls: list[tuple[float, str, str, str | None]] = attrs.field(factory=list)
     # Requests being dispatched right now; see __iter__.
     _dispatching: list[Any] = attrs.field(factory=list)
+    _namespaces: set[str] = attrs.field(factory=lambda: {"default"})
+    _namespace_watchers: list[asyncio.Queue[dict[str, Any]]] = attrs.field(factory=list)
     _rv: int = attrs.field(default=0)
 
     def _next_rv(self) -> str:
@@ -94,19 +96,11 @@ class KvpilotEmulator(kmock.KubernetesEmulator):
     async def __call__(self, raw_request: Any) -> Any:
         self.calls.append((raw_request.method, raw_request.path))
         # Quirk 2: namespaces are cluster-scoped; KMock's path parser reads /namespaces/NAME as a
-        # namespaced prefix and fails.  Namespaces are not stored here: every name exists.
+        # namespaced prefix and fails.  Namespaces are not stored: every namespace an object was
+        # created in exists, and "default".  kopf lists and watches them in --namespace mode.
         match = _NAMESPACES_PATH.match(raw_request.path)
-        if match and raw_request.method == "GET" and raw_request.query.get("watch") != "true":
-            import aiohttp.web
-
-            name = match.group("name")
-            ns = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name or "default"},
-                  "status": {"phase": "Active"}}
-            if name:
-                return aiohttp.web.json_response(ns)
-            listing = {"apiVersion": "v1", "kind": "NamespaceList",
-                       "metadata": {"resourceVersion": str(self._rv)}, "items": [ns]}
-            return aiohttp.web.json_response(listing)
+        if match and raw_request.method == "GET":
+            return await self._serve_namespaces(raw_request, match.group("name"))
         return await super().__call__(raw_request)
 
     def __iter__(self) -> Any:
@@ -115,6 +109,44 @@ class KvpilotEmulator(kmock.KubernetesEmulator):
         # a few thousand.  The dispatch check only needs the requests in flight, so that is all the
         # root view yields (`calls` keeps the history the tests read).
         yield from list(self._dispatching)
+
+    @staticmethod
+    def _namespace(name: str) -> dict[str, Any]:
+        return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "uid": f"ns-{name}",
+                "resourceVersion": "1"}, "status": {"phase": "Active"}}
+
+    def _note_namespace(self, name: str | None) -> None:
+        if name and name not in self._namespaces:
+            self._namespaces.add(name)
+            for queue in self._namespace_watchers:
+                queue.put_nowait({"type": "ADDED", "object": self._namespace(name)})
+
+    async def _serve_namespaces(self, raw_request: Any, name: str | None) -> Any:
+        import aiohttp.web
+
+        if name:
+            if name not in self._namespaces:
+                return aiohttp.web.json_response({"apiVersion": "v1", "kind": "Status", "status": "Failure",
+                                                  "code": 404, "reason": "NotFound"}, status=404)
+            return aiohttp.web.json_response(self._namespace(name))
+        if raw_request.query.get("watch") != "true":
+            return aiohttp.web.json_response({
+                "apiVersion": "v1", "kind": "NamespaceList", "metadata": {"resourceVersion": str(self._rv)},
+                "items": [self._namespace(n) for n in sorted(self._namespaces)]})
+        response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(raw_request)
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        for known in sorted(self._namespaces):
+            queue.put_nowait({"type": "ADDED", "object": self._namespace(known)})
+        self._namespace_watchers.append(queue)
+        try:
+            while True:
+                await response.write(json.dumps(await queue.get()).encode() + b"\n")
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            self._namespace_watchers.remove(queue)
+        return response
 
     async def _handle(self, request: Any) -> Any:
         self._dispatching.append(request)
@@ -147,6 +179,7 @@ class KvpilotEmulator(kmock.KubernetesEmulator):
             meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
         if request.namespace and not meta.get("namespace"):
             meta["namespace"] = request.namespace
+        self._note_namespace(meta.get("namespace"))
         meta.setdefault("uid", str(uuid.uuid4()))
         meta.setdefault("creationTimestamp", _now())
         meta["resourceVersion"] = self._next_rv()

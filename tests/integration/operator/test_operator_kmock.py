@@ -295,3 +295,35 @@ def test_monitoring_objects_when_the_cluster_serves_the_crds(tmp_path: Path) -> 
         wait_for(lambda: mon_api.get_isvc(NS, "watched").get("status", {}).get("observedGeneration") == 1,
                  what="status")
         assert not [e for e in mon_api.events(NS) if e.get("reason") == "MonitoringSkipped"]
+
+
+def test_a_restarted_operator_keeps_the_rollback_and_its_namespaces(tmp_path: Path) -> None:
+    """After a rollback, a restart (kopf resumes every object) must not re-apply the failed engine;
+    an operator scoped with --namespace leaves other namespaces alone."""
+    with KMockAPI() as api2:
+        with kopf_operator(api2, tmp_path, "--namespace", NS):
+            api2.create_isvc(make("phoenix", replicas=1))
+            wait_for(lambda: api2.get_or_none(dep_path("phoenix")), what="phoenix's Deployment")
+            write_deployment_status(api2, "phoenix", replicas=1, updatedReplicas=1, readyReplicas=1,
+                                    availableReplicas=1)
+            wait_for(lambda: isvc(api2, "phoenix")["status"].get("lastGoodEngine"), what="lastGoodEngine")
+            api2.patch(api2.isvc_path(NS, "phoenix"), {"spec": {"engine": {"maxNumSeqs": 512}}})
+            wait_for(lambda: engine_arg(api2.get(dep_path("phoenix")), "--max-num-seqs") == "512",
+                     what="the 512 template")
+            wait_for(lambda: isvc(api2, "phoenix")["status"]["observedGeneration"] == 2, what="generation 2")
+            write_deployment_status(api2, "phoenix", replicas=2, updatedReplicas=1, readyReplicas=1,
+                                    conditions=[{"type": "Progressing", "status": "False",
+                                                 "reason": "ProgressDeadlineExceeded", "message": "timed out"}])
+            wait_for(lambda: condition(isvc(api2, "phoenix"), "Degraded").get("reason") == "RolledBack",
+                     what="RolledBack")
+            api2.create_isvc(make("elsewhere", namespace="other-team", replicas=1))
+        with kopf_operator(api2, tmp_path, "--namespace", NS) as again:
+            # kopf resumes every object at start; once that is done the Deployment must keep the good engine.
+            wait_for(lambda: any(r["message"].startswith("Resuming is processed: 1 succeeded")
+                                 and r.get("object", {}).get("name") == "phoenix"
+                                 for r in map(json.loads, again.log().splitlines())),
+                     what="the resumed reconcile of phoenix")
+            assert engine_arg(api2.get(dep_path("phoenix")), "--max-num-seqs") == "256"
+            assert condition(isvc(api2, "phoenix"), "Degraded").get("reason") == "RolledBack"
+        assert api2.get_or_none(dep_path("elsewhere", "other-team")) is None
+        assert "status" not in api2.get_isvc("other-team", "elsewhere")
