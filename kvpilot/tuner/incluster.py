@@ -20,7 +20,7 @@ import signal
 import threading
 import time
 from argparse import Namespace
-from typing import Any
+from typing import Any, cast
 
 from kvpilot.tuner.core.loop import LiveSettings, LiveTuner
 from kvpilot.tuner.core.objective import SLO, Goal
@@ -159,11 +159,13 @@ def run_tuner(args: Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     log.info("kvpilot tuner: watching InferenceServices in %s", args.namespace or "all namespaces")
     while not stopping.is_set():
+        items: list[dict[str, Any]] | None
         try:
             if args.namespace:
-                items = custom.list_namespaced_custom_object(GROUP, VERSION, args.namespace, PLURAL)["items"]
+                listing = custom.list_namespaced_custom_object(GROUP, VERSION, args.namespace, PLURAL)
             else:
-                items = custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]
+                listing = custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)
+            items = list(cast(dict[str, Any], listing)["items"])
         except Exception as exc:
             log.warning("listing InferenceServices failed: %s", exc)
             items = None

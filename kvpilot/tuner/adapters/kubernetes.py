@@ -19,7 +19,7 @@ import datetime
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, cast
 
 from kvpilot.tuner.core.loop import ApplyFailed, Observer
 from kvpilot.tuner.core.objective import Outcome
@@ -70,7 +70,8 @@ class KubernetesApplier:
         self.timeout_s, self.poll_s = timeout_s, poll_s
 
     def get(self) -> dict[str, Any]:
-        return dict(self.api.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name))
+        return cast(dict[str, Any], self.api.get_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, PLURAL, self.name))
 
     def current(self) -> EngineParams:
         engine = dict(_DEFAULTS)
@@ -89,10 +90,10 @@ class KubernetesApplier:
         from kubernetes.client.exceptions import ApiException
 
         try:
-            obj = self.api.patch_namespaced_custom_object(
+            obj = cast(dict[str, Any], self.api.patch_namespaced_custom_object(
                 GROUP, VERSION, self.namespace, PLURAL, self.name, self.body(params, trial),
                 field_manager=FIELD_MANAGER, force=True, _content_type="application/apply-patch+yaml",
-            )
+            ))
         except ApiException as exc:
             if exc.status == 422:  # the API (or its admission) refused the config
                 raise ApplyFailed("Invalid", f"{exc.reason}: {exc.body}"[:300]) from None
@@ -141,7 +142,8 @@ class KubeStatusObserver(Observer):
     def _event(self, type_: str, reason: str, message: str) -> None:
         from kubernetes import client
 
-        obj = self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name)
+        obj = cast(dict[str, Any], self.custom.get_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, PLURAL, self.name))
         now = datetime.datetime.now(datetime.UTC)
         ev = client.CoreV1Event(
             metadata=client.V1ObjectMeta(name=f"{self.name}.{uuid.uuid4().hex[:12]}", namespace=self.namespace),

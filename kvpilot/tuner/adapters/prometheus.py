@@ -31,7 +31,7 @@ def parse_selector(text: str) -> Selector:
         for op in ("=~", "!~", "!=", "="):
             name, sep, value = part.partition(op)
             if sep:
-                ms.append(Matcher(name.strip(), value.strip().strip('"'), op))  # type: ignore[arg-type]
+                ms.append(Matcher(name.strip(), value.strip().strip('"'), op))
                 break
         else:
             raise ValueError(f"--selector: expected name=\"value\", got {part!r}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 
 class Goal(StrEnum):
@@ -26,7 +26,7 @@ class Goal(StrEnum):
     CAPACITY = "capacity"
 
     @property
-    def direction(self) -> str:
+    def direction(self) -> Literal["minimize", "maximize"]:
         return "minimize" if self is Goal.LATENCY else "maximize"
 
 
@@ -82,7 +82,7 @@ class Measurement:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Measurement:
-        known = {k: d.get(k) for k in cls.__dataclass_fields__ if k in d}
+        known: dict[str, Any] = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
         return cls(**known)
 
 

@@ -40,7 +40,7 @@ def top_configs(study: TunerStudy, k: int) -> list[tuple[EngineParams, float]]:
     seen: set[EngineParams] = set()
     ranked = sorted(
         (t for t in study.feasible() if t.value is not None),
-        key=lambda t: t.value if study.goal.direction == "minimize" else -(t.value or 0.0),
+        key=lambda t: (t.value or 0.0) if study.goal.direction == "minimize" else -(t.value or 0.0),
     )
     out: list[tuple[EngineParams, float]] = []
     for t in ranked:
