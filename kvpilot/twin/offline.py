@@ -164,7 +164,6 @@ def simulate(
     bs = config.block_size
     run = engine._run_step
     usable = sched.usable_blocks or 1
-    evictable = sched.evictable
     # Indexed by engine step; steps count from 1, so index 0 is a placeholder.
     starts: list[float] = [0.0]
     ends: list[float] = [0.0]
@@ -200,7 +199,7 @@ def simulate(
         tokens_total += tokens
         if g:
             gaps.extend(g)
-        u = 1.0 - (sched.free + len(evictable)) / usable
+        u = 1.0 - sched.num_free / usable
         usage_area += u * duration
         if u > usage_max:
             usage_max = u

@@ -20,9 +20,15 @@ One `schedule()` per engine step, as vLLM does it (see ../shared/notes/toolchain
 Every request whose tokens are all computed after the step samples one token.  A partial
 prefill samples nothing.  The pool keeps one block back (vLLM's null block).
 
-Prefix caching: a request may name a shared prefix (`prefix_key`, `prefix_tokens`); the full
-blocks of that prefix are cached once computed and reused by later requests with the same key,
-evicted least-recently-freed first when the pool runs short.
+Free blocks wait in one queue, least recently freed first, as vLLM's free block queue: a
+request's blocks are freed tail first, and new blocks are taken from the head, evicting what a
+cached block held.  Prefix caching: a request may name a shared prefix (`prefix_key`,
+`prefix_tokens`); the full blocks of that prefix are cached once computed and reused by later
+requests with the same key while they have not been evicted.  As in vLLM, a preempted request's
+computed full blocks stay cached too, so when it is admitted again it recomputes only what was
+evicted meanwhile.  Blocks nobody can hit again (a finished request's own blocks) sit in the
+queue as anonymous runs: their position in the queue still decides when cached blocks behind
+them are evicted.
 
 This module holds no time: the engine prices each step with the step-time model.
 """
@@ -30,6 +36,7 @@ This module holds no time: the engine prices each step with the step-time model.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from itertools import count
 
 WAITING, RUNNING, FINISHED = 0, 1, 2
 
@@ -108,9 +115,15 @@ class Scheduler:
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.prefill_schedule_interval = max(1, prefill_schedule_interval)
         self.usable_blocks = max(0, num_gpu_blocks - 1)  # one null block
-        self.free = self.usable_blocks  # blocks holding nothing
-        self.cache: dict[tuple[str | None, int], int] = {}  # prefix block -> reference count
-        self.evictable: OrderedDict[tuple[str | None, int], None] = OrderedDict()  # cached, unreferenced
+        # vLLM's free block queue, least recently freed first.  A key is either a cached block,
+        # (prefix key, block index), standing for one block, or an int naming a run of blocks
+        # whose content nobody can hit; the value is how many blocks the entry stands for.
+        self.queue: OrderedDict[tuple[str | None, int] | int, int] = OrderedDict()
+        self._run_ids = count()
+        self.num_free = 0  # blocks in the queue
+        self._free_run(self.usable_blocks)
+        # Cached blocks -> reference count (0: unreferenced, in the queue, evictable).
+        self.cache: dict[tuple[str | None, int], int] = {}
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
@@ -120,53 +133,102 @@ class Scheduler:
 
     # -- block pool -----------------------------------------------------------------------
     def num_free_blocks(self) -> int:
-        return self.free + len(self.evictable)
+        return self.num_free
 
     def kv_cache_usage(self) -> float:
         if not self.usable_blocks:
             return 0.0
-        return 1.0 - (self.free + len(self.evictable)) / self.usable_blocks
+        return 1.0 - self.num_free / self.usable_blocks
+
+    def num_evictable(self) -> int:
+        """Cached blocks no running request holds (free, but a later request could hit them)."""
+        return sum(1 for c in self.cache.values() if c == 0)
+
+    def _free_run(self, n: int) -> None:
+        """Append n blocks that hold nothing reusable to the free queue."""
+        if n > 0:
+            self.queue[next(self._run_ids)] = n
+            self.num_free += n
 
     def _take(self, n: int) -> None:
-        """Take n blocks, evicting cached prefix blocks (least recently freed) when needed."""
-        if n <= self.free:
-            self.free -= n
-            return
-        n -= self.free
-        self.free = 0
-        ev, cache = self.evictable, self.cache
-        for _ in range(n):
-            key, _none = ev.popitem(last=False)
-            del cache[key]
+        """Take n blocks from the head of the free queue, evicting the cached blocks taken."""
+        self.num_free -= n
+        q = self.queue
+        while n:
+            head = next(iter(q))
+            c = q[head]
+            if c > n:
+                q[head] = c - n
+                return
+            del q[head]
+            n -= c
+            if head.__class__ is tuple:
+                del self.cache[head]
 
-    def _release(self, req: Request) -> None:
-        shared = req.shared
-        self.free += req.num_blocks - shared
-        if shared:
-            # Tail blocks first, as vLLM frees them, so eviction eats a prefix from its end and
-            # the blocks that later requests can still hit survive longest.
-            cache, ev, key = self.cache, self.evictable, req.prefix_key
-            for i in range(shared - 1, -1, -1):
-                k = (key, i)
-                c = cache[k] - 1
-                cache[k] = c
-                if c == 0:
-                    ev[k] = None
+    @staticmethod
+    def _own_key(req: Request) -> str:
+        """The cache key of a request's own (non-shared) blocks: no other request has it."""
+        return "\x00" + req.request_id
+
+    def _block_key(self, req: Request, i: int) -> tuple[str | None, int]:
+        return (req.prefix_key, i) if i < req.prefix_blocks else (self._own_key(req), i)
+
+    def _release(self, req: Request, keep: bool = False) -> None:
+        """Give the request's blocks back, tail first as vLLM frees them, so eviction eats a
+        request's blocks from their end and the leading ones, which later lookups hit, last.
+        `keep` (a preempted request, prefix caching on): its computed full blocks stay cached
+        under the request's own key for its recompute."""
+        shared, nb, pb = req.shared, req.num_blocks, req.prefix_blocks
+        q, cache = self.queue, self.cache
+        if keep:
+            full = max(min(nb, req.num_computed // self.block_size), shared)
+            self._free_run(nb - full)  # the partial last block and blocks allocated ahead
+            own_from = max(shared, min(pb, full))
+            own = self._own_key(req)
+            for j in range(full - 1, own_from - 1, -1):
+                ok: tuple[str | None, int] = (own, j)
+                if ok in cache:  # a stale copy from an earlier preemption is still cached
+                    self._free_run(1)
+                else:
+                    cache[ok] = 0
+                    q[ok] = 1
+                    self.num_free += 1
+            self._free_run(own_from - shared)  # private copies of prefix blocks another request cached
+        else:
+            self._free_run(nb - shared)
+        for i in range(shared - 1, -1, -1):
+            k = self._block_key(req, i)
+            c = cache[k] - 1
+            cache[k] = c
+            if c == 0:
+                q[k] = 1
+                self.num_free += 1
         req.num_blocks = 0
         req.shared = 0
 
     def _prefix_hits(self, req: Request) -> tuple[int, int]:
-        """(leading prefix blocks in the cache, how many of them are unreferenced now)."""
+        """(leading blocks of the request in the cache, how many of them are unreferenced now):
+        the shared prefix, then, for a preempted request, its own blocks kept cached."""
         cache, key = self.cache, req.prefix_key
-        limit = min(req.prefix_blocks, (req.num_tokens - 1) // self.block_size)  # compute >= 1 token
+        limit = (req.num_tokens - 1) // self.block_size  # compute >= 1 token
+        pb = min(req.prefix_blocks, limit)
         hits = idle = 0
-        while hits < limit:
+        while hits < pb:
             c = cache.get((key, hits))
             if c is None:
-                break
+                return hits, idle
             if c == 0:
                 idle += 1
             hits += 1
+        if req.num_preemptions and hits == req.prefix_blocks:
+            own = self._own_key(req)
+            while hits < limit:
+                c = cache.get((own, hits))
+                if c is None:
+                    break
+                if c == 0:
+                    idle += 1
+                hits += 1
         return hits, idle
 
     def _register(self, req: Request, upto_tokens: int) -> None:
@@ -200,7 +262,7 @@ class Scheduler:
         return req
 
     def _preempt(self, req: Request) -> None:
-        self._release(req)
+        self._release(req, keep=self.enable_prefix_caching)
         req.num_computed = 0
         req.status = WAITING
         req.num_preemptions += 1
@@ -216,7 +278,7 @@ class Scheduler:
         need = (total + bs - 1) // bs - req.num_blocks
         running = self.running
         preempted = 0
-        while need > self.free + len(self.evictable):
+        while need > self.num_free:
             victim = running.pop()
             self._preempt(victim)
             preempted += 1
@@ -329,7 +391,7 @@ class Scheduler:
             while waiting and budget > 0 and len(running) < max_seqs:
                 req = waiting[0]
                 hits = idle = 0
-                if prefix and req.prefix_key is not None:
+                if prefix and (req.prefix_key is not None or req.num_preemptions):
                     hits, idle = self._prefix_hits(req)
                 computed = hits * bs
                 num_tokens = req.num_tokens
@@ -341,7 +403,7 @@ class Scheduler:
                 total = computed + n
                 # vLLM applies the watermark only while some request runs: an idle engine
                 # admits whatever fits, or a prompt longer than (pool - watermark) never starts.
-                free = self.free + len(self.evictable) - idle - (wm if running else 0)
+                free = self.num_free - idle - (wm if running else 0)
                 need = (total + bs - 1) // bs - hits
                 if self.reserve_full_isl:
                     if (num_tokens + bs - 1) // bs - hits > free:
@@ -350,16 +412,19 @@ class Scheduler:
                     break
                 waiting.popleft()
                 if hits:
-                    cache, ev, key = self.cache, self.evictable, req.prefix_key
+                    cache, q = self.cache, self.queue
                     for j in range(hits):
-                        kk = (key, j)
+                        kk = self._block_key(req, j)
                         c = cache[kk]
                         if c == 0:
-                            del ev[kk]
+                            del q[kk]
                         cache[kk] = c + 1
-                    self.prefix_hit_tokens += computed
-                if req.prefix_key is not None:
+                    self.num_free -= idle
+                if prefix and not req.num_preemptions:
+                    # vLLM's prefix-cache stats count every new request's lookup (a preempted
+                    # request's second lookup is recorded apart).
                     self.prefix_query_tokens += num_tokens
+                    self.prefix_hit_tokens += computed
                 req.shared = hits
                 req.num_blocks = hits
                 self._take(need)
@@ -399,13 +464,22 @@ class Scheduler:
         held_private = sum(r.num_blocks - r.shared for r in self.running)
         for r in self.waiting:
             assert r.num_blocks == 0, f"waiting request {r.request_id} holds blocks"
-        used = held_private + len(self.cache)
-        assert self.free >= 0 and used + self.free == self.usable_blocks, (used, self.free, self.usable_blocks)
+        referenced = sum(1 for c in self.cache.values() if c > 0)
+        queued = sum(self.queue.values())
+        assert queued == self.num_free >= 0, (queued, self.num_free)
+        assert all(c > 0 for c in self.queue.values())
+        used = held_private + referenced
+        assert used + self.num_free == self.usable_blocks, (used, self.num_free, self.usable_blocks)
         assert len(self.running) <= self.max_num_seqs
         refs: dict[tuple[str | None, int], int] = {}
         for r in self.running:
             for j in range(r.shared):
-                refs[(r.prefix_key, j)] = refs.get((r.prefix_key, j), 0) + 1
+                k = self._block_key(r, j)
+                refs[k] = refs.get(k, 0) + 1
         for k, c in self.cache.items():
             assert refs.get(k, 0) == c, (k, c, refs.get(k, 0))
-            assert (c == 0) == (k in self.evictable)
+            assert (c == 0) == (k in self.queue), k
+            if c == 0:
+                assert self.queue[k] == 1
+        for qk in self.queue:
+            assert isinstance(qk, int) or qk in self.cache, qk

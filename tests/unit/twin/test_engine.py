@@ -160,7 +160,7 @@ def test_unreferenced_prefix_blocks_are_evicted_when_the_pool_runs_short() -> No
     e = engine(blocks=40, max_num_batched_tokens=1024, max_num_seqs=8, max_model_len=600)
     e.add_request("a", 200, 1, prefix_key="sys", prefix_tokens=160)  # caches 10 prefix blocks
     drain(e)
-    assert len(e.scheduler.cache) == 10 and len(e.scheduler.evictable) == 10
+    assert len(e.scheduler.cache) == 10 and e.scheduler.num_evictable() == 10
     e.add_request("big", 560, 1)  # needs 35 of the 39 usable blocks: evicts 6 cached ones
     drain(e)
     e.scheduler.check_invariants()
@@ -215,4 +215,48 @@ def test_watermark_holds_blocks_back_only_while_requests_run() -> None:
     out = e.step()
     assert "next" not in {o.request_id for o in out.outputs} and out.num_waiting == 1
     drain(e)
+    e.scheduler.check_invariants()
+
+
+def _preempt_then_readmit(enable_prefix_caching: bool) -> tuple[int, int]:
+    """A (160-token prompt) and B (144) fill 19 of 20 usable blocks; A's first decode block
+    preempts B.  Returns (preemptions, tokens B is scheduled when admitted again)."""
+    e = engine(blocks=21, max_num_batched_tokens=512, max_num_seqs=8, max_model_len=320,
+               enable_prefix_caching=enable_prefix_caching)
+    e.add_request("A", 160, 20)
+    e.add_request("B", 144, 5)
+    assert {o.request_id for o in e.step().outputs} == {"A", "B"}
+    out = e.step()
+    assert out.num_preemptions == 1 and [o.request_id for o in out.outputs] == ["A"]
+    while True:
+        e.scheduler.check_invariants()
+        out = e.step()
+        if any(o.request_id == "B" for o in out.outputs):
+            drain(e)
+            e.scheduler.check_invariants()
+            return e.scheduler.num_preemptions_total, out.num_scheduled_tokens
+
+
+def test_a_preempted_request_recomputes_only_its_evicted_blocks() -> None:
+    # vLLM keeps a preempted request's computed full blocks in the prefix cache (freed tail
+    # first); A's growth to 12 blocks evicts B's last block, so B re-hits 8 blocks (128 tokens)
+    # and recomputes 145 - 128 = 17 tokens (its prompt and its first output token).
+    assert _preempt_then_readmit(True) == (1, 17)
+    # Without prefix caching it recomputes everything.
+    assert _preempt_then_readmit(False) == (1, 145)
+
+
+def test_cached_prefix_blocks_age_in_the_same_queue_as_every_freed_block() -> None:
+    # vLLM's free queue is least-recently-freed first over all blocks: a prefix cached long ago
+    # is evicted before blocks freed after it, even blocks nobody can hit again.
+    e = engine(blocks=41, max_num_batched_tokens=1024, max_num_seqs=8, max_model_len=600)
+    e.add_request("old", 160, 1, prefix_key="sys", prefix_tokens=160)  # caches 10 prefix blocks
+    drain(e)
+    e.add_request("filler", 480, 1)  # 30 blocks: the 30 never-used ones, then freed after "old"
+    drain(e)
+    e.add_request("big", 400, 1)  # 25 blocks: the 10 of the prefix go first, then 15 of filler's
+    drain(e)
+    assert len(e.scheduler.cache) == 0
+    e.add_request("again", 160, 1, prefix_key="sys", prefix_tokens=160)
+    assert e.step().num_scheduled_tokens == 160  # nothing left to hit
     e.scheduler.check_invariants()
