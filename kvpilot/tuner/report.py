@@ -10,6 +10,7 @@ import base64
 import html
 import io
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,9 @@ def _importances(ax: Any, st: TunerStudy) -> None:
 
         # PED-ANOVA ranks what drives LOW target values: flip a maximised objective.
         sign = -1.0 if st.goal.direction == "maximize" else 1.0
-        imp = optuna.importance.get_param_importances(st.study, target=lambda t: sign * (t.value or 0.0))
+        with warnings.catch_warnings():  # it warns about the direction we have just taken care of
+            warnings.simplefilter("ignore", UserWarning)
+            imp = optuna.importance.get_param_importances(st.study, target=lambda t: sign * (t.value or 0.0))
     except Exception as exc:  # too few trials, or one param constant: say so on the panel
         ax.text(0.5, 0.5, f"importances unavailable:\n{exc}", ha="center", va="center", fontsize=8, wrap=True)
         ax.set_axis_off()
