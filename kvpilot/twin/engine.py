@@ -15,6 +15,8 @@ Interface (stable; the HTTP server and the offline runner both drive it):
         out.num_running, out.num_waiting, out.kv_cache_usage (0..1),
         out.num_preemptions            #   in this step
         out.num_scheduled_tokens
+        out.num_prefix_queries, out.num_prefix_hits   # prompt tokens looked up / found in the
+                                                     # prefix cache this step (vLLM's counters)
     RequestOutput: request_id, new_token_count (0 or 1), finished, finish_reason ('length' or None),
                    num_prompt_tokens, num_computed_prompt_tokens
 
@@ -180,6 +182,8 @@ class StepOutput:
     kv_cache_usage: float
     num_preemptions: int
     num_scheduled_tokens: int
+    num_prefix_queries: int = 0
+    num_prefix_hits: int = 0
 
 
 class Engine:
@@ -256,6 +260,8 @@ class Engine:
         return duration, scheduled, finished, preempted, tokens, steady, gaps
 
     def step(self) -> StepOutput:
+        s = self.scheduler
+        queries, hits = s.prefix_query_tokens, s.prefix_hit_tokens
         duration, scheduled, _finished, preempted, tokens, _steady, _gaps = self._run_step()
         outputs = []
         for req in scheduled:
@@ -264,5 +270,5 @@ class Engine:
                 req.request_id, 1 if sampled else 0, req.finish_reason is not None,
                 req.finish_reason, req.prompt_tokens, min(req.num_computed, req.prompt_tokens),
             ))
-        s = self.scheduler
-        return StepOutput(duration, outputs, len(s.running), len(s.waiting), s.kv_cache_usage(), preempted, tokens)
+        return StepOutput(duration, outputs, len(s.running), len(s.waiting), s.kv_cache_usage(), preempted, tokens,
+                          s.prefix_query_tokens - queries, s.prefix_hit_tokens - hits)

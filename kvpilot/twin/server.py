@@ -259,7 +259,9 @@ class EngineLoop:
         self.metrics.record_step(
             num_running=int(out.num_running), num_waiting=int(out.num_waiting),
             kv_cache_usage=float(out.kv_cache_usage), num_preemptions=int(out.num_preemptions),
-            num_prompt_tokens=prompt_tokens_done, num_generation_tokens=generation_tokens)
+            num_prompt_tokens=prompt_tokens_done, num_generation_tokens=generation_tokens,
+            prefix_queries=int(getattr(out, "num_prefix_queries", 0)),
+            prefix_hits=int(getattr(out, "num_prefix_hits", 0)))
 
     def _finish(self, tr: Tracked, reason: str, now: float) -> None:
         tr.done = True

@@ -177,3 +177,26 @@ def test_api_key_guards_the_openai_routes_only():
 
     assert run_with_server(body, server) == {"none": 401, "wrong": 401, "right": 200, "health": 200,
                                              "metrics": 200}
+
+
+def test_prefix_cache_counters_count_a_shared_system_prompt():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    system = " ".join(["You are a careful assistant who answers in short sentences."] * 20)
+
+    async def body(srv, session, url):
+        for question in ("first question", "second question"):
+            async with session.post(url + "/v1/chat/completions", json={
+                    "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+                    "max_tokens": 2, "ignore_eos": True}) as resp:
+                assert resp.status == 200
+                usage = (await resp.json())["usage"]
+        async with session.get(url + "/metrics") as resp:
+            return usage["prompt_tokens"], await resp.text()
+
+    prompt_tokens, exposition = run_with_server(body)
+    samples = {s.name: s.value for f in text_string_to_metric_families(exposition) for s in f.samples}
+    queries, hits = samples["vllm:prefix_cache_queries_total"], samples["vllm:prefix_cache_hits_total"]
+    assert queries >= 2 * prompt_tokens - 10  # both lookups (the prompts differ by a word or two)
+    assert 0 < hits < prompt_tokens  # the second request found the system prompt's full blocks
+    assert hits % 16 == 0
