@@ -51,24 +51,26 @@ def human_int(text: str) -> int:
     return int(result)
 
 
-def _fraction(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 < v <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text} is outside (0, 1]")
-    return v
+def _float_in(low: float, high: float, *, low_open: bool, high_open: bool) -> Any:
+    """An argparse type: a float in the interval, else a usage error that names the interval."""
+    shown = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        above = v > low if low_open else v >= low
+        below = v < high if high_open else v <= high
+        if not (above and below):
+            raise argparse.ArgumentTypeError(f"{text} is outside {shown}")
+        return v
+
+    return parse
 
 
-def _watermark(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 <= v < 1.0:
-        raise argparse.ArgumentTypeError(f"{text} is outside [0, 1)")
-    return v
+_fraction = _float_in(0.0, 1.0, low_open=True, high_open=False)  # --gpu-memory-utilization
+_watermark = _float_in(0.0, 1.0, low_open=False, high_open=True)
 
 
 def _positive(text: str) -> int:
