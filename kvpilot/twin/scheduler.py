@@ -48,7 +48,7 @@ class Request:
         "request_id", "prompt_tokens", "max_tokens", "arrival_time", "num_computed", "num_tokens",
         "num_output", "num_blocks", "status", "prefix_key", "prefix_blocks", "shared", "register_ok",
         "num_preemptions", "sched", "finish_reason", "step_scheduled", "step_first_token",
-        "step_last_token", "user",
+        "step_last_token", "user", "own_key",
     )
 
     def __init__(self, request_id: str, prompt_tokens: int, max_tokens: int, arrival_time: float,
@@ -75,6 +75,7 @@ class Request:
         self.step_first_token = -1
         self.step_last_token = -1
         self.user: object = None  # free slot for the driver (offline runner bookkeeping)
+        self.own_key = ""  # cache key of its own blocks, unique per scheduler (set by Scheduler.add)
 
 
 def _sample(req: Request, k: int, finished: list[Request], gaps: list[tuple[int, int]]) -> int:
@@ -120,6 +121,7 @@ class Scheduler:
         # whose content nobody can hit; the value is how many blocks the entry stands for.
         self.queue: OrderedDict[tuple[str | None, int] | int, int] = OrderedDict()
         self._run_ids = count()
+        self._own_ids = count()
         self.num_free = 0  # blocks in the queue
         self._free_run(self.usable_blocks)
         # Cached blocks -> reference count (0: unreferenced, in the queue, evictable).
@@ -165,13 +167,8 @@ class Scheduler:
             if head.__class__ is tuple:
                 del self.cache[head]
 
-    @staticmethod
-    def _own_key(req: Request) -> str:
-        """The cache key of a request's own (non-shared) blocks: no other request has it."""
-        return "\x00" + req.request_id
-
     def _block_key(self, req: Request, i: int) -> tuple[str | None, int]:
-        return (req.prefix_key, i) if i < req.prefix_blocks else (self._own_key(req), i)
+        return (req.prefix_key, i) if i < req.prefix_blocks else (req.own_key, i)
 
     def _release(self, req: Request, keep: bool = False) -> None:
         """Give the request's blocks back, tail first as vLLM frees them, so eviction eats a
@@ -184,7 +181,7 @@ class Scheduler:
             full = max(min(nb, req.num_computed // self.block_size), shared)
             self._free_run(nb - full)  # the partial last block and blocks allocated ahead
             own_from = max(shared, min(pb, full))
-            own = self._own_key(req)
+            own = req.own_key
             for j in range(full - 1, own_from - 1, -1):
                 ok: tuple[str | None, int] = (own, j)
                 if ok in cache:  # a stale copy from an earlier preemption is still cached
@@ -221,7 +218,7 @@ class Scheduler:
                 idle += 1
             hits += 1
         if req.num_preemptions and hits == req.prefix_blocks:
-            own = self._own_key(req)
+            own = req.own_key
             while hits < limit:
                 c = cache.get((own, hits))
                 if c is None:
@@ -245,6 +242,9 @@ class Scheduler:
 
     # -- requests ---------------------------------------------------------------------------
     def add(self, req: Request) -> None:
+        # Unique even when an id comes back after an abort: a new request must never hit the
+        # blocks an earlier one with the same id left cached.
+        req.own_key = f"\x00{next(self._own_ids)}"
         self.requests[req.request_id] = req
         self.waiting.append(req)
 

@@ -260,3 +260,23 @@ def test_cached_prefix_blocks_age_in_the_same_queue_as_every_freed_block() -> No
     e.add_request("again", 160, 1, prefix_key="sys", prefix_tokens=160)
     assert e.step().num_scheduled_tokens == 160  # nothing left to hit
     e.scheduler.check_invariants()
+
+
+def test_aborting_a_preempted_request_leaves_its_cached_blocks_evictable() -> None:
+    e = engine(blocks=21, max_num_batched_tokens=512, max_num_seqs=8, max_model_len=320)
+    e.add_request("A", 160, 20)
+    e.add_request("B", 144, 5)
+    e.step()
+    assert e.step().num_preemptions == 1  # B is back in the queue, its 9 blocks cached
+    assert [r.request_id for r in e.scheduler.waiting] == ["B"]
+    old_key = e.scheduler.waiting[0].own_key
+    e.abort_request("B")
+    e.scheduler.check_invariants()
+    assert not e.scheduler.waiting and e.scheduler.num_evictable() == 9
+    drain(e)  # A grows into B's old blocks, evicting them
+    e.scheduler.check_invariants()
+    assert e.scheduler.num_free_blocks() == e.scheduler.usable_blocks
+    e.add_request("B", 144, 5)  # the id is free again and starts from scratch
+    assert e.step().num_scheduled_tokens == 144
+    # A request that reuses an id never hits blocks its namesake left cached.
+    assert e.scheduler.running[0].own_key != old_key
