@@ -10,14 +10,15 @@ For each scenario (a model on a GPU, a workload, an SLO; `benchmarks/scenarios/*
 2. the capacity of vLLM's default config for that GPU;
 3. the median regret (1 - capacity found / grid optimum) over 5 seeds of the tuner (multivariate
    TPE, vLLM's defaults enqueued first) and of random search, 20 trials each, both searching the
-   grid's resolution (powers of two, 0.05 steps) so every trial is a grid point;
+   grid's resolution (powers of two, 0.05 steps) so every trial is a grid point; also the mean
+   regrets at 20 and at 10 trials, where a tighter budget separates the two;
 4. the honest warm start: a 20-trial tuner study on the nominal twin; its best 3 configs are
    enqueued into a study whose trials are measured on a perturbed twin (efficiency factors and
    overheads each off by up to 20%, standing in for real hardware); regret after 5 trials
-   against the perturbed twin's own grid optimum (median over 5 perturbation seeds... see
-   --warm-seeds).
+   against the perturbed twin's own grid optimum; median over the 5 sampler seeds and
+   `--warm-seeds` perturbations (each perturbation costs one more grid, so 1 by default).
 
-Capacities are cached on disk (benchmarks/.cache/, keyed by scenario and twin perturbation):
+Capacities are cached on disk (out/tuner-quality-cache/, by scenario and twin perturbation):
 the same config on the same scenario always gives the same capacity, so a rerun is instant and
 a killed run resumes.  Grid evaluation fans out over processes (--workers, default 2).
 """
@@ -45,7 +46,7 @@ from kvpilot.tuner.core.search import run_offline, top_configs  # noqa: E402
 from kvpilot.tuner.core.space import EngineParams, SearchSpace  # noqa: E402
 from kvpilot.tuner.core.study import TunerStudy  # noqa: E402
 
-CACHE = ROOT / ".cache"
+CACHE = ROOT.parent / "out" / "tuner-quality-cache"  # out/ is git-ignored
 GRID_SPACE = SearchSpace(scale="pow2", util_step=0.05)
 TRIALS = 20
 SEEDS = range(5)
@@ -106,7 +107,7 @@ class Table:
 
     def merge(self, results: dict[str, Any]) -> None:
         self.data.update(results)
-        CACHE.mkdir(exist_ok=True)
+        CACHE.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.data, indent=0, sort_keys=True))
         tmp.replace(self.path)
