@@ -75,9 +75,24 @@ def _key(p: EngineParams) -> str:
     return f"{p.max_num_batched_tokens}/{p.gpu_memory_utilization:.2f}/{p.max_num_seqs}"
 
 
+def twin_fingerprint() -> str:
+    """A hash of the twin's sources and the evaluator: a changed twin is never read from a stale cache."""
+    import hashlib
+
+    h = hashlib.sha256()
+    files = sorted((ROOT.parent / "kvpilot" / "twin").glob("*.py")) + [
+        ROOT.parent / "kvpilot" / "tuner" / "adapters" / "offline.py",
+        ROOT.parent / "kvpilot" / "tuner" / "core" / "capacity.py",
+    ]
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:10]
+
+
 def _cache_path(sc: dict[str, Any], perturb_seed: int | None) -> Path:
     suffix = "nominal" if perturb_seed is None else f"perturbed{perturb_seed}"
-    return CACHE / f"{sc['name']}.{suffix}.json"
+    return CACHE / twin_fingerprint() / f"{sc['name']}.{suffix}.json"
 
 
 def _evaluate_chunk(job: tuple[dict[str, Any], int | None, list[tuple[int, float, int]]]) -> dict[str, Any]:
@@ -107,7 +122,7 @@ class Table:
 
     def merge(self, results: dict[str, Any]) -> None:
         self.data.update(results)
-        CACHE.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.data, indent=0, sort_keys=True))
         tmp.replace(self.path)
@@ -227,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
             row["warmStartRegrets"] = warm
         rows.append(row)
 
-    print("capacity = req/s with p99 TTFT and ITL within SLO; regret = 1 - found / grid optimum, over 5 seeds")
+    print(f"twin {twin_fingerprint()}; capacity = req/s with p99 TTFT and ITL within SLO; "
+          "regret = 1 - found / grid optimum, over 5 seeds")
     hdr = (f"{'scenario':<20} {'grid optimum':>24} {'vLLM default':>12} | {'median regret @20':>17} "
            f"{'mean @20':>13} {'mean @10':>13} | {'warm start@5':>12}")
     print(hdr)
