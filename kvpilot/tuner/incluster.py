@@ -64,7 +64,9 @@ class Worker:
             name = study_name(self.namespace, self.name, space, goal)
             status = KubeStatusObserver(self.api_client, self.namespace, self.name, name)
             observer = Fanout(LogObserver(target), self.metrics.observer(self.namespace, self.name), status)
-            storage = spec.tuning.storage or self.args.storage
+            from kvpilot.tuner.jobs import sqlite_url
+
+            storage = sqlite_url(spec.tuning.storage or self.args.storage)
             study = TunerStudy(storage=storage, name=name, goal=Goal.LATENCY if goal is Goal.CAPACITY else goal,
                                space=space, slo=slo, seed=0, n_trials=spec.tuning.max_trials)
             applier = KubernetesApplier(self.api_client, self.namespace, self.name,

@@ -77,7 +77,7 @@ def trials_table(st: TunerStudy, limit: int = 12) -> str:
     return "\n".join(lines)
 
 
-def _sqlite_url(storage: str) -> str:
+def sqlite_url(storage: str) -> str:
     """Make the directory of a sqlite file exist (Optuna does not)."""
     prefix = "sqlite:///"
     if storage.startswith(prefix):
@@ -123,7 +123,7 @@ def tune_offline(args: argparse.Namespace) -> int:
         return score(goal, m, slo)
 
     name = args.study_name or study_name("offline", f"{target.model}.{target.gpu}.{workload.name}", space, goal)
-    st = TunerStudy(storage=_sqlite_url(args.storage), name=name, goal=goal, space=space, slo=slo,
+    st = TunerStudy(storage=sqlite_url(args.storage), name=name, goal=goal, space=space, slo=slo,
                     seed=args.seed, n_trials=args.trials)
     st.enqueue(defaults, "vllmDefaults")
     already = st.finished_count()
@@ -195,7 +195,7 @@ def tune_local(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     name = args.study_name or study_name("local", f"port{port}", space, Goal.LATENCY)
-    st = TunerStudy(storage=_sqlite_url(args.storage), name=name, goal=Goal.LATENCY, space=space, slo=slo,
+    st = TunerStudy(storage=sqlite_url(args.storage), name=name, goal=Goal.LATENCY, space=space, slo=slo,
                     seed=args.seed, n_trials=args.trials)
     st.enqueue(start, "current")
     st.enqueue(EngineParams.vllm_defaults(), "vllmDefaults")
