@@ -21,8 +21,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from kvpilot.api import vllm
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-# vLLM's FinishReason strings; every one is exported from the start, at zero.
-FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+# vLLM's FinishReason strings (`FINISH_REASON_STRINGS` in vllm/v1/engine): the Prometheus logger
+# exports every one from the start, at zero, so a query on any of them finds a series.  The twin
+# itself only ever finishes with stop, length or abort.
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error", "repetition")
 ITERATION_TOKENS_BUCKETS: tuple[float, ...] = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096,
                                                8192, 16384)
 REQUEST_N_BUCKETS: tuple[float, ...] = (1, 2, 5, 10, 20)

@@ -64,7 +64,7 @@ def test_names_labels_and_edges(metrics):
                                                                  float("inf")]
     reasons = {s.labels["finished_reason"] for s in fams["vllm:request_success"].samples
                if s.name == "vllm:request_success_total"}
-    assert reasons == {"stop", "length", "abort"}
+    assert reasons == {"stop", "length", "abort", "error", "repetition"}  # every vLLM FinishReason
     info = fams[vllm.METRIC_CACHE_CONFIG].samples[0]
     assert info.value == 1
     assert info.labels == {"block_size": "16", "gpu_memory_utilization": "0.9", "num_gpu_blocks": "1234",
