@@ -8,6 +8,7 @@ collide and nothing leaks into prometheus_client's global registry.
 
 Labels are `model_name` and `engine` (the engine index, "0"), plus `finished_reason` on
 `vllm:request_success_total`; `vllm:cache_config_info` carries the cache config as labels.
+Metrics named `kvpilot_twin_*` are the twin's own, not vLLM's.
 """
 
 from __future__ import annotations
@@ -139,6 +140,10 @@ class VllmMetrics:
                                    "Time the twin's engine loop fell behind the simulated timeline and "
                                    "dropped (CPU too busy to keep real time); 0 when it keeps up.",
                                    labels, registry=reg).labels(*values)
+        self.twin_aborted = Counter("kvpilot_twin_aborted_requests",
+                                    "Requests aborted before they finished (client gone, shutdown). vLLM "
+                                    "counts these nowhere: its frontend drops an aborted request's stats.",
+                                    labels, registry=reg).labels(*values)
         # Info metric emulated as a gauge set to 1, as vLLM does (multiprocess mode has no Info).
         info = cache_config_labels({**cache_config, "engine": str(engine_index)})
         Gauge(vllm.METRIC_CACHE_CONFIG, "Information of the LLMEngine CacheConfig", tuple(info),
@@ -203,9 +208,11 @@ class VllmMetrics:
             self.tpot_request.observe(decode_s / (num_generation_tokens - 1))
 
     def record_aborted(self) -> None:
-        """A request aborted before it finished (client gone, shutdown).  vLLM counts these under
-        finished_reason="abort" and leaves the latency histograms alone."""
-        self.request_success["abort"].inc()
+        """A request aborted before it finished (client gone, shutdown).  vLLM's frontend pops an
+        aborted request's state without recording it (`OutputProcessor.abort_requests`), so no
+        vLLM metric moves, `vllm:request_success_total{finished_reason="abort"}` included; only
+        the twin's own counter does."""
+        self.twin_aborted.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

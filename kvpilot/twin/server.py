@@ -16,7 +16,8 @@ Shape (as vLLM's frontend + engine core, in one process):
   drain short), then returns 0.
 * Twin-only metrics `kvpilot_twin_engine_steps_total`, `kvpilot_twin_simulated_seconds_total` and
   `kvpilot_twin_behind_seconds_total` tell whether the loop kept the simulated pace (a starved
-  CPU makes the twin slower than the GPU it simulates; "behind" then grows).
+  CPU makes the twin slower than the GPU it simulates; "behind" then grows);
+  `kvpilot_twin_aborted_requests_total` counts aborts, which vLLM's own metrics do not.
 
 The engine is injected (anything with the `EngineLike` methods), so this module imports no
 engine code and tests can drive it with any engine.

@@ -64,6 +64,13 @@ def value(fams: dict, family: str, sample: str, **labels: str) -> float:
     raise AssertionError(f"no {sample} {labels}")
 
 
+def aborted_count(fams: dict, labels: dict) -> float:
+    """Requests the twin aborted, which must leave vLLM's own finished-request counter alone."""
+    assert value(fams, "vllm:request_success", "vllm:request_success_total", finished_reason="abort",
+                 **labels) == 0
+    return value(fams, "kvpilot_twin_aborted_requests", "kvpilot_twin_aborted_requests_total", **labels)
+
+
 def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -231,8 +238,7 @@ def test_client_disconnect_aborts_the_request(twin):
     import http.client
 
     labels = {"model_name": MODEL, "engine": "0"}
-    aborted0 = value(metric_families(twin), "vllm:request_success", "vllm:request_success_total",
-                     finished_reason="abort", **labels)
+    aborted0 = aborted_count(metric_families(twin), labels)
     conn = http.client.HTTPConnection(twin.host, twin.port, timeout=10)
     conn.request("POST", "/v1/completions", body=json.dumps(
         {"prompt": "long", "max_tokens": 3000, "ignore_eos": True, "stream": True}),
@@ -245,8 +251,7 @@ def test_client_disconnect_aborts_the_request(twin):
 
     def aborted_and_idle():
         fams = metric_families(twin)
-        return (value(fams, "vllm:request_success", "vllm:request_success_total", finished_reason="abort",
-                      **labels) == aborted0 + 1
+        return (aborted_count(fams, labels) == aborted0 + 1
                 and value(fams, vllm.METRIC_RUNNING, vllm.METRIC_RUNNING, **labels) == 0)
 
     wait_for(aborted_and_idle, what="the disconnected request to be aborted in the engine")
@@ -308,14 +313,12 @@ def test_tokens_are_paced_by_the_simulated_engine(twin):
 
 def test_loadgen_stops_at_its_deadline_and_the_server_aborts_what_was_cut(twin):
     labels = {"model_name": MODEL, "engine": "0"}
-    aborted0 = value(metric_families(twin), "vllm:request_success", "vllm:request_success_total",
-                     finished_reason="abort", **labels)
+    aborted0 = aborted_count(metric_families(twin), labels)
     result = run_load_sync(twin.base_url, num_requests=2, concurrency=2, max_tokens=3000,
                            max_duration_s=0.5)
     assert result.deadline_hit and len(result.records) == 2
     assert all(not r.ok and "deadline" in (r.error or "") for r in result.records)
-    wait_for(lambda: value(metric_families(twin), "vllm:request_success", "vllm:request_success_total",
-                           finished_reason="abort", **labels) == aborted0 + 2,
+    wait_for(lambda: aborted_count(metric_families(twin), labels) == aborted0 + 2,
              what="both cut requests to be aborted in the engine")
 
 

@@ -103,7 +103,8 @@ def test_recording(metrics):
     assert sample(fams[vllm.METRIC_ITL], "_bucket", le="0.025") == 1
     assert sample(fams[vllm.METRIC_ITL], "_count") == 2
     assert sample(fams["vllm:request_success"], "_total", finished_reason="length") == 1
-    assert sample(fams["vllm:request_success"], "_total", finished_reason="abort") == 1
+    assert sample(fams["vllm:request_success"], "_total", finished_reason="abort") == 0  # as vLLM
+    assert sample(fams["kvpilot_twin_aborted_requests"], "_total") == 1
     assert sample(fams["vllm:request_success"], "_total", finished_reason="stop") == 0
     assert sample(fams[vllm.METRIC_E2E], "_sum") == pytest.approx(1.2)
     assert sample(fams[vllm.METRIC_QUEUE], "_bucket", le="0.3") == 1
