@@ -29,10 +29,15 @@ RULES: tuple[Rule, ...] = (
     # Events on InferenceServices (kopf.event posts core/v1 Events).
     Rule(("",), ("events",), ("create",)),
     Rule(("events.k8s.io",), ("events",), ("create",)),
-    # Only with --namespace glob patterns: kopf watches namespaces to follow the matching ones.
-    Rule(("",), ("namespaces",), ("get", "list", "watch")),
     # kopf notices CRDs being (re)installed while it runs.
     Rule(("apiextensions.k8s.io",), ("customresourcedefinitions",), ("get", "list", "watch")),
+)
+
+
+# Not required: with --namespace, kopf lists and watches namespaces (cluster-scoped) to follow
+# glob patterns, and falls back to the exact names it was given when that is forbidden (403).
+OPTIONAL_RULES: tuple[Rule, ...] = (
+    Rule(("",), ("namespaces",), ("list", "watch")),
 )
 
 
