@@ -66,6 +66,7 @@ class EngineConfig:
     block_size: int = vllm_facts.DEFAULT_BLOCK_SIZE
     kv_cache_dtype: str = "auto"
     long_prefill_token_threshold: int = vllm_facts.DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD
+    long_prefill_token_threshold_adaptive: bool = False
     enable_prefix_caching: bool = True  # V1's default
     served_model_name: str | None = None
     seed: int = 0
@@ -158,6 +159,7 @@ class EngineConfig:
             "kv_cache_memory_bytes": self.kv_cache_memory_bytes, "max_model_len": self.max_model_len,
             "tensor_parallel_size": self.tensor_parallel_size, "block_size": self.block_size,
             "kv_cache_dtype": self.kv_cache_dtype, "long_prefill_token_threshold": self.long_prefill_token_threshold,
+            "long_prefill_token_threshold_adaptive": self.long_prefill_token_threshold_adaptive,
             "enable_prefix_caching": self.enable_prefix_caching, "watermark": self.watermark,
             "prefill_schedule_interval": self.prefill_schedule_interval,
         }
@@ -197,6 +199,7 @@ class Engine:
             max_num_batched_tokens=config.max_num_batched_tokens,  # type: ignore[arg-type]
             max_num_seqs=config.max_num_seqs,  # type: ignore[arg-type]
             long_prefill_token_threshold=config.long_prefill_token_threshold,
+            long_prefill_token_threshold_adaptive=config.long_prefill_token_threshold_adaptive,
             enable_prefix_caching=config.enable_prefix_caching,
             reserve_full_isl=config.scheduler_reserve_full_isl,
             watermark=config.watermark,

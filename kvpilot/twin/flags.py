@@ -127,6 +127,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
     g.add_argument("--long-prefill-token-threshold", type=_non_negative, metavar="TOKENS",
                    default=vllm_facts.DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD,
                    help="cap on one request's prefill chunk per step when others are eligible (0 = none)")
+    g.add_argument("--long-prefill-token-threshold-adaptive", action=argparse.BooleanOptionalAction,
+                   default=False,
+                   help="floor that cap at the step's token budget / the requests eligible (default off)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of shared prompt prefixes (vLLM V1 default: on)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
@@ -179,6 +182,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size,
         kv_cache_dtype=args.kv_cache_dtype,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        long_prefill_token_threshold_adaptive=args.long_prefill_token_threshold_adaptive,
         enable_prefix_caching=args.enable_prefix_caching,
         served_model_name=served,
         seed=args.seed,

@@ -4,7 +4,8 @@ One `schedule()` per engine step, as vLLM does it (see ../shared/notes/toolchain
 
 1. RUNNING requests first, in order.  Each wants `num_tokens - num_computed` tokens (1 for a
    decode, the rest of the prompt for a prefill in progress), capped by
-   `long_prefill_token_threshold` when it is > 0 and more than one request is eligible, and by
+   `long_prefill_token_threshold` when it is > 0 and more than one request is eligible (with
+   `long_prefill_token_threshold_adaptive`, never below budget // eligible requests), and by
    what is left of the step's token budget (`max_num_batched_tokens`).  Blocks are allocated for
    the tokens scheduled; when none are left the LAST running request is preempted (its blocks
    freed, its progress dropped: it recomputes later) and the allocation retried.  If the victim
@@ -104,13 +105,15 @@ def _sample(req: Request, k: int, finished: list[Request], gaps: list[tuple[int,
 
 class Scheduler:
     def __init__(self, *, num_gpu_blocks: int, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
-                 long_prefill_token_threshold: int = 0, enable_prefix_caching: bool = True,
+                 long_prefill_token_threshold: int = 0, long_prefill_token_threshold_adaptive: bool = False,
+                 enable_prefix_caching: bool = True,
                  reserve_full_isl: bool = True, watermark: float = 0.0, prefill_schedule_interval: int = 1) -> None:
         self.num_gpu_blocks = num_gpu_blocks
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.long_prefill_token_threshold_adaptive = long_prefill_token_threshold_adaptive
         self.enable_prefix_caching = enable_prefix_caching
         self.reserve_full_isl = reserve_full_isl
         self.watermark_blocks = int(watermark * num_gpu_blocks)
@@ -310,7 +313,11 @@ class Scheduler:
         bs = self.block_size
         running, waiting = self.running, self.waiting
         thr = self.long_prefill_token_threshold
-        cap = thr > 0 and len(running) + len(waiting) > 1
+        eligible = len(running) + len(waiting)
+        cap = thr > 0 and eligible > 1
+        if cap and self.long_prefill_token_threshold_adaptive:
+            # --long-prefill-token-threshold-adaptive: never below a fair share of the budget.
+            thr = max(thr, budget // eligible)
         prefix = self.enable_prefix_caching
         scheduled: list[Request] = []
         finished: list[Request] = []

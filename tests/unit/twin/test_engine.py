@@ -69,6 +69,21 @@ def test_long_prefill_token_threshold_caps_each_chunk() -> None:
     assert [o.num_computed_prompt_tokens for o in out.outputs] == [64, 64]
 
 
+def test_adaptive_long_prefill_threshold_floors_the_cap_at_a_fair_share_of_the_budget() -> None:
+    # --long-prefill-token-threshold-adaptive: max(64, 512 // 2 eligible requests) = 256 each.
+    e = engine(max_num_batched_tokens=512, max_num_seqs=8, long_prefill_token_threshold=64,
+               long_prefill_token_threshold_adaptive=True)
+    e.add_request("a", 300, 2)
+    e.add_request("b", 300, 2)
+    out = e.step()
+    assert [o.num_computed_prompt_tokens for o in out.outputs] == [256, 256]
+    # Alone, a request is not capped at all (nobody to starve).
+    e2 = engine(max_num_batched_tokens=512, max_num_seqs=8, long_prefill_token_threshold=64,
+                long_prefill_token_threshold_adaptive=True)
+    e2.add_request("a", 300, 2)
+    assert e2.step().num_scheduled_tokens == 300
+
+
 def test_newest_running_request_is_preempted_and_recomputed() -> None:
     # 20 usable-ish blocks of 16 tokens: three requests of 64 prompt tokens each need 4 blocks to
     # start and grow by a block every 16 tokens.

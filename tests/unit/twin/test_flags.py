@@ -60,3 +60,10 @@ def test_bad_flags_are_argparse_errors_naming_the_flag(argv: list[str], message:
         parse(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_long_prefill_token_threshold_adaptive_is_a_vllm_switch() -> None:
+    assert engine_config_from_args(parse(["Qwen2.5-0.5B"])).long_prefill_token_threshold_adaptive is False
+    cfg = engine_config_from_args(parse(["Qwen2.5-0.5B", "--long-prefill-token-threshold", "512",
+                                         "--long-prefill-token-threshold-adaptive"]))
+    assert cfg.long_prefill_token_threshold == 512 and cfg.long_prefill_token_threshold_adaptive is True

@@ -36,6 +36,7 @@ def scenarios(draw):
         max_num_seqs=seqs,
         max_model_len=(blocks - 1) * block_size,
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 24, 100])),
+        long_prefill_token_threshold_adaptive=draw(st.booleans()),
         enable_prefix_caching=draw(st.booleans()),
         watermark=draw(st.sampled_from([0.0, 0.0, 0.1, 0.6])),
     )
