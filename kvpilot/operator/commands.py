@@ -62,6 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _operator(args: argparse.Namespace) -> int:
     import asyncio
 
+    from kvpilot.operator.handlers import CredentialsError
     from kvpilot.operator.runner import configure_logging, run_operator
     from kvpilot.operator.settings import OperatorSettings
 
@@ -73,7 +74,7 @@ def _operator(args: argparse.Namespace) -> int:
     configure_logging(settings)
     try:
         asyncio.run(run_operator(settings))
-    except OSError as exc:  # e.g. the metrics port is taken
+    except (OSError, CredentialsError) as exc:  # no cluster credentials; the metrics port is taken
         print(f"kvpilot operator: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -33,6 +33,23 @@ def configure_kopf(settings: kopf.OperatorSettings) -> None:
     settings.peering.standalone = True
 
 
+class CredentialsError(Exception):
+    """No usable Kubernetes credentials: retrying does not help."""
+
+
+def credentials(**kwargs: Any) -> kopf.ConnectionInfo:
+    """kopf's own pure-Python logins (no kubernetes client import): in-cluster first, then kubeconfig."""
+    kwargs.setdefault("settings", kopf.OperatorSettings())
+    try:
+        info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CredentialsError(f"cannot read Kubernetes credentials: {exc}") from None
+    if info is None:
+        raise CredentialsError("no Kubernetes credentials: no in-cluster service account and no kubeconfig "
+                               "(set KUBECONFIG, or run in a pod with a service account)")
+    return info
+
+
 def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     retry_delay = rt.settings.handler_retry_delay_seconds
@@ -43,10 +60,10 @@ def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
 
     @kopf.on.login(registry=registry, id="login")
     def login(**kwargs: Any) -> kopf.ConnectionInfo:
-        # kopf's own pure-Python logins (no kubernetes client import): in-cluster first, then kubeconfig.
-        info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
-        if info is None:
-            raise kopf.LoginError("no in-cluster service account and no kubeconfig found")
+        try:
+            info = credentials(**kwargs)
+        except CredentialsError as exc:
+            raise kopf.PermanentError(str(exc)) from None
         rt.client.set_credentials(info)
         return info
 

@@ -7,7 +7,7 @@ import logging
 
 import kopf
 
-from kvpilot.operator.handlers import build_registry
+from kvpilot.operator.handlers import build_registry, credentials
 from kvpilot.operator.kube import KubeClient
 from kvpilot.operator.metrics import OperatorMetrics, start_http
 from kvpilot.operator.reconcile import Runtime
@@ -25,6 +25,8 @@ def configure_logging(settings: OperatorSettings) -> None:
 
 
 async def run_operator(settings: OperatorSettings) -> None:
+    """Run until SIGINT/SIGTERM.  Raises CredentialsError at once when there is no cluster to talk to."""
+    credentials()  # fail fast and plainly; kopf would log the failure and wait for a signal
     client = KubeClient(backoff=settings.retry_backoff_seconds, field_manager=settings.field_manager)
     rt = Runtime(settings=settings, client=client, metrics=OperatorMetrics())
     registry = build_registry(rt)

@@ -2,11 +2,20 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import yaml
 
 from kvpilot.cli import build_parser, main
 from kvpilot.operator import rbac
+from tests.support.kmock_api import free_port
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def run(argv: list[str]) -> tuple[int, str, str]:
@@ -50,3 +59,32 @@ def test_rbac_rules_are_well_formed() -> None:
             "verbs": ["get", "list", "watch", "create", "patch"]} in rules
     assert rbac.allows("kvpilot.dev", "inferenceservices/status", "patch")
     assert not rbac.allows("", "secrets", "get")  # the HF token is mounted by the kubelet, never read
+
+
+def _operator_process(tmp_path: Path, kubeconfig: str, port: int) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, KUBECONFIG=kubeconfig, HOME=str(tmp_path))
+    return subprocess.run([sys.executable, "-m", "kvpilot.cli", "operator", "-A", "--metrics-port", str(port)],
+                          capture_output=True, text=True, env=env, timeout=60, cwd=ROOT)
+
+
+def test_operator_without_credentials_exits_with_the_reason(tmp_path: Path) -> None:
+    done = _operator_process(tmp_path, str(tmp_path / "missing-kubeconfig"), free_port())
+    assert done.returncode == 1
+    assert "cannot read Kubernetes credentials" in done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+
+
+def test_operator_with_its_metrics_port_taken_exits_with_the_reason(tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": "http://127.0.0.1:9"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        done = _operator_process(tmp_path, str(kubeconfig), taken.getsockname()[1])
+    assert done.returncode == 1
+    assert "address already in use" in done.stderr.lower()
+    assert "Traceback" not in done.stderr + done.stdout
