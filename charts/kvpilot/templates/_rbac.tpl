@@ -40,6 +40,13 @@ the InferenceService (or Prometheus Operator) CRDs being installed while it runs
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
   verbs: [get, list, watch]
+{{- if not .Values.watch.allNamespaces }}
+# Watching a list of namespaces, kopf lists and watches Namespaces to follow them; refused,
+# it retries for about a minute before falling back to the names as given.
+- apiGroups: [""]
+  resources: [namespaces]
+  verbs: [list, watch]
+{{- end }}
 {{- end -}}
 
 {{/* The tuner (kvpilot/tuner/incluster.py, adapters/kubernetes.py): list InferenceServices to find

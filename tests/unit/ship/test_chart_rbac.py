@@ -96,9 +96,15 @@ def test_cluster_scope_grants_the_operator_exactly_what_it_declares() -> None:
     assert grants[None] == declared_operator(), diff(grants[None], declared_operator())
 
 
+# What kopf itself calls when given a list of namespaces (not with --all-namespaces): it lists
+# and watches Namespaces (kopf/_core/reactor/observation.py) and retries a refusal for ~1 minute
+# before falling back to the names as given; test_operator_works_with_only_the_chart_rbac shows it.
+KOPF_NAMESPACED_EXTRA: set[Permission] = {("", "namespaces", "list"), ("", "namespaces", "watch")}
+
+
 def test_namespace_scope_grants_the_same_split_by_scope() -> None:
     grants = chart_grants(render("namespaces-operator-only"), "operator")
-    declared = declared_operator()
+    declared = declared_operator() | KOPF_NAMESPACED_EXTRA
     cluster_part = {p for p in declared if (p[0], p[1].split("/")[0]) in CLUSTER_SCOPED}
     namespaced_part = declared - cluster_part
     assert set(grants) == {"team-a", "team-b", None}
@@ -321,6 +327,63 @@ def test_every_call_of_a_real_operator_run_is_granted(tmp_path: Path) -> None:
     declared = {None: declared_operator()}
     undeclared = sorted(((ns, perm) for ns, perm in seen if not allowed(declared, ns, perm)), key=str)
     assert undeclared == [], f"the operator called what rbac.py does not declare: {undeclared}"
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("value_set", ["default", "namespace-scoped"])
+def test_operator_works_with_only_the_chart_rbac(value_set: str, tmp_path: Path) -> None:
+    """The operator, run with the chart's args, through a proxy that enforces the chart's RBAC
+    for its ServiceAccount (403 for anything else): it still creates every child, writes status,
+    posts Events and rolls a change out to its Deployment."""
+    kmock_api = pytest.importorskip("tests.support.kmock_api", reason="the KMock harness is not there yet")
+    from tests.unit.ship.rbac_proxy import RbacProxy
+
+    objects = render(value_set)
+    deployment = next(r.obj for r in objects if r.kind == "Deployment" and r.name.endswith("-operator"))
+    chart_args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    args = [a for a in chart_args[1:] if not a.startswith("--metrics-port")]
+    isvc = yaml.safe_load((ROOT / "examples" / "twin.yaml").read_text())
+    isvc["metadata"]["namespace"] = "team-a"
+    name = isvc["metadata"]["name"]
+    deploy_path = f"/apis/apps/v1/namespaces/team-a/deployments/{name}"
+
+    with (
+        kmock_api.KMockAPI(monitoring_crds=True) as api,
+        RbacProxy(
+            api.url, chart_grants(objects, "operator"), request_permission, namespaces=("team-a",)
+        ) as proxy,
+        kmock_api.kopf_operator(proxy, tmp_path, *args) as operator,
+    ):  # type: ignore[arg-type]
+        api.create_isvc(isvc)
+        children = [
+            deploy_path,
+            f"/api/v1/namespaces/team-a/services/{name}",
+            f"/apis/policy/v1/namespaces/team-a/poddisruptionbudgets/{name}",
+            f"/apis/monitoring.coreos.com/v1/namespaces/team-a/servicemonitors/{name}",
+        ]
+        for path in children:
+            kmock_api.wait_for(lambda p=path: api.get_or_none(p), timeout=60, what=f"{path} to be created")
+
+        def observed(generation: int) -> bool:
+            obj = api.get_isvc("team-a", name)
+            status = obj.get("status") or {}
+            return status.get("observedGeneration") == generation and bool(status.get("conditions"))
+
+        kmock_api.wait_for(lambda: observed(1), timeout=60, what="status for generation 1")
+        # A change: the operator patches its Deployment and reports the new generation.
+        api.patch(api.isvc_path("team-a", name), {"spec": {"engine": {"maxNumBatchedTokens": 4096}}})
+        kmock_api.wait_for(
+            lambda: "4096" in api.get(deploy_path)["spec"]["template"]["spec"]["containers"][0]["args"],
+            timeout=60,
+            what="the Deployment to run --max-num-batched-tokens 4096",
+        )
+        kmock_api.wait_for(lambda: observed(2), timeout=60, what="status for generation 2")
+        assert api.get_or_none(f"/api/v1/namespaces/team-a/services/{name}") is not None
+        log = operator.log()
+
+    denied = sorted({request_permission(*d) for d in proxy.denied}, key=str)
+    assert denied == [], f"{value_set}: the chart's RBAC refused the operator: {denied}\n{log[-2000:]}"
 
 
 # --- 3. the tuner ------------------------------------------------------------------------------------
