@@ -41,7 +41,8 @@ the InferenceService (or Prometheus Operator) CRDs being installed while it runs
   resources: [customresourcedefinitions]
   verbs: [get, list, watch]
 {{- if not .Values.watch.allNamespaces }}
-# Watching a list of namespaces, kopf lists and watches Namespaces to follow them; refused,
+# Watching a list of namespaces, kopf lists and watches Namespaces to follow them (rbac.py
+# OPTIONAL_RULES); refused,
 # it retries for about a minute before falling back to the names as given.
 - apiGroups: [""]
   resources: [namespaces]
