@@ -58,8 +58,10 @@ def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
     def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         configure_kopf(settings)
 
+    # Async so that it runs in the event loop that owns the client's session (kopf runs sync
+    # handlers in threads); reading a kubeconfig is quick.
     @kopf.on.login(registry=registry, id="login")
-    def login(**kwargs: Any) -> kopf.ConnectionInfo:
+    async def login(**kwargs: Any) -> kopf.ConnectionInfo:
         try:
             info = credentials(**kwargs)
         except CredentialsError as exc:
