@@ -220,4 +220,9 @@ async def track_rollout(rt: Runtime, deployment: dict[str, Any], emit_on: Callab
     new = desired_status(generation=generation, previous=previous, deployment=deployment, degraded=degraded)
     patch = status_patch(previous, new)
     if patch:
-        await rt.client.merge_patch(isvc_path(namespace, name, "status"), {"status": patch})
+        try:
+            await rt.client.merge_patch(isvc_path(namespace, name, "status"), {"status": patch})
+        except ApiError as exc:
+            # Deleted meanwhile, or the API kept failing through the retries: the next Deployment
+            # event or reconcile writes the status again; a traceback would tell nobody more.
+            logger.warning("status of %s/%s not written: %s", namespace, name, exc)

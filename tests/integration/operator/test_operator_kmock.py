@@ -33,6 +33,7 @@ def operator(api: KMockAPI, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     with kopf_operator(api, tmp_path_factory.mktemp("operator")) as op:
         yield op
         assert op.proc.poll() is None, f"operator died:\n{op.log()[-4000:]}"
+        assert op.stop() == 0, f"operator did not shut down cleanly:\n{op.log()[-4000:]}"
 
 
 def make(name: str, namespace: str = NS, **spec: Any) -> dict[str, Any]:
