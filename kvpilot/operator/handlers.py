@@ -13,7 +13,7 @@ import kopf
 
 from kvpilot.api.models import GROUP, PLURAL, VERSION
 from kvpilot.operator.builders.common import LABEL_MANAGED_BY, MANAGED_BY
-from kvpilot.operator.reconcile import RetryLater, Runtime, reconcile_service, track_rollout
+from kvpilot.operator.reconcile import RetryLater, Runtime, reconcile_service, schedule_settle, track_rollout
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
 
@@ -54,6 +54,9 @@ def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     retry_delay = rt.settings.handler_retry_delay_seconds
 
+    def emit_on(obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        kopf.event(kopf.Body(cast(kopf.RawBody, obj)), type=type_, reason=reason, message=message)
+
     @kopf.on.startup(registry=registry, id="configure")
     def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         configure_kopf(settings)
@@ -71,6 +74,8 @@ def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
 
     @kopf.on.cleanup(registry=registry, id="cleanup")
     async def cleanup(**_: Any) -> None:
+        for task in list(rt.settling.values()):
+            task.cancel()
         await rt.client.close()
 
     @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry, id="reconcile", backoff=retry_delay)
@@ -88,16 +93,13 @@ def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
             raise kopf.TemporaryError(str(exc), delay=retry_delay) from None
         if status:
             patch.status.update(status)
+        schedule_settle(rt, str(body.metadata.namespace), str(body.metadata.name), emit_on, logger)
 
     @kopf.on.event("apps", "v1", "deployments", registry=registry, id="track-rollout",
                    labels={LABEL_MANAGED_BY: MANAGED_BY})
     async def deployment_event(body: kopf.Body, type: str, logger: Logger, **_: Any) -> None:
         if type == "DELETED":
             return
-
-        def emit_on(obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
-            kopf.event(kopf.Body(cast(kopf.RawBody, obj)), type=type_, reason=reason, message=message)
-
         await track_rollout(rt, dict(body), emit_on, logger)
 
     return registry

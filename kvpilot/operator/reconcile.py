@@ -8,6 +8,7 @@ a rollout that passed its progress deadline, and patches the parent's status.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -66,6 +67,8 @@ class Runtime:
     discovery: MonitoringDiscovery = field(init=False)
     # InferenceService uids already told that monitoring objects are skipped (the Event is sent once).
     skip_noted: set[str] = field(default_factory=set)
+    # Pending settle passes, by namespace/name (one at a time per object).
+    settling: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.discovery = MonitoringDiscovery(self.client, ttl=self.settings.discovery_ttl_seconds)
@@ -226,3 +229,40 @@ async def track_rollout(rt: Runtime, deployment: dict[str, Any], emit_on: Callab
             # Deleted meanwhile, or the API kept failing through the retries: the next Deployment
             # event or reconcile writes the status again; a traceback would tell nobody more.
             logger.warning("status of %s/%s not written: %s", namespace, name, exc)
+
+
+def schedule_settle(rt: Runtime, namespace: str, name: str,
+                    emit_on: Callable[[dict[str, Any], str, str, str], None], logger: Logger) -> None:
+    """Re-read the Deployment shortly after a reconcile and fix the status if it moved meanwhile.
+
+    The reconcile computes its status from the Deployment as it read it, and kopf writes that
+    status after the handler returns; a Deployment event in between is handled against the old
+    status (or skipped, before the first one), and the reconcile's write can then overwrite it.
+    One pass after kopf has written the reconcile's status closes that window.
+    """
+    key = f"{namespace}/{name}"
+    pending = rt.settling.get(key)
+    if pending is not None and not pending.done():
+        return
+    rt.settling[key] = asyncio.create_task(_settle(rt, namespace, name, emit_on, logger))
+
+
+async def _settle(rt: Runtime, namespace: str, name: str,
+                  emit_on: Callable[[dict[str, Any], str, str, str], None], logger: Logger) -> None:
+    try:
+        for _ in range(rt.settings.settle_attempts):
+            await asyncio.sleep(rt.settings.settle_delay_seconds)
+            parent = await rt.client.get_or_none(isvc_path(namespace, name))
+            if parent is None:
+                return
+            status = parent.get("status") or {}
+            if status.get("observedGeneration") != parent.get("metadata", {}).get("generation"):
+                continue  # kopf has not written the reconcile's status yet (or the spec moved on)
+            deployment = await rt.client.get_or_none(resource_path("apps/v1", "deployments", namespace, name))
+            if deployment is not None:
+                await track_rollout(rt, deployment, emit_on, logger)
+            return
+    except ApiError as exc:
+        logger.warning("settling the status of %s/%s failed: %s", namespace, name, exc)
+    finally:
+        rt.settling.pop(f"{namespace}/{name}", None)

@@ -166,6 +166,23 @@ def test_a_new_generation_tries_again_after_a_rollback(api: KMockAPI, operator: 
     assert obj["status"]["observedGeneration"] == obj["metadata"]["generation"]
 
 
+def test_a_first_rollout_past_its_deadline_has_nothing_to_roll_back_to(api: KMockAPI,
+                                                                       operator: OperatorProcess) -> None:
+    api.create_isvc(make("fresh", replicas=1))
+    wait_for(lambda: isvc(api, "fresh").get("status", {}).get("observedGeneration") == 1, what="fresh's status")
+    before = api.get(dep_path("fresh"))
+    write_deployment_status(api, "fresh", replicas=1, updatedReplicas=1, readyReplicas=0,
+                            conditions=[{"type": "Progressing", "status": "False",
+                                         "reason": "ProgressDeadlineExceeded", "message": "no GPU left"}])
+    obj = wait_for(lambda: condition(o := isvc(api, "fresh"), "Degraded").get("status") == "True" and o,
+                   what="Degraded/ProgressDeadlineExceeded")
+    degraded = condition(obj, "Degraded")
+    assert degraded["reason"] == "ProgressDeadlineExceeded"
+    assert "no GPU left" in degraded["message"] and "no lastGoodEngine" in degraded["message"]
+    assert condition(obj, "Progressing")["reason"] == "ProgressDeadlineExceeded"
+    assert api.get(dep_path("fresh"))["spec"] == before["spec"]
+
+
 def test_invalid_object_is_degraded_and_a_neighbour_still_reconciles(api: KMockAPI,
                                                                     operator: OperatorProcess) -> None:
     bad = make("broken", replicas=1, engine={"maxNumSeqs": 0, "chunkSize": 5})
