@@ -33,8 +33,11 @@ lint: setup
 	$(VENV)/bin/ruff check kvpilot tests benchmarks
 	$(VENV)/bin/lint-imports
 
+## Regenerate what is generated (CRD, its copy in the chart, the chart's dashboard); tests diff them.
 crd: setup
 	$(VENV)/bin/kvpilot crd --write
+	cp crds/*.yaml charts/kvpilot/crds/
+	$(VENV)/bin/kvpilot slo dashboard --all -o charts/kvpilot/dashboards/kvpilot.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .import_linter_cache
