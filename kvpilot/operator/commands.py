@@ -19,6 +19,16 @@ def _port(text: str) -> int:
     return port
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1 (got {text!r})") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1 (got {value})")
+    return value
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     op = subparsers.add_parser(
         "operator",
@@ -40,6 +50,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     help="port for /healthz and /metrics (default: %(default)s)")
     op.add_argument("--log-format", choices=("text", "json"), default="text",
                     help="log lines as text or as JSON objects (default: %(default)s)")
+    op.add_argument("--max-workers", type=_positive, default=128, metavar="N",
+                    help="objects reconciled at once; a burst beyond that waits its turn, bounding memory "
+                    "(default: %(default)s)")
     op.add_argument("-v", "--verbose", action="store_true", help="log more")
     op.set_defaults(handler=_operator)
 
@@ -69,7 +82,7 @@ def _operator(args: argparse.Namespace) -> int:
     settings = OperatorSettings(
         namespaces=tuple(args.namespace), all_namespaces=args.all_namespaces, twin_image=args.twin_image,
         metrics_host=args.metrics_host, metrics_port=args.metrics_port, log_format=args.log_format,
-        verbose=args.verbose,
+        verbose=args.verbose, max_workers=args.max_workers,
     )
     configure_logging(settings)
     try:

@@ -20,7 +20,7 @@ Logger = logging.Logger | logging.LoggerAdapter[Any]
 ANNOTATION_PREFIX = "kvpilot.dev"
 
 
-def configure_kopf(settings: kopf.OperatorSettings) -> None:
+def configure_kopf(settings: kopf.OperatorSettings, max_workers: int | None = None) -> None:
     # Keep kopf's bookkeeping in annotations: a structural CRD schema would prune status.kopf,
     # and status belongs to what users and the tuner read.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
@@ -29,6 +29,9 @@ def configure_kopf(settings: kopf.OperatorSettings) -> None:
     # Only the Events we post ourselves (create, change, skip, rollback), not every handler log line.
     settings.posting.loggers = False
     settings.posting.level = logging.INFO
+    settings.queueing.worker_limit = max_workers
+    # A worker holds its slot until idle this long; kopf's 5 s would cap a burst at workers/5 per second.
+    settings.queueing.idle_timeout = 0.5
     # Standalone: no peering objects to watch or write.
     settings.peering.standalone = True
 
@@ -59,7 +62,7 @@ def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
 
     @kopf.on.startup(registry=registry, id="configure")
     def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
-        configure_kopf(settings)
+        configure_kopf(settings, rt.settings.max_workers)
 
     # Async so that it runs in the event loop that owns the client's session (kopf runs sync
     # handlers in threads); reading a kubeconfig is quick.

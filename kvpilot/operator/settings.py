@@ -29,6 +29,10 @@ class OperatorSettings:
     # writing its own status is then not lost until the next Deployment event.
     settle_delay_seconds: float = 1.0
     settle_attempts: int = 10
+    # Objects handled at once (kopf's per-object workers, per watched resource).  Beyond a few dozen
+    # a burst only queues inside the operator: memory grows with every in-flight reconcile while the
+    # API server (and this process's CPU) are the bottleneck anyway.
+    max_workers: int = 128
     # kopf's delay before it runs a handler again after a transient failure.
     handler_retry_delay_seconds: float = 30.0
 

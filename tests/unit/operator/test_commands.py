@@ -31,7 +31,8 @@ def run(argv: list[str]) -> tuple[int, str, str]:
 def test_operator_help_names_every_option() -> None:
     code, out, _ = run(["operator", "--help"])
     assert code == 0
-    for option in ("--namespace", "--all-namespaces", "--twin-image", "--metrics-port", "--log-format"):
+    for option in ("--namespace", "--all-namespaces", "--twin-image", "--metrics-port", "--log-format",
+                   "--max-workers"):
         assert option in out
 
 
