@@ -41,7 +41,7 @@ class CredentialsError(Exception):
 
 
 def credentials(**kwargs: Any) -> kopf.ConnectionInfo:
-    """kopf's own pure-Python logins (no kubernetes client import): in-cluster first, then kubeconfig."""
+    """kopf's own pure-Python logins (not via the kubernetes client): in-cluster first, then kubeconfig."""
     kwargs.setdefault("settings", kopf.OperatorSettings())
     try:
         info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
