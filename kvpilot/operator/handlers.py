@@ -12,7 +12,7 @@ from typing import Any, cast
 import kopf
 
 from kvpilot.api.models import GROUP, PLURAL, VERSION
-from kvpilot.operator.builders.common import LABEL_MANAGED_BY, MANAGED_BY
+from kvpilot.operator.builders.common import LABEL_ISVC, LABEL_MANAGED_BY, MANAGED_BY
 from kvpilot.operator.reconcile import RetryLater, Runtime, reconcile_service, schedule_settle, track_rollout
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
@@ -102,7 +102,17 @@ def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
                    labels={LABEL_MANAGED_BY: MANAGED_BY})
     async def deployment_event(body: kopf.Body, type: str, logger: Logger, **_: Any) -> None:
         if type == "DELETED":
+            parent = (body.metadata.labels or {}).get(LABEL_ISVC)
+            if parent and body.metadata.namespace:
+                rt.metrics.forget_engine(body.metadata.namespace, parent)  # no engine runs any more
             return
         await track_rollout(rt, dict(body), emit_on, logger)
+
+    # No finalizer (a delete handler would add one): the children go with the garbage collector,
+    # and all that is left to do is to stop exporting the object's engine.
+    @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry, id="forget-deleted")
+    async def service_event(body: kopf.Body, type: str, **_: Any) -> None:
+        if type == "DELETED" and body.metadata.namespace and body.metadata.name:
+            rt.metrics.forget_engine(body.metadata.namespace, body.metadata.name)
 
     return registry

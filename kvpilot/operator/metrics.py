@@ -7,10 +7,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 RESULTS = ("success", "invalid", "error", "retry")
+
+# kvpilot_engine_info's labels, as the Grafana dashboard (kvpilot/slo/dashboard.py) reads them.
+ENGINE_INFO_LABELS = ("namespace", "name", "max_num_batched_tokens", "gpu_memory_utilization",
+                      "max_num_seqs", "config_hash")
 
 
 @dataclass
@@ -31,6 +35,30 @@ class OperatorMetrics:
         self.rollbacks = Counter(
             "kvpilot_rollbacks", "Rollouts that passed their progress deadline and were put back to lastGoodEngine.",
             registry=self.registry)
+        self.engine_info = Gauge(
+            "kvpilot_engine_info", "The engine config in force for an InferenceService (its Deployment's pod "
+            "template): one series per InferenceService, value 1.",
+            list(ENGINE_INFO_LABELS), registry=self.registry)
+        # (namespace, name) -> the label values of its one engine_info series.
+        self._engine_series: dict[tuple[str, str], tuple[str, ...]] = {}
+
+    def set_engine(self, namespace: str, name: str, engine: dict[str, str] | None) -> None:
+        """Export `engine` (the non-key labels of ENGINE_INFO_LABELS) as the service's only series;
+        None removes it.  A changed engine replaces the old series instead of adding one."""
+        key = (namespace, name)
+        values = None if engine is None else (namespace, name, *(engine[k] for k in ENGINE_INFO_LABELS[2:]))
+        old = self._engine_series.get(key)
+        if old == values:
+            return
+        if old is not None:
+            self.engine_info.remove(*old)
+            del self._engine_series[key]
+        if values is not None:
+            self.engine_info.labels(*values).set(1)
+            self._engine_series[key] = values
+
+    def forget_engine(self, namespace: str, name: str) -> None:
+        self.set_engine(namespace, name, None)
 
 
 async def start_http(metrics: OperatorMetrics, host: str, port: int,

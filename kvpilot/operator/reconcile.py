@@ -29,6 +29,7 @@ from kvpilot.operator.builders.status import (
     REASON_INVALID_SPEC,
     REASON_ROLLED_BACK,
     desired_status,
+    engine_info,
     find_condition,
     invalid_status,
     now_rfc3339,
@@ -169,6 +170,7 @@ async def _reconcile(rt: Runtime, body: dict[str, Any], emit: Emit,
         return _degraded_only(previous, REASON_APPLY_FAILED, message, generation), "error"
 
     new = desired_status(generation=generation, previous=previous, deployment=deployment)
+    rt.metrics.set_engine(str(meta.get("namespace")), str(meta.get("name")), engine_info(rollout_of(deployment)))
     return status_patch(previous, new), "success"
 
 
@@ -182,6 +184,7 @@ async def track_rollout(rt: Runtime, deployment: dict[str, Any], emit_on: Callab
         return
     parent = await rt.client.get_or_none(isvc_path(namespace, name))
     if parent is None:
+        rt.metrics.forget_engine(namespace, name)
         return  # deleted; the garbage collector takes the children
     owner_uids = {ref.get("uid") for ref in meta.get("ownerReferences") or [] if ref.get("controller")}
     if parent.get("metadata", {}).get("uid") not in owner_uids:
@@ -221,6 +224,7 @@ async def track_rollout(rt: Runtime, deployment: dict[str, Any], emit_on: Callab
             if old.get("reason") != REASON_DEADLINE:
                 emit_on(parent, "Warning", REASON_DEADLINE, degraded[1])
     new = desired_status(generation=generation, previous=previous, deployment=deployment, degraded=degraded)
+    rt.metrics.set_engine(namespace, name, engine_info(rollout_of(deployment)))
     patch = status_patch(previous, new)
     if patch:
         try:

@@ -7,7 +7,7 @@ from kvpilot.api.vllm import TYPED_FLAGS
 from kvpilot.operator.builders.common import HTTP_PORT
 
 
-def _number(value: float | int) -> str:
+def flag_number(value: float | int) -> str:
     # 0.9 stays "0.9", not "0.9000000000000000222"; ints print as ints.
     return str(value) if isinstance(value, int) else repr(float(value))
 
@@ -36,7 +36,7 @@ def typed_flags(isvc: InferenceService, engine: EngineSpec | None = None) -> lis
         value = values[field]
         if value is None:
             continue
-        args += [flag, value if isinstance(value, str) else _number(value)]
+        args += [flag, value if isinstance(value, str) else flag_number(value)]
     return args
 
 
@@ -53,7 +53,7 @@ def engine_args(isvc: InferenceService, engine: EngineSpec | None = None) -> lis
     if engine.kind == "twin":
         args += ["--gpu", engine.twin.gpu]
         if engine.twin.startup_delay_seconds > 0:
-            args += ["--startup-delay", _number(engine.twin.startup_delay_seconds)]
+            args += ["--startup-delay", flag_number(engine.twin.startup_delay_seconds)]
     args += list(engine.extra_args)
     return args
 

@@ -14,7 +14,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
+
+from kvpilot.api.models import EngineSpec
 from kvpilot.operator.builders.common import ANNOTATION_CONFIG_HASH, ANNOTATION_ENGINE
+from kvpilot.operator.builders.engine import flag_number
 
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
 REASON_ROLLED_BACK = "RolledBack"
@@ -84,6 +88,25 @@ def rollout_of(deployment: dict[str, Any] | None) -> Rollout:
         observed=observed, complete=complete and not deadline, deadline_exceeded=deadline, message=message,
         config_hash=annotations.get(ANNOTATION_CONFIG_HASH), engine=engine, engine_args=args,
     )
+
+
+def engine_info(rollout: Rollout) -> dict[str, str] | None:
+    """kvpilot_engine_info's labels for the engine a Deployment runs (its pod template), with the values
+    as they appear on the engine's command line; None when the Deployment carries no readable engine."""
+    if rollout.engine is None or rollout.config_hash is None:
+        return None
+    try:
+        engine = EngineSpec.model_validate(rollout.engine)
+    except ValidationError:
+        return None
+    utilization = engine.effective_gpu_memory_utilization
+    return {
+        "max_num_batched_tokens": str(engine.max_num_batched_tokens),
+        # Empty (no label) when kvCacheMemoryBytes sizes the KV cache instead.
+        "gpu_memory_utilization": "" if utilization is None else flag_number(utilization),
+        "max_num_seqs": str(engine.max_num_seqs),
+        "config_hash": rollout.config_hash,
+    }
 
 
 def find_condition(conditions: list[dict[str, Any]] | None, type_: str) -> dict[str, Any] | None:

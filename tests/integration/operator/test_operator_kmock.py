@@ -79,6 +79,15 @@ def isvc(api: KMockAPI, name: str) -> dict[str, Any]:
     return dict(api.get_isvc(NS, name))
 
 
+def engine_series(operator: OperatorProcess, name: str) -> list[dict[str, str]]:
+    """The operator's kvpilot_engine_info series for one InferenceService (labels of each)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = text_string_to_metric_families(operator.http_get("/metrics")[1])
+    return [dict(s.labels) for f in families if f.name == "kvpilot_engine_info" for s in f.samples
+            if s.labels.get("name") == name and s.labels.get("namespace") == NS and s.value == 1]
+
+
 def test_create_makes_children_with_owner_references_and_conditions(api: KMockAPI, operator: OperatorProcess) -> None:
     api.create_isvc(make("alpha", replicas=2))
     obj = wait_for(lambda: (o := isvc(api, "alpha")).get("status", {}).get("observedGeneration") == 1 and o,
@@ -117,6 +126,15 @@ def test_changing_the_chunk_size_rolls_the_pod_template(api: KMockAPI, operator:
              what="an Updated event naming the template")
 
 
+def test_engine_info_follows_the_engine_in_force(api: KMockAPI, operator: OperatorProcess) -> None:
+    dep = api.get(dep_path("alpha"))
+    (series,) = wait_for(lambda: [s for s in engine_series(operator, "alpha")
+                                  if s["config_hash"] == template_hash(dep)], what="alpha's engine_info")
+    assert series == {"namespace": NS, "name": "alpha", "max_num_batched_tokens": "4096",
+                      "gpu_memory_utilization": "0.92", "max_num_seqs": "256", "config_hash": template_hash(dep)}
+    assert len(engine_series(operator, "alpha")) == 1  # the 2048 engine's series is gone
+
+
 def test_complete_rollout_sets_ready_and_last_good_engine(api: KMockAPI, operator: OperatorProcess) -> None:
     write_deployment_status(api, "alpha", replicas=2, updatedReplicas=2, readyReplicas=2, availableReplicas=2,
                             conditions=[{"type": "Progressing", "status": "True",
@@ -153,6 +171,9 @@ def test_progress_deadline_rolls_back_to_last_good_engine(api: KMockAPI, operato
     assert event[0]["type"] == "Warning"
     wait_for(lambda: re.search(r"^kvpilot_rollbacks_total 1\.0$", operator.http_get("/metrics")[1], re.M),
              what="kvpilot_rollbacks_total 1")
+    # The engine in force is the one put back, not the spec's.
+    assert [(s["max_num_batched_tokens"], s["config_hash"]) for s in engine_series(operator, "alpha")] == [
+        ("4096", template_hash(dep))]
     # Still rolled back, not flapping: the stale deadline condition names the old template's generation.
     assert engine_arg(api.get(dep_path("alpha")), "--max-num-batched-tokens") == "4096"
 
@@ -242,6 +263,7 @@ def test_a_permanent_error_sets_a_condition_and_does_not_loop(api: KMockAPI, ope
 def test_delete_is_clean(api: KMockAPI, operator: OperatorProcess) -> None:
     api.delete(api.isvc_path(NS, "alpha"))
     wait_for(lambda: api.get_or_none(api.isvc_path(NS, "alpha")) is None, what="alpha gone")
+    wait_for(lambda: engine_series(operator, "alpha") == [], what="alpha's engine_info gone")
     # KMock has no garbage collector: the orphaned Deployment still sends events, which must not fail.
     write_deployment_status(api, "alpha", replicas=2, updatedReplicas=2, readyReplicas=2)
     with pytest.raises(ApiError):

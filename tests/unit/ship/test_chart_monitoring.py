@@ -176,3 +176,13 @@ def test_alerts_select_the_scraped_job() -> None:
     assert service["metadata"]["name"] == JOB
     for rule in _alerts().values():
         assert f'job="{JOB}"' in rule["expr"]
+
+
+def test_the_service_monitor_keeps_the_inferenceservice_namespace_label() -> None:
+    """kvpilot_engine_info{namespace,name} names the InferenceService's namespace; the scrape must
+    not overwrite it with the operator pod's (the dashboard selects on it)."""
+    from kvpilot.operator.metrics import ENGINE_INFO_LABELS
+
+    assert "namespace" in ENGINE_INFO_LABELS
+    monitor = one(render("monitoring"), "ServiceMonitor")
+    assert [e.get("honorLabels") for e in monitor["spec"]["endpoints"]] == [True]
