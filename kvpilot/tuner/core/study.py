@@ -25,6 +25,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from kvpilot.tuner.core.objective import SLO, Goal, Measurement, Outcome, better
+from kvpilot.tuner.core.sampler import make_sampler
 from kvpilot.tuner.core.space import EngineParams, SearchSpace
 
 log = logging.getLogger(__name__)
@@ -60,21 +61,6 @@ CONSTRAINT_NAMES = ("slo",)
 def constraints_of(trial: FrozenTrial) -> tuple[float, ...]:
     """The constraints told with a trial (empty for a trial not yet told)."""
     return tuple(float(v) for v in trial.constraints.values())
-
-
-def make_sampler(seed: int | None, n_trials: int, sampler: str = "tpe") -> optuna.samplers.BaseSampler:
-    if sampler == "random":
-        return optuna.samplers.RandomSampler(seed=seed)
-    if sampler != "tpe":
-        raise ValueError(f"sampler: expected 'tpe' or 'random', got {sampler!r}")
-    # A short budget cannot afford TPE's default 10 random start-up trials; the enqueued seeds
-    # (current engine, vLLM defaults, warm start) already cover the start.
-    startup = max(3, min(10, n_trials // 4))
-    return optuna.samplers.TPESampler(
-        multivariate=True,
-        seed=seed,
-        n_startup_trials=startup,
-    )
 
 
 @dataclass(frozen=True)

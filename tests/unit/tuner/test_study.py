@@ -67,9 +67,9 @@ def test_telling_twice_is_harmless() -> None:
     assert st.finished_count() == 1
 
 
-def test_sampler_learns_to_avoid_an_infeasible_region() -> None:
-    """Configs with maxNumSeqs > 512 'fail to start'; TPE soon stops proposing them."""
-    st = _study(seed=3)
+def _late_infeasible(seed: int) -> int:
+    """Configs with maxNumSeqs > 512 'fail to start': how many of trials 20..39 TPE still puts there."""
+    st = _study(seed=seed)
     bad: list[int] = []
     for i in range(40):
         n, p = st.ask()
@@ -79,10 +79,16 @@ def test_sampler_learns_to_avoid_an_infeasible_region() -> None:
         else:
             cap = 10 * p.gpu_memory_utilization - abs(p.max_num_batched_tokens - 2048) / 4096
             st.tell(n, score(Goal.CAPACITY, Measurement(0.1, 0.01, cap, capacity=cap), SLO()))
-    late = [i for i in bad if i >= 20]
-    # Random search would put about 5 of the last 20 there (a quarter of the log range;
-    # seed 3 puts 2 there); TPE with the constraint puts at most one.
-    assert len(late) <= 1, f"TPE kept proposing the infeasible region: {bad}"
+    return sum(1 for i in bad if i >= 20)
+
+
+def test_sampler_learns_to_avoid_an_infeasible_region() -> None:
+    # Random search would put about 5 of the last 20 there (a quarter of the log range), 15 over
+    # three seeds; TPE told the violated constraint puts about one per seed there (measured over
+    # 30 seeds: 0.8 on average, up to 4 on an unlucky one), so three seeds keep the test honest
+    # without hanging on one seed's luck.
+    late = [_late_infeasible(seed) for seed in (0, 1, 2)]
+    assert sum(late) <= 6, f"TPE kept proposing the infeasible region: {late} of the last 20 trials per seed"
 
 
 def test_enqueue_skips_a_config_already_queued() -> None:
