@@ -20,7 +20,8 @@ Logger = logging.Logger | logging.LoggerAdapter[Any]
 ANNOTATION_PREFIX = "kvpilot.dev"
 
 
-def configure_kopf(settings: kopf.OperatorSettings, max_workers: int | None = None) -> None:
+def configure_kopf(settings: kopf.OperatorSettings, max_workers: int | None = None, *,
+                   exact_namespaces: bool = False) -> None:
     # Keep kopf's bookkeeping in annotations: a structural CRD schema would prune status.kopf,
     # and status belongs to what users and the tuner read.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
@@ -34,6 +35,11 @@ def configure_kopf(settings: kopf.OperatorSettings, max_workers: int | None = No
     settings.queueing.idle_timeout = 0.5
     # Standalone: no peering objects to watch or write.
     settings.peering.standalone = True
+    # Watching namespaces by exact name there is nothing to discover: kopf then neither lists and
+    # watches Namespaces (to match patterns) nor watches CRDs (to notice new resources), so the
+    # operator needs no cluster-scoped read at all (rbac.rules_for).  Left on, kopf would read
+    # both and, where a namespaced Role forbids them, retry the 403s for about a minute first.
+    settings.scanning.disabled = exact_namespaces
 
 
 class CredentialsError(Exception):
@@ -62,7 +68,7 @@ def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
 
     @kopf.on.startup(registry=registry, id="configure")
     def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
-        configure_kopf(settings, rt.settings.max_workers)
+        configure_kopf(settings, rt.settings.max_workers, exact_namespaces=rt.settings.exact_namespaces)
 
     # Async so that it runs in the event loop that owns the client's session (kopf runs sync
     # handlers in threads); reading a kubeconfig is quick.

@@ -1,9 +1,20 @@
-"""The RBAC the operator needs, exactly: the Helm chart renders its ClusterRole from this list,
-and an integration test compares it with every call the operator makes against KMock."""
+"""The RBAC the operator needs, exactly: the Helm chart renders its (Cluster)Roles from these lists,
+and tests compare them with every call a real operator run makes against KMock.
+
+What kopf itself reads depends on how the operator is scoped (`rules_for`):
+- `--namespace NS` with exact names: only RULES, all namespaced (kopf's scanning is off, see
+  handlers.configure_kopf), so per-namespace Roles are enough;
+- `--all-namespaces`: RULES plus CRD_WATCH (kopf watches CRDs to notice resources being installed);
+- `--namespace` with glob patterns: also NAMESPACE_WATCH (kopf lists and watches Namespaces to
+  match the patterns against).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from kvpilot.operator.settings import is_exact_namespace
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,21 +40,34 @@ RULES: tuple[Rule, ...] = (
     # Events on InferenceServices (kopf.event posts core/v1 Events).
     Rule(("",), ("events",), ("create",)),
     Rule(("events.k8s.io",), ("events",), ("create",)),
-    # kopf notices CRDs being (re)installed while it runs.
-    Rule(("apiextensions.k8s.io",), ("customresourcedefinitions",), ("get", "list", "watch")),
 )
 
+# Cluster-wide, kopf lists and watches CRDs to notice the InferenceService (or Prometheus Operator)
+# CRDs being (re)installed while it runs.
+CRD_WATCH: tuple[Rule, ...] = (
+    Rule(("apiextensions.k8s.io",), ("customresourcedefinitions",), ("list", "watch")),
+)
 
-# Not required: with --namespace, kopf lists and watches namespaces (cluster-scoped) to follow
-# glob patterns, and falls back to the exact names it was given when that is forbidden (403).
-OPTIONAL_RULES: tuple[Rule, ...] = (
+# With glob patterns in --namespace, kopf lists and watches Namespaces to find the matching ones.
+NAMESPACE_WATCH: tuple[Rule, ...] = (
     Rule(("",), ("namespaces",), ("list", "watch")),
 )
 
 
-def cluster_role_rules() -> list[dict[str, list[str]]]:
-    return [rule.as_manifest() for rule in RULES]
+def rules_for(*, all_namespaces: bool, namespaces: Sequence[str] = ()) -> tuple[Rule, ...]:
+    """The rules an operator run with these flags needs (see the module docstring)."""
+    if all_namespaces:
+        return RULES + CRD_WATCH
+    if all(is_exact_namespace(ns) for ns in namespaces):
+        return RULES
+    return RULES + CRD_WATCH + NAMESPACE_WATCH
 
 
-def allows(api_group: str, resource: str, verb: str) -> bool:
-    return any(api_group in r.api_groups and resource in r.resources and verb in r.verbs for r in RULES)
+def cluster_role_rules(*, all_namespaces: bool = True, namespaces: Sequence[str] = ()) -> list[dict[str, list[str]]]:
+    return [rule.as_manifest() for rule in rules_for(all_namespaces=all_namespaces, namespaces=namespaces)]
+
+
+def allows(api_group: str, resource: str, verb: str, rules: Iterable[Rule] | None = None) -> bool:
+    """Whether `rules` (default: an --all-namespaces run's) grant the verb on the resource."""
+    rules = rules_for(all_namespaces=True) if rules is None else rules
+    return any(api_group in r.api_groups and resource in r.resources and verb in r.verbs for r in rules)

@@ -39,3 +39,14 @@ class OperatorSettings:
     @property
     def watched_namespaces(self) -> tuple[str, ...]:
         return () if self.all_namespaces else (self.namespaces or ("default",))
+
+    @property
+    def exact_namespaces(self) -> bool:
+        """Watching namespaces named exactly (no kopf globs, negations or lists): nothing to discover."""
+        return not self.all_namespaces and all(is_exact_namespace(ns) for ns in self.watched_namespaces)
+
+
+def is_exact_namespace(pattern: str) -> bool:
+    """Whether kopf takes `pattern` as one namespace's name rather than a pattern to match
+    (kopf's own test: `*` and `?` globs, `!` negations and `,` lists make a pattern)."""
+    return not set(pattern) & set("*?!,")

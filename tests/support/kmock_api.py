@@ -97,7 +97,7 @@ class KvpilotEmulator(kmock.KubernetesEmulator):
         self.calls.append((raw_request.method, raw_request.path))
         # Quirk 2: namespaces are cluster-scoped; KMock's path parser reads /namespaces/NAME as a
         # namespaced prefix and fails.  Namespaces are not stored: every namespace an object was
-        # created in exists, and "default".  kopf lists and watches them in --namespace mode.
+        # created in exists, and "default".  kopf lists and watches them for --namespace patterns.
         match = _NAMESPACES_PATH.match(raw_request.path)
         if match and raw_request.method == "GET":
             return await self._serve_namespaces(raw_request, match.group("name"))

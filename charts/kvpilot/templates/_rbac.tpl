@@ -33,19 +33,15 @@ add a rule here only together with the code that needs it.
   verbs: [create]
 {{- end -}}
 
-{{/* Cluster-scoped resources the operator reads: a Role cannot grant these, so with
-rbac.scope=namespace they go into a small ClusterRole of their own. kopf watches CRDs to notice
-the InferenceService (or Prometheus Operator) CRDs being installed while it runs. */}}
+{{/* Cluster-scoped resources the operator reads (rbac.py CRD_WATCH): only when it watches every
+namespace, where kopf watches CRDs to notice the InferenceService (or Prometheus Operator) CRDs
+being installed while it runs. Watching a list of namespaces (exact names; the values schema admits
+no patterns) the operator turns kopf's scanning off, so it reads no CRDs and no Namespaces, and
+rbac.scope=namespace needs no ClusterRole at all. */}}
 {{- define "kvpilot.operatorClusterRules" -}}
+{{- if .Values.watch.allNamespaces }}
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
-  verbs: [get, list, watch]
-{{- if not .Values.watch.allNamespaces }}
-# Watching a list of namespaces, kopf lists and watches Namespaces to follow them (rbac.py
-# OPTIONAL_RULES); refused,
-# it retries for about a minute before falling back to the names as given.
-- apiGroups: [""]
-  resources: [namespaces]
   verbs: [list, watch]
 {{- end }}
 {{- end -}}

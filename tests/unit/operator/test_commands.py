@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -60,6 +61,32 @@ def test_rbac_rules_are_well_formed() -> None:
             "verbs": ["get", "list", "watch", "create", "patch"]} in rules
     assert rbac.allows("kvpilot.dev", "inferenceservices/status", "patch")
     assert not rbac.allows("", "secrets", "get")  # the HF token is mounted by the kubelet, never read
+
+
+@pytest.mark.parametrize(("flags", "scanning_off", "cluster_scoped"), [
+    ({"all_namespaces": True}, False, {("apiextensions.k8s.io", "customresourcedefinitions")}),
+    ({"namespaces": ("team-a", "team-b")}, True, set()),
+    ({}, True, set()),  # "default"
+    ({"namespaces": ("team-*",)}, False, {("apiextensions.k8s.io", "customresourcedefinitions"),
+                                          ("", "namespaces")}),
+    ({"namespaces": ("team-a", "!team-b,team-c")}, False, {("apiextensions.k8s.io", "customresourcedefinitions"),
+                                                           ("", "namespaces")}),
+])
+def test_scanning_is_off_for_exact_namespaces_and_rbac_follows(flags: dict[str, Any], scanning_off: bool,
+                                                               cluster_scoped: set[tuple[str, str]]) -> None:
+    import kopf
+
+    from kvpilot.operator.handlers import configure_kopf
+    from kvpilot.operator.settings import OperatorSettings
+
+    settings = OperatorSettings(**flags)
+    kopf_settings = kopf.OperatorSettings()
+    configure_kopf(kopf_settings, exact_namespaces=settings.exact_namespaces)
+    assert kopf_settings.scanning.disabled is scanning_off
+    rules = rbac.rules_for(all_namespaces=settings.all_namespaces, namespaces=settings.watched_namespaces)
+    namespaced = {(g, r) for rule in rbac.RULES for g in rule.api_groups for r in rule.resources}
+    extra = {(g, r) for rule in rules for g in rule.api_groups for r in rule.resources} - namespaced
+    assert extra == cluster_scoped
 
 
 def _operator_process(tmp_path: Path, kubeconfig: str, port: int) -> subprocess.CompletedProcess[str]:

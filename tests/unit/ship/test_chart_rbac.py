@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.unit.ship.chart import ROOT, Rendered, find, render
+from tests.unit.ship.chart import ROOT, VALUE_SETS, Rendered, find, render
 
 Permission = tuple[str, str, str]
 
@@ -76,10 +76,20 @@ def chart_grants(objects: list[Rendered], component: str) -> dict[str | None, se
     return grants
 
 
-def declared_operator() -> set[Permission]:
+def operator_args(objects: list[Rendered]) -> list[str]:
+    deployment = next(r.obj for r in objects if r.kind == "Deployment" and r.name.endswith("-operator"))
+    return list(deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+
+
+def declared_operator(objects: list[Rendered] | None = None) -> set[Permission]:
+    """What kvpilot/operator/rbac.py declares for the operator run as the chart runs it: with
+    --all-namespaces kopf also watches CRDs; with exact --namespace names it reads nothing
+    cluster-scoped (scanning off)."""
     from kvpilot.operator import rbac
 
-    return expand(rbac.cluster_role_rules())
+    args = operator_args(objects if objects is not None else render("default"))
+    namespaces = [a.split("=", 1)[1] for a in args if a.startswith("--namespace=")]
+    return expand(rbac.cluster_role_rules(all_namespaces="--all-namespaces" in args, namespaces=namespaces))
 
 
 def diff(granted: set[Permission], needed: set[Permission]) -> str:
@@ -91,30 +101,34 @@ def diff(granted: set[Permission], needed: set[Permission]) -> str:
 
 
 def test_cluster_scope_grants_the_operator_exactly_what_it_declares() -> None:
-    grants = chart_grants(render("default"), "operator")
+    objects = render("default")
+    grants = chart_grants(objects, "operator")
     assert set(grants) == {None}
-    assert grants[None] == declared_operator(), diff(grants[None], declared_operator())
+    assert grants[None] == declared_operator(objects), diff(grants[None], declared_operator(objects))
+    assert ("apiextensions.k8s.io", "customresourcedefinitions", "watch") in grants[None]
 
 
-def namespaced_mode_extra() -> set[Permission]:
-    """What kopf itself calls when given a list of namespaces (not with --all-namespaces): it lists
-    and watches Namespaces (kopf/_core/reactor/observation.py). rbac.py calls them optional, since
-    kopf falls back to the names as given on 403; but it retries the refusal for about a minute
-    first, so the chart grants them (test_operator_works_with_only_the_chart_rbac runs that path)."""
-    from kvpilot.operator import rbac
-
-    return expand(rule.as_manifest() for rule in getattr(rbac, "OPTIONAL_RULES", ()))
+def test_cluster_scope_watching_named_namespaces_grants_no_cluster_scoped_reads() -> None:
+    objects = render({"watch": {"allNamespaces": False, "namespaces": ["team-a"]}})
+    grants = chart_grants(objects, "operator")
+    assert set(grants) == {None}
+    assert grants[None] == declared_operator(objects), diff(grants[None], declared_operator(objects))
+    assert not {p for p in grants[None] if (p[0], p[1].split("/")[0]) in CLUSTER_SCOPED}
 
 
-def test_namespace_scope_grants_the_same_split_by_scope() -> None:
-    grants = chart_grants(render("namespaces-operator-only"), "operator")
-    declared = declared_operator() | namespaced_mode_extra()
-    cluster_part = {p for p in declared if (p[0], p[1].split("/")[0]) in CLUSTER_SCOPED}
-    namespaced_part = declared - cluster_part
-    assert set(grants) == {"team-a", "team-b", None}
-    for ns in ("team-a", "team-b"):
-        assert grants[ns] == namespaced_part, diff(grants[ns], namespaced_part)
-    assert grants[None] == cluster_part, diff(grants[None], cluster_part)
+@pytest.mark.parametrize("value_set", ["namespace-scoped", "namespaces-operator-only"])
+def test_namespace_scope_grants_the_same_in_each_namespace_and_nothing_cluster_wide(value_set: str) -> None:
+    """Watching exact namespace names, kopf's scanning is off: no Namespace or CRD reads, so
+    the Roles are all there is (test_operator_works_with_only_the_chart_rbac runs that path)."""
+    objects = render(value_set)
+    grants = chart_grants(objects, "operator")
+    declared = declared_operator(objects)
+    assert not {p for p in declared if (p[0], p[1].split("/")[0]) in CLUSTER_SCOPED}
+    namespaces = set(VALUE_SETS[value_set]["watch"]["namespaces"])
+    assert set(grants) == namespaces
+    for ns in namespaces:
+        assert grants[ns] == declared, diff(grants[ns], declared)
+    assert find(objects, "ClusterRole", "-operator") == []
 
 
 def test_no_role_names_a_cluster_scoped_resource() -> None:
