@@ -43,6 +43,22 @@ PROBE_TIMEOUT_SECONDS = 5
 # SIGTERM to exit after draining: Python teardown, CUDA context release.
 GRACE_MARGIN_SECONDS = 5
 REVISION_HISTORY_LIMIT = 5
+# The kvpilot image's numeric USER (Dockerfile; the distroless "nonroot" id): runAsNonRoot can
+# only be proven for a numeric id.
+TWIN_UID = 65532
+TWIN_TMP_SIZE = "64Mi"
+
+
+def twin_security_contexts() -> tuple[dict[str, Any], dict[str, Any]]:
+    """(pod, container) security contexts for twin pods, fit for the "restricted" Pod Security
+    Standard, so the twin runs in namespaces that enforce it.  vLLM pods get none: the vLLM image
+    runs as root and writes its caches (Hugging Face, torch.compile) into the root filesystem."""
+    pod = {"runAsNonRoot": True, "runAsUser": TWIN_UID, "runAsGroup": TWIN_UID,
+           "seccompProfile": {"type": "RuntimeDefault"}}
+    container = {"runAsNonRoot": True, "runAsUser": TWIN_UID, "runAsGroup": TWIN_UID,
+                 "allowPrivilegeEscalation": False, "privileged": False, "readOnlyRootFilesystem": True,
+                 "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+    return pod, container
 
 
 def rolling_update(isvc: InferenceService) -> dict[str, Any]:
@@ -119,17 +135,21 @@ def pod_template(isvc: InferenceService, options: RenderOptions, engine: EngineS
         container["lifecycle"] = {
             "preStop": {"exec": {"command": ["sleep", str(isvc.spec.rollout.pre_stop_seconds)]}}
         }
+    # NCCL and PyTorch workers share tensors through /dev/shm; the container default is 64 MiB.
+    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory",
+                                                                   "sizeLimit": isvc.spec.resources.shm_size}}]
+    pod_spec: dict[str, Any] = {"terminationGracePeriodSeconds": termination_grace_period(isvc)}
+    if engine.kind == "twin":
+        pod_spec["securityContext"], container["securityContext"] = twin_security_contexts()
+        # The root filesystem is read-only; HOME is /tmp in the image, so whatever a library
+        # caches there (and Python's tempfile) lands in a small writable emptyDir.
+        container["volumeMounts"].append({"name": "tmp", "mountPath": "/tmp"})
+        volumes.append({"name": "tmp", "emptyDir": {"sizeLimit": TWIN_TMP_SIZE}})
     labels = common_labels(isvc)
     labels["app.kubernetes.io/name"] = "vllm" if engine.kind == "vllm" else "kvpilot-twin"
     return {
         "metadata": {"labels": labels},
-        "spec": {
-            "terminationGracePeriodSeconds": termination_grace_period(isvc),
-            "containers": [container],
-            # NCCL and PyTorch workers share tensors through /dev/shm; the container default is 64 MiB.
-            "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory",
-                                                       "sizeLimit": isvc.spec.resources.shm_size}}],
-        },
+        "spec": {**pod_spec, "containers": [container], "volumes": volumes},
     }
 
 

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +15,7 @@ from kvpilot.operator.builders import (
 )
 from kvpilot.operator.builders.deployment import STARTUP_PERIOD_SECONDS
 from tests.unit.operator.fixtures import isvc
+from tests.unit.ship.pss import restricted_violations
 
 
 def container(dep: dict[str, Any]) -> dict[str, Any]:
@@ -167,3 +170,23 @@ def test_engine_annotation_records_the_engine_and_an_override_wins() -> None:
     args = container(dep)["args"]
     assert args[args.index("--max-num-batched-tokens") + 1] == "2048"
     assert _hash(dep) == _hash(build_deployment(isvc(engine={"maxNumBatchedTokens": 2048})))
+
+
+def test_twin_pods_fit_the_restricted_pod_security_standard() -> None:
+    pod = build_deployment(isvc(engine={"kind": "twin"}))["spec"]["template"]["spec"]
+    assert restricted_violations(pod) == []
+    # The image's USER: the twin pods run the kvpilot image.
+    user = re.findall(r"^USER (\d+)", (Path(__file__).resolve().parents[3] / "Dockerfile").read_text(), re.M)
+    assert pod["securityContext"]["runAsUser"] == int(user[-1])
+    # The read-only root filesystem leaves /tmp (the image's HOME) and /dev/shm writable.
+    mounts = {m["mountPath"]: m["name"] for m in container({"spec": {"template": {"spec": pod}}})["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert set(mounts) == {"/tmp", "/dev/shm"}
+    assert all("emptyDir" in volumes[name] for name in mounts.values())
+
+
+def test_vllm_pods_keep_what_vllm_needs() -> None:
+    """The vLLM image runs as root and writes caches into its root filesystem: no restricted context."""
+    pod = build_deployment(isvc())["spec"]["template"]["spec"]
+    assert "securityContext" not in pod and "securityContext" not in pod["containers"][0]
+    assert restricted_violations(pod) != []

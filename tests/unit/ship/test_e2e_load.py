@@ -150,7 +150,7 @@ def test_e2e_manifests_are_valid() -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     from kvpilot.api import validate_object
     from tests.e2e.test_rollout import load_pod, twin_service
-    from tests.unit.ship.test_chart import restricted_violations
+    from tests.unit.ship.pss import restricted_violations
 
     isvc = twin_service("kvpilot-e2e-test")
     assert validate_object(isvc) == []
