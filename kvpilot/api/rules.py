@@ -65,7 +65,10 @@ def _flag_name(arg: str) -> str:
 
 
 def _extra_args_clean(args: list[str]) -> bool:
-    return not any(arg.partition("=")[0] in _FORBIDDEN_FLAGS for arg in args)
+    for arg in args:
+        if arg.partition("=")[0] in _FORBIDDEN_FLAGS:
+            return False
+    return True
 
 
 def engine_issues(engine: EngineSpec) -> list[Issue]:
@@ -192,6 +195,21 @@ def tuning_issues(tuning: TuningSpec) -> list[Issue]:
     return issues
 
 
+def _engine_inside_space(spec: InferenceServiceSpec) -> bool:
+    engine, space = spec.engine, spec.tuning.space
+    if engine.kv_cache_memory_bytes is not None:
+        return False
+    util = engine.gpu_memory_utilization
+    if util is None:
+        util = vllm.DEFAULT_GPU_MEMORY_UTILIZATION
+    tokens, utils, seqs = space.max_num_batched_tokens, space.gpu_memory_utilization, space.max_num_seqs
+    return (
+        tokens[0] <= engine.max_num_batched_tokens <= tokens[1]
+        and seqs[0] <= engine.max_num_seqs <= seqs[1]
+        and utils[0] <= util <= utils[1]
+    )
+
+
 def spec_issues(spec: InferenceServiceSpec) -> list[Issue]:
     rollout = spec.rollout
     engine = spec.engine
@@ -199,7 +217,7 @@ def spec_issues(spec: InferenceServiceSpec) -> list[Issue]:
         (spec.replicas != 1 or rollout.max_surge != 0 or rollout.allow_downtime)
         and rollout.progress_deadline_seconds > rollout.startup_timeout_seconds
         and (engine.kind != "vllm" or spec.resources.gpus >= engine.tensor_parallel_size)
-        and not spec.tuning.enabled
+        and (not spec.tuning.enabled or _engine_inside_space(spec))
     ):
         return _NONE
     issues: list[Issue] = []
