@@ -13,7 +13,7 @@ import kopf
 
 from kvpilot.api.models import GROUP, PLURAL, VERSION
 from kvpilot.operator.builders.common import LABEL_ISVC, LABEL_MANAGED_BY, MANAGED_BY
-from kvpilot.operator.reconcile import RetryLater, Runtime, reconcile_service, schedule_settle, track_rollout
+from kvpilot.operator.reconcile import RetryLater, Runtime, reconcile_service, track_rollout
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
 
@@ -83,26 +83,20 @@ def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
 
     @kopf.on.cleanup(registry=registry, id="cleanup")
     async def cleanup(**_: Any) -> None:
-        for task in list(rt.settling.values()):
-            task.cancel()
         await rt.client.close()
 
     @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry, id="reconcile", backoff=retry_delay)
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry, id="reconcile", backoff=retry_delay)
     @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry, id="reconcile", backoff=retry_delay)
-    async def reconcile(body: kopf.Body, patch: kopf.Patch, logger: Logger, **_: Any) -> None:
+    async def reconcile(body: kopf.Body, logger: Logger, **_: Any) -> None:
         def emit(type_: str, reason: str, message: str) -> None:
             kopf.event(body, type=type_, reason=reason, message=message)
 
+        # The status is written inside (not through kopf's patch after the handler): see reconcile.py.
         try:
-            status = await reconcile_service(rt, dict(body), emit, logger)
+            await reconcile_service(rt, dict(body), emit, logger)
         except RetryLater as exc:
-            if exc.status_patch:
-                patch.status.update(exc.status_patch)
             raise kopf.TemporaryError(str(exc), delay=retry_delay) from None
-        if status:
-            patch.status.update(status)
-        schedule_settle(rt, str(body.metadata.namespace), str(body.metadata.name), emit_on, logger)
 
     @kopf.on.event("apps", "v1", "deployments", registry=registry, id="track-rollout",
                    labels={LABEL_MANAGED_BY: MANAGED_BY})
@@ -115,10 +109,10 @@ def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
         await track_rollout(rt, dict(body), emit_on, logger)
 
     # No finalizer (a delete handler would add one): the children go with the garbage collector,
-    # and all that is left to do is to stop exporting the object's engine.
+    # and all that is left to do is to stop exporting the object's engine and drop its lock.
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry, id="forget-deleted")
     async def service_event(body: kopf.Body, type: str, **_: Any) -> None:
         if type == "DELETED" and body.metadata.namespace and body.metadata.name:
-            rt.metrics.forget_engine(body.metadata.namespace, body.metadata.name)
+            rt.forget(body.metadata.namespace, body.metadata.name)
 
     return registry

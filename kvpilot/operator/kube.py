@@ -149,9 +149,11 @@ class KubeClient:
         return await self.request("POST", path, body, params={"fieldManager": self.field_manager},
                                   retry_conflicts=False)
 
-    async def merge_patch(self, path: str, body: dict[str, Any]) -> Any:
+    async def merge_patch(self, path: str, body: dict[str, Any], *, retry_conflicts: bool = True) -> Any:
+        """retry_conflicts=False for a body with a resourceVersion precondition: sent again it would
+        conflict again; the caller reads anew and recomputes."""
         return await self.request("PATCH", path, body, content_type="application/merge-patch+json",
-                                  params={"fieldManager": self.field_manager})
+                                  params={"fieldManager": self.field_manager}, retry_conflicts=retry_conflicts)
 
     async def delete(self, path: str) -> Any:
         return await self.request("DELETE", path)

@@ -1,9 +1,20 @@
 """What the handlers do, kept out of kopf's decorators so each step reads (and tests) plainly.
 
 `reconcile_service` runs for a created, changed or resumed InferenceService: validate, render,
-create-or-patch the children, and return the status patch.  `track_rollout` runs for every event
-of a Deployment kvpilot manages: it maps the Deployment back to its InferenceService, rolls back
-a rollout that passed its progress deadline, and patches the parent's status.
+create-or-patch the children, and write the status.  `track_rollout` runs for every event of a
+Deployment kvpilot manages: it maps the Deployment back to its InferenceService, rolls back a
+rollout that passed its progress deadline, and writes the parent's status.
+
+Both hold the InferenceService's lock (`Runtime.lock_for`) from their first read to their status
+write, and write the status themselves, inside the lock (not through kopf's patch, which kopf
+applies after the handler has returned).  So a Deployment event that arrives while a reconcile is
+running (its rollout finished the moment the reconcile created it) waits, and is then judged
+against the status the reconcile wrote; nothing can overwrite it with an older view.
+
+Status writes are read-modify-write (`update_status`): the operator owns the conditions Ready,
+Progressing and Degraded and keeps every other type (the tuner's Tuning, SLOBurning) as it finds
+it; the write carries the resourceVersion it was computed from, and a conflict (someone else
+wrote meanwhile) reads again and recomputes.
 """
 
 from __future__ import annotations
@@ -50,12 +61,16 @@ Emit = Callable[[str, str, str], None]
 _MONITORING_KINDS = {"servicemonitors": "ServiceMonitor", "prometheusrules": "PrometheusRule"}
 
 
+# new status (the keys the operator owns) from the status as last read; the conditions it returns
+# keep every condition type of the one it was given that the operator does not own.
+ComputeStatus = Callable[[dict[str, Any]], dict[str, Any]]
+
+# Reads and recomputations of one status write when others keep writing in between.
+STATUS_CONFLICT_ATTEMPTS = 5
+
+
 class RetryLater(Exception):
     """A transient failure outlasted the client's retries; kopf should run the handler again later."""
-
-    def __init__(self, message: str, status_patch: dict[str, Any]) -> None:
-        super().__init__(message)
-        self.status_patch = status_patch
 
 
 @dataclass
@@ -68,11 +83,23 @@ class Runtime:
     discovery: MonitoringDiscovery = field(init=False)
     # InferenceService uids already told that monitoring objects are skipped (the Event is sent once).
     skip_noted: set[str] = field(default_factory=set)
-    # Pending settle passes, by namespace/name (one at a time per object).
-    settling: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    # One lock per InferenceService (namespace/name): a reconcile and a Deployment event of the
+    # same object never interleave (see the module docstring).
+    locks: dict[str, asyncio.Lock] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.discovery = MonitoringDiscovery(self.client, ttl=self.settings.discovery_ttl_seconds)
+
+    def lock_for(self, namespace: str, name: str) -> asyncio.Lock:
+        return self.locks.setdefault(f"{namespace}/{name}", asyncio.Lock())
+
+    def forget(self, namespace: str, name: str) -> None:
+        """The InferenceService is gone: drop what the process keeps for it."""
+        key = f"{namespace}/{name}"
+        lock = self.locks.get(key)
+        if lock is not None and not lock.locked():
+            del self.locks[key]
+        self.metrics.forget_engine(namespace, name)
 
 
 def isvc_path(namespace: str, name: str, subresource: str | None = None) -> str:
@@ -87,19 +114,61 @@ def _engine_summary(engine: dict[str, Any] | None, against: dict[str, Any] | Non
     return ", ".join(parts) or "an unchanged engine"
 
 
-def _degraded_only(previous: dict[str, Any], reason: str, message: str, generation: int | None) -> dict[str, Any]:
-    conditions = set_condition(previous.get("conditions"), DEGRADED, "True", reason, message,
-                               generation, now_rfc3339())
-    return status_patch(previous, {"conditions": conditions})
+def _degraded_only(reason: str, message: str, generation: int | None) -> ComputeStatus:
+    def compute(previous: dict[str, Any]) -> dict[str, Any]:
+        return {"conditions": set_condition(previous.get("conditions"), DEGRADED, "True", reason, message,
+                                            generation, now_rfc3339())}
+    return compute
 
 
-async def reconcile_service(rt: Runtime, body: dict[str, Any], emit: Emit, logger: Logger) -> dict[str, Any]:
-    """Reconcile one InferenceService; returns the status merge patch (possibly empty)."""
+async def update_status(rt: Runtime, namespace: str, name: str, compute: ComputeStatus, *,
+                        parent: dict[str, Any] | None = None) -> None:
+    """Read-modify-write of an InferenceService's status: `compute` gets the status as read and
+    returns the keys the operator owns; only what changed is written, with the resourceVersion it
+    was computed from, so a concurrent writer's change is read and kept, never overwritten.
+    `parent` is the object as the caller last read it (saves a read; a conflict reads it anew)."""
+    for _ in range(STATUS_CONFLICT_ATTEMPTS):
+        if parent is None:
+            parent = await rt.client.get_or_none(isvc_path(namespace, name))
+            if parent is None:
+                return  # deleted
+        previous = dict(parent.get("status") or {})
+        patch = status_patch(previous, compute(previous))
+        if not patch:
+            return
+        version = parent.get("metadata", {}).get("resourceVersion")
+        body: dict[str, Any] = {"status": patch}
+        if version is not None:
+            body["metadata"] = {"resourceVersion": version}
+        try:
+            await rt.client.merge_patch(isvc_path(namespace, name, "status"), body, retry_conflicts=False)
+            return
+        except ApiError as exc:
+            if exc.not_found:
+                return
+            if exc.status != 409:
+                raise
+        parent = None  # someone wrote meanwhile: read again, recompute
+    raise ApiError(409, "Conflict", f"status of {namespace}/{name} kept changing during "
+                   f"{STATUS_CONFLICT_ATTEMPTS} read-modify-write attempts")
+
+
+async def reconcile_service(rt: Runtime, body: dict[str, Any], emit: Emit, logger: Logger) -> None:
+    """Reconcile one InferenceService and write its status (raises RetryLater on transient failures)."""
     started = time.perf_counter()
     result = "error"
+    meta = body.get("metadata", {})
+    namespace, name = str(meta.get("namespace")), str(meta.get("name"))
     try:
-        patch, result = await _reconcile(rt, body, emit, logger)
-        return patch
+        async with rt.lock_for(namespace, name):
+            try:
+                compute, result = await _reconcile(rt, body, emit, logger)
+            except RetryLater as exc:
+                result = "retry"
+                compute = _degraded_only(REASON_APPLY_FAILED, str(exc), meta.get("generation"))
+                await _write_status(rt, namespace, name, compute, body, logger)
+                raise
+            await _write_status(rt, namespace, name, compute, body, logger)
     except RetryLater:
         result = "retry"
         raise
@@ -108,8 +177,18 @@ async def reconcile_service(rt: Runtime, body: dict[str, Any], emit: Emit, logge
         rt.metrics.reconciles.labels(result=result).inc()
 
 
+async def _write_status(rt: Runtime, namespace: str, name: str, compute: ComputeStatus, body: dict[str, Any],
+                        logger: Logger) -> None:
+    try:
+        await update_status(rt, namespace, name, compute, parent=body)
+    except ApiError as exc:
+        if exc.retriable:
+            raise RetryLater(f"writing the status failed: {exc}") from exc
+        logger.warning("status of %s/%s not written: %s", namespace, name, exc)
+
+
 async def _reconcile(rt: Runtime, body: dict[str, Any], emit: Emit,
-                     logger: Logger) -> tuple[dict[str, Any], str]:
+                     logger: Logger) -> tuple[ComputeStatus, str]:
     meta = body.get("metadata", {})
     generation = meta.get("generation")
     previous = dict(body.get("status") or {})
@@ -121,8 +200,7 @@ async def _reconcile(rt: Runtime, body: dict[str, Any], emit: Emit,
         if old.get("reason") != REASON_INVALID_SPEC or old.get("message") != message:
             emit("Warning", REASON_INVALID_SPEC, message)
         logger.warning("invalid spec, nothing deployed or changed: %s", message)
-        return status_patch(previous, invalid_status(generation=generation, previous=previous,
-                                                     message=message)), "invalid"
+        return (lambda fresh: invalid_status(generation=generation, previous=fresh, message=message)), "invalid"
 
     isvc = InferenceService.model_validate({k: v for k, v in body.items() if k != "status"})
     engine: EngineSpec | None = None
@@ -160,18 +238,17 @@ async def _reconcile(rt: Runtime, body: dict[str, Any], emit: Emit,
                 emit("Normal", "Deleted", f"Deleted PodDisruptionBudget {removed.name} (replicas <= 1)")
     except NotOwned as exc:
         emit("Warning", REASON_APPLY_FAILED, str(exc))
-        return _degraded_only(previous, REASON_APPLY_FAILED, str(exc), generation), "error"
+        return _degraded_only(REASON_APPLY_FAILED, str(exc), generation), "error"
     except ApiError as exc:
         message = f"applying children failed: {exc}"
         emit("Warning", REASON_APPLY_FAILED, message)
         if exc.retriable:
-            # kopf applies the patch before the retry, so the condition shows while we wait.
-            raise RetryLater(message, _degraded_only(previous, REASON_APPLY_FAILED, message, generation)) from exc
-        return _degraded_only(previous, REASON_APPLY_FAILED, message, generation), "error"
+            # The caller writes Degraded before kopf's retry, so the condition shows while we wait.
+            raise RetryLater(message) from exc
+        return _degraded_only(REASON_APPLY_FAILED, message, generation), "error"
 
-    new = desired_status(generation=generation, previous=previous, deployment=deployment)
     rt.metrics.set_engine(str(meta.get("namespace")), str(meta.get("name")), engine_info(rollout_of(deployment)))
-    return status_patch(previous, new), "success"
+    return (lambda fresh: desired_status(generation=generation, previous=fresh, deployment=deployment)), "success"
 
 
 async def track_rollout(rt: Runtime, deployment: dict[str, Any], emit_on: Callable[[dict[str, Any], str, str, str], None],
@@ -182,9 +259,16 @@ async def track_rollout(rt: Runtime, deployment: dict[str, Any], emit_on: Callab
     namespace = meta.get("namespace")
     if not name or not namespace:
         return
+    async with rt.lock_for(namespace, name):
+        await _track_rollout(rt, namespace, name, deployment, emit_on, logger)
+
+
+async def _track_rollout(rt: Runtime, namespace: str, name: str, deployment: dict[str, Any],
+                         emit_on: Callable[[dict[str, Any], str, str, str], None], logger: Logger) -> None:
+    meta = deployment.get("metadata", {})
     parent = await rt.client.get_or_none(isvc_path(namespace, name))
     if parent is None:
-        rt.metrics.forget_engine(namespace, name)
+        rt.forget(namespace, name)
         return  # deleted; the garbage collector takes the children
     owner_uids = {ref.get("uid") for ref in meta.get("ownerReferences") or [] if ref.get("controller")}
     if parent.get("metadata", {}).get("uid") not in owner_uids:
@@ -223,50 +307,14 @@ async def track_rollout(rt: Runtime, deployment: dict[str, Any], emit_on: Callab
             old = find_condition(previous.get("conditions"), DEGRADED) or {}
             if old.get("reason") != REASON_DEADLINE:
                 emit_on(parent, "Warning", REASON_DEADLINE, degraded[1])
-    new = desired_status(generation=generation, previous=previous, deployment=deployment, degraded=degraded)
     rt.metrics.set_engine(namespace, name, engine_info(rollout_of(deployment)))
-    patch = status_patch(previous, new)
-    if patch:
-        try:
-            await rt.client.merge_patch(isvc_path(namespace, name, "status"), {"status": patch})
-        except ApiError as exc:
-            # Deleted meanwhile, or the API kept failing through the retries: the next Deployment
-            # event or reconcile writes the status again; a traceback would tell nobody more.
-            logger.warning("status of %s/%s not written: %s", namespace, name, exc)
 
+    def compute(fresh: dict[str, Any]) -> dict[str, Any]:
+        return desired_status(generation=generation, previous=fresh, deployment=deployment, degraded=degraded)
 
-def schedule_settle(rt: Runtime, namespace: str, name: str,
-                    emit_on: Callable[[dict[str, Any], str, str, str], None], logger: Logger) -> None:
-    """Re-read the Deployment shortly after a reconcile and fix the status if it moved meanwhile.
-
-    The reconcile computes its status from the Deployment as it read it, and kopf writes that
-    status after the handler returns; a Deployment event in between is handled against the old
-    status (or skipped, before the first one), and the reconcile's write can then overwrite it.
-    One pass after kopf has written the reconcile's status closes that window.
-    """
-    key = f"{namespace}/{name}"
-    pending = rt.settling.get(key)
-    if pending is not None and not pending.done():
-        return
-    rt.settling[key] = asyncio.create_task(_settle(rt, namespace, name, emit_on, logger))
-
-
-async def _settle(rt: Runtime, namespace: str, name: str,
-                  emit_on: Callable[[dict[str, Any], str, str, str], None], logger: Logger) -> None:
     try:
-        for _ in range(rt.settings.settle_attempts):
-            await asyncio.sleep(rt.settings.settle_delay_seconds)
-            parent = await rt.client.get_or_none(isvc_path(namespace, name))
-            if parent is None:
-                return
-            status = parent.get("status") or {}
-            if status.get("observedGeneration") != parent.get("metadata", {}).get("generation"):
-                continue  # kopf has not written the reconcile's status yet (or the spec moved on)
-            deployment = await rt.client.get_or_none(resource_path("apps/v1", "deployments", namespace, name))
-            if deployment is not None:
-                await track_rollout(rt, deployment, emit_on, logger)
-            return
+        await update_status(rt, namespace, name, compute, parent=parent)
     except ApiError as exc:
-        logger.warning("settling the status of %s/%s failed: %s", namespace, name, exc)
-    finally:
-        rt.settling.pop(f"{namespace}/{name}", None)
+        # The API kept failing through the retries: the next Deployment event or reconcile writes
+        # the status again; a traceback would tell nobody more.
+        logger.warning("status of %s/%s not written: %s", namespace, name, exc)

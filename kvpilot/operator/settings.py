@@ -24,11 +24,6 @@ class OperatorSettings:
     discovery_ttl_seconds: float = 300.0
     # Retries of one API call on 409, 429, 5xx and connection errors: delays between attempts.
     retry_backoff_seconds: tuple[float, ...] = field(default=(0.2, 0.5, 1.0, 2.0, 4.0))
-    # After each reconcile, re-read the Deployment this long later (repeatedly, until kopf has written
-    # the reconcile's status): a Deployment status change that landed while the reconcile was
-    # writing its own status is then not lost until the next Deployment event.
-    settle_delay_seconds: float = 1.0
-    settle_attempts: int = 10
     # Objects handled at once (kopf's per-object workers, per watched resource).  Beyond a few dozen
     # a burst only queues inside the operator: memory grows with every in-flight reconcile while the
     # API server (and this process's CPU) are the bottleneck anyway.

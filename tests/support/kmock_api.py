@@ -15,8 +15,13 @@ bodies exactly as sent and so misses what an API server adds; `KvpilotEmulator` 
 Besides, for resources with a `status` subresource, a write to the main resource ignores
 `status` and a write to `/status` changes only `status`, as a real API server does.
 
+A write whose body carries `metadata.resourceVersion` is refused with 409 Conflict when the object
+has moved on, as a real API server does (optimistic concurrency).
+
 Every request is recorded as (method, path) in `calls`, so a test can compare what the operator
-really calls with the RBAC it declares.
+really calls with the RBAC it declares.  `KMockAPI.after(method, path, action)` runs a test's
+action right after KMock has served a matching request and before the client gets the answer,
+so a test can act deterministically inside the window between two of the operator's calls.
 
 `KMockAPI` runs the emulator in a background thread with its own event loop, so tests, a
 subprocess operator and synchronous helpers can all reach it; `kopf_operator()` runs a real
@@ -69,6 +74,25 @@ def _merge_patch(value: Any, patch: Any) -> Any:
     return result
 
 
+@attrs.frozen
+class ResourceVersionConflict(kmock.KubernetesError):
+    status: int = 409
+    reason: str = "Conflict"
+    message: str = "the object has been modified; please apply your changes to the latest version and try again"
+
+
+@dataclass
+class Hook:
+    """Run `action` (in a thread: it may call KMock through the synchronous helpers) once, after
+    KMock has served the first request with this method whose path matches `path`."""
+
+    method: str
+    path: re.Pattern[str]
+    action: Callable[[], Any]
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
 @attrs.define(kw_only=True)
 class KvpilotEmulator(kmock.KubernetesEmulator):
     """KMock's emulator with the API-server bookkeeping it lacks (see the module docstring)."""
@@ -82,6 +106,7 @@ class KvpilotEmulator(kmock.KubernetesEmulator):
     _namespaces: set[str] = attrs.field(factory=lambda: {"default"})
     _namespace_watchers: list[asyncio.Queue[dict[str, Any]]] = attrs.field(factory=list)
     _rv: int = attrs.field(default=0)
+    hooks: list[Hook] = attrs.field(factory=list)
 
     def _next_rv(self) -> str:
         self._rv += 1
@@ -101,7 +126,17 @@ class KvpilotEmulator(kmock.KubernetesEmulator):
         match = _NAMESPACES_PATH.match(raw_request.path)
         if match and raw_request.method == "GET":
             return await self._serve_namespaces(raw_request, match.group("name"))
-        return await super().__call__(raw_request)
+        response = await super().__call__(raw_request)
+        for hook in list(self.hooks):
+            if hook.method == raw_request.method and hook.path.search(raw_request.path):
+                self.hooks.remove(hook)
+                try:
+                    await asyncio.to_thread(hook.action)
+                except Exception as exc:  # surfaced to the test by KMockAPI.after
+                    hook.error = exc
+                finally:
+                    hook.done.set()
+        return response
 
     def __iter__(self) -> Any:
         # KMock dispatches a request by asking every reaction whether the request is "in" its view,
@@ -192,6 +227,10 @@ class KvpilotEmulator(kmock.KubernetesEmulator):
         if key not in self.objects or self.objects[key].deleted:
             return  # the emulator answers 404 itself
         data = request.data
+        expected = (data.get("metadata") or {}).get("resourceVersion")
+        current = (self.objects[key].raw.get("metadata") or {}).get("resourceVersion")
+        if expected is not None and str(expected) != str(current):
+            raise ResourceVersionConflict()
         if self._has_status_subresource(request.resource):
             if request.subresource == "status":
                 for k in list(data):
@@ -366,6 +405,13 @@ class KMockAPI:
     @property
     def calls(self) -> list[tuple[str, str]]:
         return list(self.emulator.calls)
+
+    def after(self, method: str, path: str, action: Callable[[], Any]) -> Hook:
+        """Run `action` once, right after KMock served the next `method` request whose path
+        matches the regular expression `path`, before that request's client gets the answer."""
+        hook = Hook(method, re.compile(path), action)
+        self.emulator.hooks.append(hook)
+        return hook
 
     def write_kubeconfig(self, path: Path, namespace: str = "default") -> Path:
         config = {

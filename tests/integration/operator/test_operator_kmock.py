@@ -148,6 +148,24 @@ def test_complete_rollout_sets_ready_and_last_good_engine(api: KMockAPI, operato
     assert st["observedGeneration"] == obj["metadata"]["generation"]
 
 
+def test_a_rollout_finished_while_the_deployment_is_being_created_is_not_lost(api: KMockAPI,
+                                                                             operator: OperatorProcess) -> None:
+    """The Deployment's status is written the moment KMock has created it, before the reconcile
+    that created it has written the InferenceService's first status: Ready must still follow."""
+    def finish_rollout() -> None:
+        write_deployment_status(api, "quick", replicas=1, updatedReplicas=1, readyReplicas=1, availableReplicas=1)
+
+    hook = api.after("POST", rf"/namespaces/{NS}/deployments$", finish_rollout)
+    api.create_isvc(make("quick", replicas=1))
+    wait_for(hook.done.is_set, what="the Deployment status written inside the reconcile")
+    assert hook.error is None
+    obj = wait_for(lambda: condition(o := isvc(api, "quick"), "Ready").get("status") == "True" and o,
+                   what="Ready=True")
+    assert obj["status"]["observedGeneration"] == 1
+    assert (obj["status"]["readyReplicas"], obj["status"]["updatedReplicas"]) == (1, 1)
+    assert obj["status"]["lastGoodEngine"]["maxNumBatchedTokens"] == 2048
+
+
 def test_progress_deadline_rolls_back_to_last_good_engine(api: KMockAPI, operator: OperatorProcess) -> None:
     api.patch(api.isvc_path(NS, "alpha"), {"spec": {"engine": {"maxNumBatchedTokens": 8192}}})
     wait_for(lambda: engine_arg(api.get(dep_path("alpha")), "--max-num-batched-tokens") == "8192",
