@@ -21,6 +21,9 @@ from kvpilot.operator.builders.common import ANNOTATION_CONFIG_HASH, ANNOTATION_
 from kvpilot.operator.builders.engine import flag_number
 
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
+# The condition types the operator writes. Every other type (the tuner's Tuning, SLOBurning) belongs
+# to another writer: the functions below carry it over from the status they are given, untouched.
+OWN_CONDITIONS = (READY, PROGRESSING, DEGRADED)
 REASON_ROLLED_BACK = "RolledBack"
 REASON_INVALID_SPEC = "InvalidSpec"
 REASON_APPLY_FAILED = "ApplyFailed"
@@ -127,7 +130,7 @@ def set_condition(conditions: list[dict[str, Any]] | None, type_: str, status: s
         new["observedGeneration"] = generation
     out = [c for c in conditions or [] if c.get("type") != type_]
     out.append(new)
-    order = {READY: 0, PROGRESSING: 1, DEGRADED: 2}
+    order = {t: i for i, t in enumerate(OWN_CONDITIONS)}
     return sorted(out, key=lambda c: (order.get(c.get("type", ""), 9), c.get("type", "")))
 
 
@@ -140,7 +143,8 @@ def rolled_back_at(previous: dict[str, Any] | None, generation: int | None) -> b
 
 def desired_status(*, generation: int | None, previous: dict[str, Any] | None, deployment: dict[str, Any] | None,
                    degraded: tuple[str, str] | None = None, now: str | None = None) -> dict[str, Any]:
-    """The status an InferenceService should show, given its Deployment as it is now."""
+    """The status an InferenceService should show, given its Deployment as it is now.  `previous` is
+    the status as last read; its conditions of types the operator does not own are kept as they are."""
     now = now or now_rfc3339()
     previous = previous or {}
     rollout = rollout_of(deployment)

@@ -250,6 +250,33 @@ def test_a_reconcile_of_an_unchanged_object_writes_no_children(api: KMockAPI, op
     assert writes == []
 
 
+def test_conditions_the_operator_does_not_own_survive_its_status_writes(api: KMockAPI,
+                                                                      operator: OperatorProcess) -> None:
+    """Another writer (the tuner) adds a Tuning condition while a reconcile is under way, after the
+    operator read the object: the operator's status write must keep it, as must later ones."""
+    tuning = {"type": "Tuning", "status": "True", "reason": "TrialRunning", "message": "trial 3 of 30",
+              "lastTransitionTime": "2026-01-01T00:00:00Z"}
+
+    def tuner_adds_a_condition() -> None:
+        conditions = isvc(api, "neighbour")["status"]["conditions"]
+        api.patch(api.isvc_path(NS, "neighbour") + "/status", {"status": {"conditions": [*conditions, tuning]}})
+
+    hook = api.after("PATCH", rf"/namespaces/{NS}/deployments/neighbour$", tuner_adds_a_condition)
+    generation = api.patch(api.isvc_path(NS, "neighbour"), {"spec": {"engine": {"maxNumSeqs": 128}}})[
+        "metadata"]["generation"]
+    wait_for(hook.done.is_set, what="the Tuning condition written inside the reconcile")
+    assert hook.error is None
+    obj = wait_for(lambda: (o := isvc(api, "neighbour"))["status"]["observedGeneration"] == generation and o,
+                   what="the new generation's status")
+    assert condition(obj, "Tuning") == tuning
+    assert condition(obj, "Progressing")["observedGeneration"] == generation
+    write_deployment_status(api, "neighbour", replicas=1, updatedReplicas=1, readyReplicas=1, availableReplicas=1)
+    obj = wait_for(lambda: condition(o := isvc(api, "neighbour"), "Ready").get("status") == "True" and o,
+                   what="neighbour Ready")
+    assert condition(obj, "Tuning") == tuning
+    assert [c["type"] for c in obj["status"]["conditions"]] == ["Ready", "Progressing", "Degraded", "Tuning"]
+
+
 def test_a_permanent_error_sets_a_condition_and_does_not_loop(api: KMockAPI, operator: OperatorProcess) -> None:
     # Someone else's Service already has the name: never taken over, reported once, not retried hot.
     api.create(f"/api/v1/namespaces/{NS}/services", {

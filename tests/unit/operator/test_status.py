@@ -5,6 +5,7 @@ from typing import Any
 
 from kvpilot.operator.builders import ANNOTATION_CONFIG_HASH, ANNOTATION_ENGINE
 from kvpilot.operator.builders.status import (
+    OWN_CONDITIONS,
     desired_status,
     find_condition,
     invalid_status,
@@ -121,3 +122,18 @@ def test_no_deployment_yet() -> None:
     st = desired_status(generation=1, previous={}, deployment=None)
     assert cond(st, "Ready")["reason"] == "DeploymentMissing"
     assert "lastGoodEngine" not in st
+
+
+def test_conditions_of_other_writers_are_kept_as_they_are() -> None:
+    tuning = {"type": "Tuning", "status": "True", "reason": "TrialRunning", "message": "trial 3",
+              "lastTransitionTime": "2026-01-01T00:00:00Z", "observedGeneration": 1}
+    burning = {"type": "SLOBurning", "status": "False", "reason": "WithinBudget", "message": "",
+               "lastTransitionTime": "2026-01-02T00:00:00Z"}
+    previous = {"conditions": [tuning, {"type": "Ready", "status": "False", "reason": "RollingOut",
+                                        "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z"}, burning]}
+    for status in (desired_status(generation=2, previous=previous, deployment=deployment()),
+                   invalid_status(generation=2, previous=previous, message="spec.model: required")):
+        types = [c["type"] for c in status["conditions"]]
+        assert types == [*OWN_CONDITIONS, "SLOBurning", "Tuning"]
+        assert cond(status, "Tuning") == tuning and cond(status, "SLOBurning") == burning
+        assert cond(status, "Ready")["observedGeneration"] == 2
