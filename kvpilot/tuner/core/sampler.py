@@ -39,9 +39,12 @@ _FIXED_PARAMS = "fixed_params"
 def startup_trials(n_trials: int) -> int:
     """Start-up trials for a budget: a third of it, at least 4 and at most 10 (Optuna's default).
 
-    Measured on the quality benchmark's scenarios (30 seeds each, 20 trials): 6 stratified
-    start-up trials reached within 5% of the grid optimum soonest; 4 to 8 were all close, and
-    all beat both 10 and 3 uniform start-up trials."""
+    Measured on the quality benchmark (8 scenarios x 60 seeds, 20 trials, mean regret after 5 /
+    10 / 20 trials): random search 27.0% / 13.7% / 6.2%; TPE with Optuna's default 10 uniform
+    start-up trials 30.5% / 15.0% / 4.5%; 5 uniform 30.5% / 10.3% / 3.6%; 6 stratified (this)
+    23.6% / 10.0% / 3.7%.  A short start-up is what beats random search; stratifying it helps
+    the first few trials (each a rollout and a measurement window, live) and is a wash later.
+    """
     return max(4, min(10, n_trials // 3))
 
 
