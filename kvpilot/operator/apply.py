@@ -49,10 +49,13 @@ def _controller_uid(obj: dict[str, Any]) -> str | None:
     return None
 
 
-async def ensure(client: KubeClient, desired: dict[str, Any]) -> ApplyResult:
-    """Create `desired`, or patch the live object where it drifted from what we own."""
+async def ensure(client: KubeClient, desired: dict[str, Any], *, likely_absent: bool = False) -> ApplyResult:
+    """Create `desired`, or patch the live object where it drifted from what we own.
+
+    `likely_absent` (a new InferenceService's children): create first and read only on 409
+    AlreadyExists, one call instead of a read that answers 404 and then the create."""
     kind, name = desired["kind"], desired["metadata"]["name"]
-    live = await client.get_or_none(path_of(desired))
+    live = None if likely_absent else await client.get_or_none(path_of(desired))
     if live is None:
         try:
             created = await client.create(path_of(desired, named=False), desired)
@@ -60,7 +63,7 @@ async def ensure(client: KubeClient, desired: dict[str, Any]) -> ApplyResult:
         except ApiError as exc:
             if exc.status != 409:
                 raise
-            live = await client.get(path_of(desired))  # created meanwhile: fall through to patching
+            live = await client.get(path_of(desired))  # it exists: fall through to patching
     want_uid = _controller_uid(desired)
     have_uid = _controller_uid(live)
     if have_uid is not None and want_uid is not None and have_uid != want_uid:

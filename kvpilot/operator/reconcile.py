@@ -86,6 +86,9 @@ class Runtime:
     # One lock per InferenceService (namespace/name): a reconcile and a Deployment event of the
     # same object never interleave (see the module docstring).
     locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+    # namespace/name -> resourceVersion of the Deployment its status was last computed from: an
+    # event for that same version (our own create or patch coming back) has nothing new to say.
+    status_basis: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.discovery = MonitoringDiscovery(self.client, ttl=self.settings.discovery_ttl_seconds)
@@ -99,6 +102,7 @@ class Runtime:
         lock = self.locks.get(key)
         if lock is not None and not lock.locked():
             del self.locks[key]
+        self.status_basis.pop(key, None)
         self.metrics.forget_engine(namespace, name)
 
 
@@ -161,14 +165,18 @@ async def reconcile_service(rt: Runtime, body: dict[str, Any], emit: Emit, logge
     namespace, name = str(meta.get("namespace")), str(meta.get("name"))
     try:
         async with rt.lock_for(namespace, name):
+            rt.status_basis.pop(f"{namespace}/{name}", None)
             try:
-                compute, result = await _reconcile(rt, body, emit, logger)
+                compute, result, deployment = await _reconcile(rt, body, emit, logger)
             except RetryLater as exc:
                 result = "retry"
                 compute = _degraded_only(REASON_APPLY_FAILED, str(exc), meta.get("generation"))
                 await _write_status(rt, namespace, name, compute, body, logger)
                 raise
-            await _write_status(rt, namespace, name, compute, body, logger)
+            if await _write_status(rt, namespace, name, compute, body, logger) and deployment is not None:
+                version = deployment.get("metadata", {}).get("resourceVersion")
+                if version is not None:
+                    rt.status_basis[f"{namespace}/{name}"] = str(version)
     except RetryLater:
         result = "retry"
         raise
@@ -178,17 +186,21 @@ async def reconcile_service(rt: Runtime, body: dict[str, Any], emit: Emit, logge
 
 
 async def _write_status(rt: Runtime, namespace: str, name: str, compute: ComputeStatus, body: dict[str, Any],
-                        logger: Logger) -> None:
+                        logger: Logger) -> bool:
+    """True once the status is written (or already was as computed)."""
     try:
         await update_status(rt, namespace, name, compute, parent=body)
+        return True
     except ApiError as exc:
         if exc.retriable:
             raise RetryLater(f"writing the status failed: {exc}") from exc
         logger.warning("status of %s/%s not written: %s", namespace, name, exc)
+        return False
 
 
 async def _reconcile(rt: Runtime, body: dict[str, Any], emit: Emit,
-                     logger: Logger) -> tuple[ComputeStatus, str]:
+                     logger: Logger) -> tuple[ComputeStatus, str, dict[str, Any] | None]:
+    """The status to write, the result for the metrics, and the Deployment as applied (if it was)."""
     meta = body.get("metadata", {})
     generation = meta.get("generation")
     previous = dict(body.get("status") or {})
@@ -200,7 +212,7 @@ async def _reconcile(rt: Runtime, body: dict[str, Any], emit: Emit,
         if old.get("reason") != REASON_INVALID_SPEC or old.get("message") != message:
             emit("Warning", REASON_INVALID_SPEC, message)
         logger.warning("invalid spec, nothing deployed or changed: %s", message)
-        return (lambda fresh: invalid_status(generation=generation, previous=fresh, message=message)), "invalid"
+        return (lambda fresh: invalid_status(generation=generation, previous=fresh, message=message)), "invalid", None
 
     isvc = InferenceService.model_validate({k: v for k, v in body.items() if k != "status"})
     engine: EngineSpec | None = None
@@ -220,35 +232,45 @@ async def _reconcile(rt: Runtime, body: dict[str, Any], emit: Emit,
                  f"the cluster does not serve monitoring.coreos.com/v1 {', '.join(missing)}; "
                  f"not creating {' or '.join(missing)} (install the Prometheus Operator CRDs to get them)")
         deployment: dict[str, Any] | None = None
-        for manifest in render_manifests(isvc, options, engine):
-            applied = await ensure(rt.client, manifest)
-            what = f"{applied.kind} {applied.name}"
-            if applied.action == "created":
-                emit("Normal", "Created", f"Created {what}")
-                logger.info("created %s", what)
-            elif applied.action == "updated":
-                changed = ", ".join(applied.changed[:6]) + (" ..." if len(applied.changed) > 6 else "")
-                emit("Normal", "Updated", f"Updated {what}: {changed}")
-                logger.info("updated %s: %s", what, changed)
-            if manifest["kind"] == "Deployment":
-                deployment = applied.live
+        # Never reconciled (no status yet): its children almost surely do not exist.
+        new_object = previous.get("observedGeneration") is None
+        # One Created Event naming every child created in this pass (a new object's three or four
+        # Events would be the bulk of its API calls), posted even if a later child fails.
+        created: list[str] = []
+        try:
+            for manifest in render_manifests(isvc, options, engine):
+                applied = await ensure(rt.client, manifest, likely_absent=new_object)
+                what = f"{applied.kind} {applied.name}"
+                if applied.action == "created":
+                    created.append(what)
+                    logger.info("created %s", what)
+                elif applied.action == "updated":
+                    changed = ", ".join(applied.changed[:6]) + (" ..." if len(applied.changed) > 6 else "")
+                    emit("Normal", "Updated", f"Updated {what}: {changed}")
+                    logger.info("updated %s: %s", what, changed)
+                if manifest["kind"] == "Deployment":
+                    deployment = applied.live
+        finally:
+            if created:
+                emit("Normal", "Created", f"Created {', '.join(created)}")
         if not wants_pdb(isvc):
             removed = await ensure_absent(rt.client, build_pdb(isvc))
             if removed is not None:
                 emit("Normal", "Deleted", f"Deleted PodDisruptionBudget {removed.name} (replicas <= 1)")
     except NotOwned as exc:
         emit("Warning", REASON_APPLY_FAILED, str(exc))
-        return _degraded_only(REASON_APPLY_FAILED, str(exc), generation), "error"
+        return _degraded_only(REASON_APPLY_FAILED, str(exc), generation), "error", None
     except ApiError as exc:
         message = f"applying children failed: {exc}"
         emit("Warning", REASON_APPLY_FAILED, message)
         if exc.retriable:
             # The caller writes Degraded before kopf's retry, so the condition shows while we wait.
             raise RetryLater(message) from exc
-        return _degraded_only(REASON_APPLY_FAILED, message, generation), "error"
+        return _degraded_only(REASON_APPLY_FAILED, message, generation), "error", None
 
     rt.metrics.set_engine(str(meta.get("namespace")), str(meta.get("name")), engine_info(rollout_of(deployment)))
-    return (lambda fresh: desired_status(generation=generation, previous=fresh, deployment=deployment)), "success"
+    return ((lambda fresh: desired_status(generation=generation, previous=fresh, deployment=deployment)),
+            "success", deployment)
 
 
 async def track_rollout(rt: Runtime, deployment: dict[str, Any], emit_on: Callable[[dict[str, Any], str, str, str], None],
@@ -266,6 +288,11 @@ async def track_rollout(rt: Runtime, deployment: dict[str, Any], emit_on: Callab
 async def _track_rollout(rt: Runtime, namespace: str, name: str, deployment: dict[str, Any],
                          emit_on: Callable[[dict[str, Any], str, str, str], None], logger: Logger) -> None:
     meta = deployment.get("metadata", {})
+    key = f"{namespace}/{name}"
+    version = meta.get("resourceVersion")
+    if version is not None and rt.status_basis.get(key) == str(version):
+        return  # the status was computed from exactly this Deployment
+    rt.status_basis.pop(key, None)
     parent = await rt.client.get_or_none(isvc_path(namespace, name))
     if parent is None:
         rt.forget(namespace, name)
@@ -318,3 +345,7 @@ async def _track_rollout(rt: Runtime, namespace: str, name: str, deployment: dic
         # The API kept failing through the retries: the next Deployment event or reconcile writes
         # the status again; a traceback would tell nobody more.
         logger.warning("status of %s/%s not written: %s", namespace, name, exc)
+        return
+    version = (deployment.get("metadata") or {}).get("resourceVersion")
+    if version is not None:
+        rt.status_basis[key] = str(version)

@@ -106,7 +106,8 @@ def test_create_makes_children_with_owner_references_and_conditions(api: KMockAP
         "lastTransitionTime": None}
     assert condition(obj, "Degraded")["reason"] == "AsExpected"
     assert obj["status"]["engineArgs"][:3] == ["vllm", "serve", "meta-llama/Meta-Llama-3-8B-Instruct"]
-    wait_for(lambda: events_for(api, "alpha", "Created"), what="Created events")
+    (created,) = wait_for(lambda: events_for(api, "alpha", "Created"), what="the Created event")
+    assert created["message"] == "Created Deployment alpha, Service alpha, PodDisruptionBudget alpha"
     skipped = wait_for(lambda: events_for(api, "alpha", "MonitoringSkipped"), what="MonitoringSkipped event")
     assert len(skipped) == 1
     assert "ServiceMonitor" in skipped[0]["message"] and "PrometheusRule" in skipped[0]["message"]
