@@ -30,7 +30,8 @@ class Rule:
 RULES: tuple[Rule, ...] = (
     # The custom resource: watched by kopf; kopf keeps its progress in annotations (patch).
     Rule(("kvpilot.dev",), ("inferenceservices",), ("get", "list", "watch", "patch")),
-    Rule(("kvpilot.dev",), ("inferenceservices/status",), ("get", "patch")),
+    # Status: read-modify-write reads the object itself, and patches the status subresource.
+    Rule(("kvpilot.dev",), ("inferenceservices/status",), ("patch",)),
     # Children: create-or-patch; Deployments are watched to map rollout progress back to the parent.
     Rule(("apps",), ("deployments",), ("get", "list", "watch", "create", "patch")),
     Rule(("",), ("services",), ("get", "create", "patch")),

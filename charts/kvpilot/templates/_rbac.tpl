@@ -12,7 +12,7 @@ add a rule here only together with the code that needs it.
   verbs: [get, list, watch, patch]
 - apiGroups: [kvpilot.dev]
   resources: [inferenceservices/status]
-  verbs: [get, patch]
+  verbs: [patch]
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, list, watch, create, patch]
