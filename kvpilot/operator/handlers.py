@@ -104,7 +104,7 @@ def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
         if type == "DELETED":
             parent = (body.metadata.labels or {}).get(LABEL_ISVC)
             if parent and body.metadata.namespace:
-                rt.metrics.forget_engine(body.metadata.namespace, parent)  # no engine runs any more
+                rt.forget(body.metadata.namespace, parent)  # no engine runs any more
             return
         await track_rollout(rt, dict(body), emit_on, logger)
 

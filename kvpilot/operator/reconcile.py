@@ -97,7 +97,8 @@ class Runtime:
         return self.locks.setdefault(f"{namespace}/{name}", asyncio.Lock())
 
     def forget(self, namespace: str, name: str) -> None:
-        """The InferenceService is gone: drop what the process keeps for it."""
+        """The InferenceService (or its Deployment) is gone: drop what the process keeps for it.
+        A lock in use stays; an unused one is made again when needed."""
         key = f"{namespace}/{name}"
         lock = self.locks.get(key)
         if lock is not None and not lock.locked():
