@@ -148,7 +148,7 @@ class Table:
     def outcome(self, p: EngineParams) -> Outcome:
         v = self.data[_key(p)]
         if isinstance(v, str):
-            return infeasible(Goal.CAPACITY, "StartupFailed", v[:200])
+            return infeasible(Goal.CAPACITY, "StartupFailed", v)  # the whole message: its numbers grade the failure
         m = Measurement(ttft_p99=v["ttft"] or float("inf"), itl_p99=v["itl"] or float("inf"),
                         request_rate=v["capacity"], capacity=v["capacity"])
         return score(Goal.CAPACITY, m, slo_of(self.sc))

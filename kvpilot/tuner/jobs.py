@@ -118,7 +118,7 @@ def tune_offline(args: argparse.Namespace) -> int:
         try:
             s = evaluator.run(params, args.rate)
         except (EngineStartupError, ValueError) as exc:
-            return infeasible(goal, "StartupFailed", str(exc).splitlines()[0][:300])
+            return infeasible(goal, "StartupFailed", str(exc).splitlines()[0])
         m = Measurement(ttft_p99=s.ttft_p99, itl_p99=s.itl_p99, request_rate=args.rate)
         return score(goal, m, slo)
 

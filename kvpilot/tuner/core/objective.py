@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any, Literal
 
+from kvpilot.tuner.core.startup import memory_shortfall
+
 
 class Goal(StrEnum):
     LATENCY = "latency"
@@ -60,8 +62,16 @@ class SLO:
 # (TPE sorts by value within the infeasible group, and inf breaks its density estimates).
 LATENCY_PENALTY = 100.0
 CAPACITY_PENALTY = 0.0
-# Constraint value for a config that could not run at all: far beyond any burn-rate violation.
+# Constraint value for a config that could not run at all, for a reason that says nothing of how
+# far it was from running (a crash, a failed rollout): far beyond any burn-rate violation.
 INFEASIBLE_VIOLATION = 1000.0
+# A config that could not start for lack of memory is graded by how much was missing
+# (`startup.memory_shortfall`): MEMORY_VIOLATION x (1 + tier + shortfall), so 100..400 -- above
+# any burn rate a running engine shows in practice (a fast burn is 14.4x), below the ungraded
+# constant, and lower the nearer the config came to starting.  TPE ranks infeasible trials by
+# this value when too few feasible ones fill its "good" group, so it heads for the memory that
+# is missing (a higher gpuMemoryUtilization, a smaller token budget) instead of sampling blind.
+MEMORY_VIOLATION = 100.0
 
 
 @dataclass(frozen=True)
@@ -123,9 +133,21 @@ def score(goal: Goal, m: Measurement, slo: SLO) -> Outcome:
 
 
 def infeasible(goal: Goal, reason: str, message: str, m: Measurement | None = None) -> Outcome:
-    """A config that could not run (start-up failure, OOM, failed rollout)."""
+    """A config that could not run (start-up failure, OOM, failed rollout).
+
+    Still a completed trial with a violated constraint; the violation is graded by the memory
+    shortfall where `message` (vLLM's or the twin's start-up error) reports one.
+    """
     value = LATENCY_PENALTY if goal is Goal.LATENCY else CAPACITY_PENALTY
-    return Outcome(value, (INFEASIBLE_VIOLATION,), False, reason, message, m)
+    return Outcome(value, (infeasible_violation(message),), False, reason, message, m)
+
+
+def infeasible_violation(message: str) -> float:
+    """The constraint value for a config that could not run: graded by memory shortfall, else constant."""
+    shortfall = memory_shortfall(message)
+    if shortfall is None:
+        return INFEASIBLE_VIOLATION
+    return MEMORY_VIOLATION * (1.0 + shortfall.distance)
 
 
 def better(goal: Goal, a: float, b: float) -> bool:

@@ -1,0 +1,101 @@
+"""How far a config that could not start was from starting: read from vLLM's start-up error.
+
+A start-up failure told to the sampler as one flat constant says "infeasible" and nothing more,
+so TPE cannot tell a config that missed by a few hundred MiB from a hopeless one, and on a
+memory-bound model (most of the grid cannot start) it has no gradient toward the configs that
+can.  vLLM's start-up errors carry the numbers; the twin raises the same wording
+(`kvpilot.twin.memory`).  Read them and grade the failure:
+
+    tier 0  the KV cache cannot hold one `max_model_len` sequence
+            "... X GiB KV cache is needed, which is larger than the available KV cache memory (Y GiB)"
+            shortfall = (X - Y) / X, in units of that one sequence
+    tier 1  nothing left for the KV cache at all
+            "No available memory for the cache blocks ... (requested R GiB; model weights take W GiB;
+            PyTorch activation peak memory takes A GiB; non-torch memory takes N GiB)"
+            shortfall = (W + A + N - R) / (W + A + N); vLLM's own message has no numbers: 0
+    tier 2  the GPU itself is short (weights or an allocation do not fit, or less memory is free
+            than gpuMemoryUtilization asks for): shortfall = (asked - free) / asked
+
+A lower tier is always nearer to starting (one more block of memory away from the next tier
+down), and within a tier the shortfall orders configs by how much memory is missing.  A message
+with none of these shapes (a crash, a failed rollout) gives None: the caller keeps its constant.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_UNIT = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
+_SIZE = r"([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B)"
+
+_KV_SHORT = re.compile(
+    _SIZE + r" KV cache is needed, which is larger than the available KV cache memory \(" + _SIZE + r"\)",
+    re.IGNORECASE,
+)
+_MAX_LEN = re.compile(
+    r"max seq len \(([0-9]+)\) is larger than the maximum number of tokens that can be stored in KV cache "
+    r"\(([0-9]+)\)",
+    re.IGNORECASE,
+)
+_NO_CACHE = re.compile(r"No available memory for the cache blocks", re.IGNORECASE)
+_NO_CACHE_NUMBERS = re.compile(
+    r"requested " + _SIZE + r"; model weights take " + _SIZE + r"; PyTorch activation peak memory takes "
+    + _SIZE + r"; non-torch memory takes " + _SIZE,
+    re.IGNORECASE,
+)
+# The twin's weights message, and PyTorch's / vLLM's CUDA OOM wording.
+_WEIGHTS = re.compile(r"they need " + _SIZE + r" per GPU .*? of which " + _SIZE + r" is free", re.IGNORECASE)
+_CUDA_OOM = re.compile(r"Tried to allocate " + _SIZE + r".*? of which " + _SIZE + r" is free", re.IGNORECASE)
+_UTIL_TOO_HIGH = re.compile(
+    r"Free memory on device \S+ \(" + r"([0-9.]+)/[0-9.]+ GiB\) on startup is less than desired GPU memory "
+    r"utilization \([0-9.]+, " + _SIZE + r"\)",
+    re.IGNORECASE,
+)
+_OOM = re.compile(r"out of memory", re.IGNORECASE)
+
+TIERS = 3  # tiers 0..2 above
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    tier: int  # 0: KV cache short of one sequence, 1: no KV cache at all, 2: GPU memory short
+    fraction: float  # 0..1 within the tier: the share of what was needed that was missing
+
+    @property
+    def distance(self) -> float:
+        """One number ordering every memory failure: tier + fraction, in [0, TIERS]."""
+        return self.tier + self.fraction
+
+
+def _bytes(number: str, unit: str) -> float:
+    return float(number) * _UNIT[unit.lower()]
+
+
+def _share(missing: float, needed: float) -> float:
+    return 0.0 if needed <= 0 else min(max(missing / needed, 0.0), 1.0)
+
+
+def memory_shortfall(message: str) -> Shortfall | None:
+    """The memory shortfall a start-up error reports, or None where it reports none."""
+    if m := _KV_SHORT.search(message):
+        needed, available = _bytes(*m.group(1, 2)), _bytes(*m.group(3, 4))
+        return Shortfall(0, _share(needed - available, needed))
+    if m := _MAX_LEN.search(message):  # the same failure, in tokens (a message cut short still has these)
+        max_len, fits = int(m.group(1)), int(m.group(2))
+        return Shortfall(0, _share(max_len - fits, max_len))
+    if _NO_CACHE.search(message):
+        if m := _NO_CACHE_NUMBERS.search(message):
+            requested = _bytes(*m.group(1, 2))
+            fixed = _bytes(*m.group(3, 4)) + _bytes(*m.group(5, 6)) + _bytes(*m.group(7, 8))
+            return Shortfall(1, _share(fixed - requested, fixed))
+        return Shortfall(1, 0.0)
+    if m := _WEIGHTS.search(message) or _CUDA_OOM.search(message):
+        asked, free = _bytes(*m.group(1, 2)), _bytes(*m.group(3, 4))
+        return Shortfall(2, _share(asked - free, asked))
+    if m := _UTIL_TOO_HIGH.search(message):
+        free, asked = float(m.group(1)) * 2**30, _bytes(*m.group(2, 3))
+        return Shortfall(2, _share(asked - free, asked))
+    if _OOM.search(message):
+        return Shortfall(2, 1.0)
+    return None
