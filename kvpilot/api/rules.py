@@ -65,10 +65,7 @@ def _flag_name(arg: str) -> str:
 
 
 def _extra_args_clean(args: list[str]) -> bool:
-    for arg in args:
-        if arg.partition("=")[0] in _FORBIDDEN_FLAGS:
-            return False
-    return True
+    return not any(arg.partition("=")[0] in _FORBIDDEN_FLAGS for arg in args)
 
 
 def engine_issues(engine: EngineSpec) -> list[Issue]:
