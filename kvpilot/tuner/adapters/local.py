@@ -32,6 +32,7 @@ from pathlib import Path
 from kvpilot.api import vllm
 from kvpilot.tuner.core.loop import ApplyFailed
 from kvpilot.tuner.core.space import PARAM_GPU_UTIL, PARAM_SEQS, PARAM_TOKENS, EngineParams
+from kvpilot.tuner.core.startup import memory_shortfall
 
 log = logging.getLogger(__name__)
 
@@ -199,8 +200,9 @@ class LocalApplier:
         url = f"http://127.0.0.1:{eng.port}/health"
         while time.monotonic() < deadline:
             if eng.proc.poll() is not None:
-                raise ApplyFailed(_reason_from_log(eng.log_tail()),
-                                  f"engine exited with code {eng.proc.returncode}: {_last_line(eng.log_tail())}")
+                tail = eng.log_tail(FAILURE_LOG_CHARS)
+                raise ApplyFailed(_reason_from_log(tail),
+                                  f"engine exited with code {eng.proc.returncode}: {_failure_line(tail)}")
             try:
                 with urllib.request.urlopen(url, timeout=1.0) as resp:
                     if resp.status == 200:
@@ -271,8 +273,19 @@ class LocalApplier:
             self._engine = None
 
 
-def _last_line(text: str) -> str:
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+# How much of a dead engine's log to search for why it died: vLLM V1 logs the root cause in the
+# engine-core process's traceback, then the API server's own traceback ("Engine core
+# initialization failed. See root cause above.") buries it a few thousand characters up.
+FAILURE_LOG_CHARS = 20_000
+
+
+def _failure_line(text: str) -> str:
+    """The line that says why the engine died: the last one reporting a memory shortfall (its numbers
+    grade the infeasible trial, see `core.startup`), else the last line."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if memory_shortfall(ln) is not None:
+            return ln[:600]
     return lines[-1][:300] if lines else "(no output)"
 
 

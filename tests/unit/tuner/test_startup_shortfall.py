@@ -129,3 +129,17 @@ def test_sampler_moves_toward_feasibility_when_told_the_shortfall() -> None:
     # 3.7, six seeds without any.  Every graded seed must find the region, and find more of it.
     assert all(g > 0 for g in graded), f"graded: a seed never found a config that starts: {graded}"
     assert sum(graded) > sum(flat), f"graded {graded} vs flat {flat}"
+
+
+def test_local_applier_reports_the_root_cause_line_of_a_dead_engine() -> None:
+    from kvpilot.tuner.adapters.local import _failure_line
+
+    cause = ("(EngineCore_DP0 pid=4242) ValueError: To serve at least one request with the model's max seq len "
+             "(8192), 1.25 GiB KV cache is needed, which is larger than the available KV cache memory (0.91 GiB).")
+    # vLLM V1: the API server's own traceback follows the engine core's root cause.
+    server = "\n".join(f'  File "/usr/lib/python3/vllm/entrypoints/x{i}.py", line {i}, in run' for i in range(60))
+    log = f"INFO loading weights\n{cause}\n{server}\nRuntimeError: Engine core initialization failed. See root cause above."
+    assert _failure_line(log) == cause
+    assert infeasible_violation(_failure_line(log)) < INFEASIBLE_VIOLATION
+    assert _failure_line("INFO starting\nSegmentation fault\n") == "Segmentation fault"
+    assert _failure_line("") == "(no output)"
