@@ -22,7 +22,7 @@ tools:
 tune: setup
 	$(VENV)/bin/kvpilot tune --offline
 
-## Everything CI runs: lint, the import-layering contract, and the whole test suite.
+## Everything CI runs: lint, types, the import-layering contract, and the whole test suite.
 test: setup tools lint
 	$(PY) -m pytest
 
@@ -32,6 +32,7 @@ test-unit: setup
 lint: setup
 	$(VENV)/bin/ruff check kvpilot tests benchmarks
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 ## Regenerate what is generated (CRD, its copy in the chart, the chart's dashboard); tests diff them.
 crd: setup
