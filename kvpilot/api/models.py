@@ -40,8 +40,6 @@ class _Wire(BaseModel):
         alias_generator=to_camel,
         populate_by_name=True,
         extra="forbid",
-        frozen=False,
-        use_attribute_docstrings=False,
     )
 
     def to_wire(self) -> dict[str, Any]:
@@ -117,7 +115,7 @@ class EngineSpec(_Wire):
 
     @model_validator(mode="after")
     def _cross_fields(self) -> EngineSpec:
-        rules.raise_issues("EngineSpec", rules.engine_issues(self), self)
+        rules.raise_issues("EngineSpec", rules.engine_issues(self))
         return self
 
 
@@ -179,7 +177,7 @@ class SLOSpec(_Wire):
 
     @model_validator(mode="after")
     def _edges(self) -> SLOSpec:
-        rules.raise_issues("SLOSpec", rules.slo_issues(self), self)
+        rules.raise_issues("SLOSpec", rules.slo_issues(self))
         return self
 
 
@@ -223,7 +221,7 @@ class TuningSpec(_Wire):
 
     @model_validator(mode="after")
     def _space(self) -> TuningSpec:
-        rules.raise_issues("TuningSpec", rules.tuning_issues(self), self)
+        rules.raise_issues("TuningSpec", rules.tuning_issues(self))
         return self
 
 
@@ -246,7 +244,7 @@ class InferenceServiceSpec(_Wire):
 
     @model_validator(mode="after")
     def _cross_fields(self) -> InferenceServiceSpec:
-        rules.raise_issues("InferenceServiceSpec", rules.spec_issues(self), self)
+        rules.raise_issues("InferenceServiceSpec", rules.spec_issues(self))
         return self
 
 

@@ -40,7 +40,7 @@ _SPACE_LIMITS: dict[str, tuple[float, float]] = {
 }
 
 
-def raise_issues(title: str, issues: list[Issue], _model: object) -> None:
+def raise_issues(title: str, issues: list[Issue]) -> None:
     if not issues:
         return
     raise ValidationError.from_exception_data(
