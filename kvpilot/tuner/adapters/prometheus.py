@@ -7,15 +7,11 @@ makes the loop pause: the tuner never judges, or changes, an engine on signals i
 
 from __future__ import annotations
 
-import json
 import math
-import urllib.error
-import urllib.parse
-import urllib.request
-from typing import Any
 
 from kvpilot.slo import promql
 from kvpilot.slo.promql import Matcher, Selector
+from kvpilot.slo.signals import PrometheusReader, SignalsError
 from kvpilot.tuner.core.loop import SignalsUnavailable
 from kvpilot.tuner.core.objective import SLO, Measurement
 from kvpilot.tuner.core.warmstart import WorkloadEstimate, lognormal_from_mean, lognormal_from_quantiles
@@ -48,27 +44,21 @@ class PrometheusSignals:
         self.url = url.rstrip("/")
         self.selector = parse_selector(selector) if isinstance(selector, str) else selector
         self.slo, self.objective, self.timeout_s = slo, objective, timeout_s
+        self._reader = PrometheusReader(self.url, timeout=timeout_s)
         promql.check_bucket_edge("ttft", slo.ttft_seconds)
         promql.check_bucket_edge("itl", slo.itl_seconds)
 
     # -- HTTP ----------------------------------------------------------------------------
     def query(self, expr: str) -> float | None:
-        """A scalar from an instant query; None when the answer is empty."""
-        q = urllib.parse.urlencode({"query": expr})
+        """A scalar from an instant query; None when the answer is empty or NaN.
+
+        The HTTP side is the SLO reader's (prometheus-api-client, typed errors); any failure
+        becomes SignalsUnavailable, with the error's class as the reason, so the loop pauses.
+        """
         try:
-            with urllib.request.urlopen(f"{self.url}/api/v1/query?{q}", timeout=self.timeout_s) as resp:
-                body: dict[str, Any] = json.load(resp)
-        except urllib.error.HTTPError as exc:
-            raise SignalsUnavailable("PrometheusQueryError", f"HTTP {exc.code} for {expr[:120]}") from None
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            raise SignalsUnavailable("PrometheusUnreachable", f"{self.url}: {exc}") from None
-        if body.get("status") != "success":
-            raise SignalsUnavailable("PrometheusQueryError", str(body.get("error", body))[:200])
-        result = body.get("data", {}).get("result", [])
-        if not result:
-            return None
-        value = float(result[0]["value"][1])
-        return None if math.isnan(value) else value
+            return self._reader.scalar(expr)
+        except SignalsError as exc:
+            raise SignalsUnavailable(type(exc).__name__, str(exc)[:300]) from None
 
     def _need(self, expr: str, what: str) -> float:
         v = self.query(expr)
