@@ -181,28 +181,21 @@ class SLOSpec(_Wire):
         return self
 
 
+def _range(default: list[Any], field: str) -> Any:
+    # default_factory keeps instances from sharing a list; the schema default is for the API server.
+    return Field(
+        default_factory=lambda: list(default),
+        json_schema_extra={"default": default},
+        min_length=2,
+        max_length=2,
+        description=f"[min, max] of engine.{field} the tuner may try.",
+    )
+
+
 class TuningSpace(_Wire):
-    max_num_batched_tokens: list[int] = Field(
-        default_factory=lambda: [256, 16384],
-        json_schema_extra={"default": [256, 16384]},
-        min_length=2,
-        max_length=2,
-        description="[min, max] of engine.maxNumBatchedTokens the tuner may try.",
-    )
-    gpu_memory_utilization: list[float] = Field(
-        default_factory=lambda: [0.70, 0.95],
-        json_schema_extra={"default": [0.70, 0.95]},
-        min_length=2,
-        max_length=2,
-        description="[min, max] of engine.gpuMemoryUtilization the tuner may try.",
-    )
-    max_num_seqs: list[int] = Field(
-        default_factory=lambda: [64, 1024],
-        json_schema_extra={"default": [64, 1024]},
-        min_length=2,
-        max_length=2,
-        description="[min, max] of engine.maxNumSeqs the tuner may try.",
-    )
+    max_num_batched_tokens: list[int] = _range([256, 16384], "maxNumBatchedTokens")
+    gpu_memory_utilization: list[float] = _range([0.70, 0.95], "gpuMemoryUtilization")
+    max_num_seqs: list[int] = _range([64, 1024], "maxNumSeqs")
 
 
 class TuningSpec(_Wire):
