@@ -276,6 +276,25 @@ def without(calls: list[tuple[str, str]], ours: list[tuple[str, str]]) -> list[t
     return remaining
 
 
+def roll_out_a_change(kmock_api: Any, api: Any, name: str) -> None:
+    """Wait for the operator's first status, change a tuned field, and wait until the Deployment
+    runs it and the status reports the new generation."""
+    deploy_path = f"/apis/apps/v1/namespaces/team-a/deployments/{name}"
+
+    def observed(generation: int) -> bool:
+        status = api.get_isvc("team-a", name).get("status") or {}
+        return status.get("observedGeneration") == generation and bool(status.get("conditions"))
+
+    kmock_api.wait_for(lambda: observed(1), timeout=60, what="status for generation 1")
+    api.patch(api.isvc_path("team-a", name), {"spec": {"engine": {"maxNumBatchedTokens": 4096}}})
+    kmock_api.wait_for(
+        lambda: "4096" in api.get(deploy_path)["spec"]["template"]["spec"]["containers"][0]["args"],
+        timeout=60,
+        what="the Deployment to run --max-num-batched-tokens 4096",
+    )
+    kmock_api.wait_for(lambda: observed(2), timeout=60, what="status for generation 2")
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_every_call_of_a_real_operator_run_is_granted(tmp_path: Path) -> None:
@@ -299,20 +318,8 @@ def test_every_call_of_a_real_operator_run_is_granted(tmp_path: Path) -> None:
             api.create_isvc(isvc)
             deploy_path = f"/apis/apps/v1/namespaces/team-a/deployments/{name}"
             kmock_api.wait_for(lambda: api.get_or_none(deploy_path), what="the engine Deployment", timeout=60)
-
-            def observed(generation: int) -> bool:
-                status = api.get_isvc("team-a", name).get("status") or {}
-                return status.get("observedGeneration") == generation and bool(status.get("conditions"))
-
-            kmock_api.wait_for(lambda: observed(1), timeout=60, what="status for generation 1")
             # A tuned-field change: the operator patches the Deployment and reports the new generation.
-            api.patch(api.isvc_path("team-a", name), {"spec": {"engine": {"maxNumBatchedTokens": 4096}}})
-            kmock_api.wait_for(
-                lambda: "4096" in api.get(deploy_path)["spec"]["template"]["spec"]["containers"][0]["args"],
-                timeout=60,
-                what="the Deployment to run --max-num-batched-tokens 4096",
-            )
-            kmock_api.wait_for(lambda: observed(2), timeout=60, what="status for generation 2")
+            roll_out_a_change(kmock_api, api, name)
         operator_calls = without(api.calls, ours)
 
     seen = {p for call in operator_calls if (p := request_permission(*call)) is not None}
@@ -361,21 +368,8 @@ def test_operator_works_with_only_the_chart_rbac(value_set: str, tmp_path: Path)
         ]
         for path in children:
             kmock_api.wait_for(lambda p=path: api.get_or_none(p), timeout=60, what=f"{path} to be created")
-
-        def observed(generation: int) -> bool:
-            obj = api.get_isvc("team-a", name)
-            status = obj.get("status") or {}
-            return status.get("observedGeneration") == generation and bool(status.get("conditions"))
-
-        kmock_api.wait_for(lambda: observed(1), timeout=60, what="status for generation 1")
         # A change: the operator patches its Deployment and reports the new generation.
-        api.patch(api.isvc_path("team-a", name), {"spec": {"engine": {"maxNumBatchedTokens": 4096}}})
-        kmock_api.wait_for(
-            lambda: "4096" in api.get(deploy_path)["spec"]["template"]["spec"]["containers"][0]["args"],
-            timeout=60,
-            what="the Deployment to run --max-num-batched-tokens 4096",
-        )
-        kmock_api.wait_for(lambda: observed(2), timeout=60, what="status for generation 2")
+        roll_out_a_change(kmock_api, api, name)
         assert api.get_or_none(f"/api/v1/namespaces/team-a/services/{name}") is not None
         log = operator.log()
 
