@@ -110,12 +110,15 @@ def test_reader_matches_what_the_load_generator_measured(tmp_path) -> None:  # t
         assert len(ok) == len(records) == 2 * REQUESTS_PER_TWIN, [r.error for r in records if not r.ok][:3]
 
         # Wait until both twins' final counts are scraped; evaluate at the newest of those samples.
-        count_q = f"sum({vllm.METRIC_TTFT}_count{sel})"
+        # The e2e count moves when a request finishes, so a scrape holding all of them also holds every
+        # inter-token gap; the TTFT count is complete long before the last tokens and would let a scrape
+        # from before the end through.
+        count_q = f"sum({vllm.METRIC_E2E}_count{sel})"
         deadline = time.monotonic() + 20
         while float((prom.query(count_q) or [{"value": [0, "0"]}])[0]["value"][1]) < len(ok):
             assert time.monotonic() < deadline, "Prometheus did not scrape the final counts"
             time.sleep(0.2)
-        at = max(float(r["value"][1]) for r in prom.query(f"timestamp({vllm.METRIC_TTFT}_count{sel})"))
+        at = max(float(r["value"][1]) for r in prom.query(f"timestamp({vllm.METRIC_E2E}_count{sel})"))
         window = f"{math.ceil(at - started) + 5}s"  # starts before the first request
 
         client_ttfts = [r.ttft for r in ok if r.ttft is not None]
