@@ -276,6 +276,15 @@ class SearchSpace:
         util = lo + round((c(params.gpu_memory_utilization, (lo, hi)) - lo) / self.util_step) * self.util_step
         return EngineParams(max(tokens, seqs), min(util, hi), seqs)
 
+    def at_least(self, params: EngineParams, util_floor: float) -> EngineParams:
+        """`params` with its fraction raised to the first step at or above `util_floor` (capped at max)."""
+        if params.gpu_memory_utilization + 1e-9 >= util_floor:
+            return params
+        lo, hi = self._util_bounds()
+        steps = math.ceil((util_floor - lo) / self.util_step - 1e-6)
+        util = min(round(lo + steps * self.util_step, 4), hi)
+        return EngineParams(params.max_num_batched_tokens, util, params.max_num_seqs)
+
     def contains(self, params: EngineParams) -> bool:
         t, u, s = params.max_num_batched_tokens, params.gpu_memory_utilization, params.max_num_seqs
         return (

@@ -99,3 +99,98 @@ def memory_shortfall(message: str) -> Shortfall | None:
     if _OOM.search(message):
         return Shortfall(2, 1.0)
     return None
+
+
+# -- the memory floor ----------------------------------------------------------------------
+#
+# A memory failure also says which configs cannot start either, so the sampler need not spend a
+# trial (live: a rollout) finding out.  Less memory never helps: a config with a lower
+# gpuMemoryUtilization, a bigger token budget or a higher sequence cap (both grow the profiling
+# run's activation peak) than one that failed for memory fails too.  Where the message has
+# numbers the bound is sharper: "No available memory ... (requested R; weights W; activation A;
+# non-torch N)" at fraction u means the GPU holds R / u and any config needs at least
+# (W + N + its own activation) of it, whatever its token budget.
+
+_GPU_TOTAL = re.compile(r"total capacity of " + _SIZE, re.IGNORECASE)
+_FREE_OF_TOTAL = re.compile(r"\([0-9.]+/([0-9.]+) GiB\) on startup", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class MemoryFailure:
+    """One config that could not start for lack of memory, and what its message says."""
+
+    tokens: int
+    util: float
+    seqs: int
+    total: float | None = None  # the GPU's memory, bytes, where the message gives it
+    fixed: float | None = None  # weights + non-torch memory, bytes (needed by every config)
+    activation: float | None = None  # this config's activation peak, bytes
+    missing: float | None = None  # bytes more this config needed (one max_model_len sequence short)
+    one_sequence: float | None = None  # KV cache bytes one max_model_len sequence needs (any config)
+
+
+def read_memory_failure(tokens: int, util: float, seqs: int, message: str) -> MemoryFailure | None:
+    """The memory failure a start-up error reports for a low fraction; None for any other failure.
+
+    A GPU that is short whatever the fraction (weights too big, less free memory than asked)
+    says nothing about a higher fraction, so it gives None too.
+    """
+    shortfall = memory_shortfall(message)
+    if shortfall is None or shortfall.tier == 2:
+        return None
+    total = None
+    if m := _GPU_TOTAL.search(message):
+        total = _bytes(*m.group(1, 2))
+    elif m := _FREE_OF_TOTAL.search(message):
+        total = float(m.group(1)) * 2**30
+    if m := _NO_CACHE_NUMBERS.search(message):
+        requested, weights = _bytes(*m.group(1, 2)), _bytes(*m.group(3, 4))
+        activation, non_torch = _bytes(*m.group(5, 6)), _bytes(*m.group(7, 8))
+        return MemoryFailure(tokens, util, seqs, total=requested / util if util > 0 else total,
+                             fixed=weights + non_torch, activation=activation)
+    if m := _KV_SHORT.search(message):
+        needed, available = _bytes(*m.group(1, 2)), _bytes(*m.group(3, 4))
+        return MemoryFailure(tokens, util, seqs, total=total, missing=max(needed - available, 0.0),
+                             one_sequence=needed)
+    return MemoryFailure(tokens, util, seqs, total=total)
+
+
+# The messages give sizes to two decimals of a GiB, so each number may be 0.005 GiB off; a bound
+# made of four of them is lowered by their worst sum, so that it never rules out a config that starts.
+ROUNDING_SLACK = 4 * 0.005 * 2**30
+
+
+def memory_floor(failures: list[MemoryFailure], tokens: int, seqs: int, step: float) -> float:
+    """The lowest gpuMemoryUtilization these failures leave possible for (tokens, seqs); 0.0: no bound.
+
+    `step` is the fraction's resolution: a config that failed at u rules out u itself, so the
+    next possible fraction is at least one step up.
+    """
+    totals = [f.total for f in failures if f.total]
+    total = max(totals) if totals else None
+    # Every config must also hold one max_model_len sequence in its KV cache.
+    one_sequence = max((f.one_sequence for f in failures if f.one_sequence), default=0.0)
+    floor = 0.0
+    for f in failures:
+        if f.fixed is not None and total:
+            # Its activation scales with the token budget and the sequence cap; a smaller config's
+            # is at least the failed one's times the smaller ratio (an affine peak with no negative part).
+            scale = min(1.0, tokens / f.tokens, seqs / f.seqs)
+            needed = f.fixed + (f.activation or 0.0) * scale + one_sequence - ROUNDING_SLACK
+            floor = max(floor, needed / total)
+        if tokens >= f.tokens and seqs >= f.seqs:  # at least as much activation: needs more than f had
+            bound = f.util + step
+            if f.missing is not None and total:
+                bound = max(bound, f.util + (f.missing - ROUNDING_SLACK) / total)
+            floor = max(floor, bound)
+    return floor
+
+
+class UtilFloor:
+    """The lowest gpuMemoryUtilization a study's memory failures leave possible, per config."""
+
+    def __init__(self, failures: list[MemoryFailure], step: float) -> None:
+        self.failures, self.step = failures, step
+
+    def __call__(self, tokens: int, seqs: int) -> float:
+        return memory_floor(self.failures, tokens, seqs, self.step) if self.failures else 0.0
