@@ -11,7 +11,10 @@ A Latin hypercube start cuts every knob's range into `n` equal strata (on the kn
 log for a log-scale integer, exponent for a power of two) and gives each start-up trial a
 different stratum of every knob, in a seeded random pairing.  After `n` start-up trials every
 stratum of every knob has been tried once; the pairing across knobs stays random, as TPE's
-start-up would be.  Enqueued trials (the current engine, vLLM's defaults, a warm start) count
+start-up would be.  A drawn trial the caller says to `redo` (the tuner: one that could not start
+for lack of memory) gives its strata back: the next draw tries the same strata again, where the
+tuner raises the KV-cache fraction past what the failure ruled out, so a memory-bound model
+still gets every token-budget stratum measured once.  Enqueued trials (the current engine, vLLM's defaults, a warm start) count
 towards the start-up, as in TPE, but take no stratum.
 
 The strata come from the study's storage (how many earlier trials were drawn, not enqueued), so
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import optuna
@@ -48,7 +51,8 @@ def startup_trials(n_trials: int) -> int:
     return max(4, min(10, n_trials // 3))
 
 
-def make_sampler(seed: int | None, n_trials: int, sampler: str = "tpe") -> BaseSampler:
+def make_sampler(seed: int | None, n_trials: int, sampler: str = "tpe",
+                 redo: Callable[[FrozenTrial], bool] | None = None) -> BaseSampler:
     if sampler == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if sampler != "tpe":
@@ -56,16 +60,18 @@ def make_sampler(seed: int | None, n_trials: int, sampler: str = "tpe") -> BaseS
     n = startup_trials(n_trials)
     # Optuna 5's TPE is multivariate (the joint density keeps "bigger budget <-> fewer KV blocks").
     tpe = optuna.samplers.TPESampler(seed=seed, n_startup_trials=n)
-    return LatinHypercubeStart(tpe, n_startup_trials=n, seed=seed)
+    return LatinHypercubeStart(tpe, n_startup_trials=n, seed=seed, redo=redo)
 
 
 class LatinHypercubeStart(BaseSampler):
     """`main` after `n_startup_trials` trials; before that, Latin hypercube draws."""
 
-    def __init__(self, main: BaseSampler, *, n_startup_trials: int, seed: int | None = None) -> None:
+    def __init__(self, main: BaseSampler, *, n_startup_trials: int, seed: int | None = None,
+                 redo: Callable[[FrozenTrial], bool] | None = None) -> None:
         if n_startup_trials < 1:
             raise ValueError(f"n_startup_trials must be >= 1, got {n_startup_trials}")
         self._main = main
+        self._redo = redo or (lambda t: False)
         self._n = n_startup_trials
         self._seed = seed
         self._rng = random.Random(seed)
@@ -75,13 +81,19 @@ class LatinHypercubeStart(BaseSampler):
         return [t for t in study.get_trials(deepcopy=False) if t.number < trial.number]
 
     def _in_startup(self, study: optuna.Study, trial: FrozenTrial) -> bool:
-        # As TPE counts: trials that finished (complete or pruned), enqueued ones included.
-        done = sum(1 for t in self._earlier(study, trial) if t.state in (TrialState.COMPLETE, TrialState.PRUNED))
-        return done < self._n
+        # As TPE counts: trials that finished (complete or pruned), enqueued ones included; a
+        # drawn trial whose stratum is drawn again does not count, up to twice the start-up.
+        finished = [t for t in self._earlier(study, trial) if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+        done = sum(1 for t in finished if not self._redone(t))
+        return done < self._n and len(finished) < 2 * self._n
+
+    def _redone(self, t: FrozenTrial) -> bool:
+        return _FIXED_PARAMS not in t.system_attrs and t.state.is_finished() and self._redo(t)
 
     def _stratum_index(self, study: optuna.Study, trial: FrozenTrial) -> int:
-        """Which start-up draw this is: earlier trials that were drawn (not enqueued), any state."""
-        return sum(1 for t in self._earlier(study, trial) if _FIXED_PARAMS not in t.system_attrs)
+        """Which start-up draw this is: earlier trials that were drawn (not enqueued), any state,
+        but those whose stratum is drawn again (`redo`: a config that could not start, say)."""
+        return sum(1 for t in self._earlier(study, trial) if _FIXED_PARAMS not in t.system_attrs and not self._redone(t))
 
     # -- BaseSampler ----------------------------------------------------------------------
     def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
