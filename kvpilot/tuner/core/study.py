@@ -25,8 +25,10 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from kvpilot.tuner.core.objective import SLO, Goal, Measurement, Outcome, better
-from kvpilot.tuner.core.sampler import make_sampler
+from kvpilot.tuner.core.polish import pick_neighbour, polish_turn
+from kvpilot.tuner.core.sampler import make_sampler, startup_trials
 from kvpilot.tuner.core.space import EngineParams, SearchSpace
+from kvpilot.tuner.core.startup import MemoryFailure, UtilFloor, read_memory_failure
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +38,8 @@ ATTR_CONSTRAINTS = "constraints"
 ATTR_REASON = "reason"
 ATTR_MESSAGE = "message"
 ATTR_MEASUREMENT = "measurement"
-ATTR_SOURCE = "source"  # current | vllmDefaults | warmStart | resume | remeasure
+ATTR_SOURCE = "source"  # sampler | polish | neighbour | current | vllmDefaults | warmStart | resume | remeasure
+ATTR_RAISED_FROM = "raisedFrom"  # the drawn fraction, where a memory failure ruled it out
 ATTR_KIND = "kind"  # trial | remeasure
 ATTR_REMEASURE_OF = "remeasureOf"
 # Study user attrs.
@@ -44,6 +47,8 @@ STUDY_INCUMBENT = "incumbent"
 
 KIND_TRIAL = "trial"
 KIND_REMEASURE = "remeasure"
+KIND_REPEAT = "repeat"  # a draw of a config already measured, dropped for a neighbour (never measured)
+MAX_REPEAT_DRAWS = 3
 
 
 def study_name(namespace: str, name: str, space: SearchSpace, goal: Goal | str) -> str:
@@ -56,6 +61,20 @@ def study_name(namespace: str, name: str, space: SearchSpace, goal: Goal | str) 
 # Constraint names, as Optuna stores them (`Trial.set_constraint`, Optuna >= 5; its samplers read
 # them from every trial, so no `constraints_func` is needed).
 CONSTRAINT_NAMES = ("slo",)
+
+
+def memory_failure_of(trial: FrozenTrial) -> MemoryFailure | None:
+    """What a completed trial that could not start for lack of memory says (None: any other trial)."""
+    message = trial.user_attrs.get(ATTR_MESSAGE)
+    engine = trial.user_attrs.get(ATTR_ENGINE)
+    if trial.state != TrialState.COMPLETE or not message or not engine or not any(c > 0 for c in constraints_of(trial)):
+        return None
+    p = EngineParams.from_spec(engine)
+    return read_memory_failure(p.max_num_batched_tokens, p.gpu_memory_utilization, p.max_num_seqs, message)
+
+
+def _is_memory_failure(trial: FrozenTrial) -> bool:
+    return memory_failure_of(trial) is not None
 
 
 def constraints_of(trial: FrozenTrial) -> tuple[float, ...]:
@@ -83,6 +102,21 @@ class Incumbent:
         return cls(EngineParams.from_spec(d["params"]), float(d["value"]), float(d["requestRate"]), int(d["trial"]))
 
 
+@dataclass(frozen=True)
+class Guidance:
+    """What the tuner adds to TPE from what it knows of vLLM (each one measured on/off in
+    benchmarks/README-tuner.md).  Random search gets none: it is the benchmark's baseline."""
+
+    memory_floor: bool = True  # raise a draw's fraction past what memory failures rule out (core.startup)
+    redo_startup: bool = True  # a start-up draw that could not start gives its strata back (core.sampler)
+    polish: bool = True  # every few trials, a neighbour of the best config (core.polish)
+    replace_repeats: bool = True  # a draw of a config already measured becomes an untried neighbour
+
+    @classmethod
+    def none(cls) -> Guidance:
+        return cls(memory_floor=False, redo_startup=False, polish=False, replace_repeats=False)
+
+
 class TunerStudy:
     """One InferenceService's study."""
 
@@ -97,13 +131,18 @@ class TunerStudy:
         seed: int | None = 0,
         n_trials: int = 30,
         sampler: str = "tpe",
+        guidance: Guidance | None = None,
     ) -> None:
         self.goal, self.space, self.slo, self.name = goal, space, slo, name
+        self.seed = seed
+        self.guidance = guidance if guidance is not None else (Guidance() if sampler == "tpe" else Guidance.none())
+        self.n_startup = startup_trials(n_trials)
         self.study = optuna.create_study(
             storage=storage,
             study_name=name,
             direction=goal.direction,
-            sampler=make_sampler(seed, n_trials, sampler),
+            sampler=make_sampler(seed, n_trials, sampler,
+                                 redo=_is_memory_failure if self.guidance.redo_startup else None),
             load_if_exists=True,
         )
         attrs = self.study.user_attrs
@@ -142,15 +181,69 @@ class TunerStudy:
 
     # -- ask and tell ---------------------------------------------------------------------
     def ask(self) -> tuple[int, EngineParams]:
-        trial = self.study.ask()
-        params = self.space.suggest(trial)
+        g = self.guidance
+        floor = self.util_floor() if g.memory_floor else UtilFloor([], self.space.util_step)
+        if g.polish and polish_turn(self.finished_count(), self.n_startup) and not self._queued():
+            self._enqueue_polish(floor)
+        for attempt in range(MAX_REPEAT_DRAWS + 1):
+            trial = self.study.ask()
+            params = self.space.suggest(trial)
+            drawn = ATTR_SOURCE not in trial.user_attrs  # enqueued configs are measured as given
+            if drawn:
+                # A draw the memory failures so far rule out would waste a trial (live: a rollout)
+                # on a known start-up failure: raise its fraction to the lowest one still possible.
+                raised = self.space.at_least(params, floor(params.max_num_batched_tokens, params.max_num_seqs))
+                if raised != params:
+                    trial.set_user_attr(ATTR_RAISED_FROM, params.gpu_memory_utilization)
+                    params = raised
+                # TPE proposes configs it already measured (the integer knobs are coarse, and the
+                # clamps map several draws onto one config): measuring one again would spend a
+                # trial to learn nothing.  Measure an untried neighbour of it instead.
+                if g.replace_repeats and attempt < MAX_REPEAT_DRAWS and self._replace_repeat(trial, params, floor):
+                    continue
+            trial.set_user_attr(ATTR_ENGINE, params.as_spec())
+            if ATTR_KIND not in trial.user_attrs:
+                trial.set_user_attr(ATTR_KIND, KIND_TRIAL)
+            if drawn:
+                trial.set_user_attr(ATTR_SOURCE, "sampler")
+            self._open[trial.number] = trial
+            return trial.number, params
+        raise AssertionError("unreachable: the last attempt always returns")
+
+    def _tried(self, but: int | None = None) -> set[EngineParams]:
+        """Configs of every trial that drew one (any state), but trial number `but`."""
+        return {self.engine_of(t) for t in self.study.get_trials(deepcopy=False) if t.params and t.number != but}
+
+    def _replace_repeat(self, trial: optuna.Trial, params: EngineParams, floor: UtilFloor) -> bool:
+        """If `params` was tried already, drop this trial (FAIL, kind repeat) and queue a neighbour."""
+        tried = self._tried(but=trial.number)
+        if params not in tried:
+            return False
+        q = pick_neighbour(params, self.space, tried, util_floor=floor, seed=f"{self.seed}/{trial.number}")
+        if q is None:
+            return False
         trial.set_user_attr(ATTR_ENGINE, params.as_spec())
-        if ATTR_KIND not in trial.user_attrs:
-            trial.set_user_attr(ATTR_KIND, KIND_TRIAL)
-        if ATTR_SOURCE not in trial.user_attrs:
-            trial.set_user_attr(ATTR_SOURCE, "sampler")
-        self._open[trial.number] = trial
-        return trial.number, params
+        trial.set_user_attr(ATTR_KIND, KIND_REPEAT)
+        self.study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
+        self.study.enqueue_trial(self.space.raw_params(q), user_attrs={ATTR_SOURCE: "neighbour", ATTR_KIND: KIND_TRIAL})
+        return True
+
+    def util_floor(self) -> UtilFloor:
+        """What the memory failures told so far rule out (see `core.startup`)."""
+        failures = [f for t in self.study.get_trials(deepcopy=False) if (f := memory_failure_of(t)) is not None]
+        return UtilFloor(failures, self.space.util_step)
+
+    def _queued(self) -> bool:
+        return bool(self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+
+    def _enqueue_polish(self, floor: UtilFloor) -> None:
+        best = self.best_engine()
+        if best is None:
+            return
+        done = self.finished_count()
+        q = pick_neighbour(best[0], self.space, self._tried(), util_floor=floor, seed=f"{self.seed}/{done}")
+        if q is not None:
+            self.study.enqueue_trial(self.space.raw_params(q), user_attrs={ATTR_SOURCE: "polish", ATTR_KIND: KIND_TRIAL})
 
     def record(self, params: EngineParams, outcome: Outcome, *, kind: str, source: str,
                attrs: dict[str, Any] | None = None) -> FrozenTrial:
