@@ -40,7 +40,9 @@ from kvpilot.twin.steptime import StepTimeModel, StepTimeParams, linear_layer_br
 
 GEMMS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
 EAGER = ("input_layernorm", "attn_rope", "post_attention_layernorm", "mlp_act")
-GEMM_FIELDS = ("gemm_compute_eff", "gemm_memory_eff", "gemm_floor_s", "gemm_ramp_bytes")
+# The per-GPU GEMM constants (kernel efficiencies and launch floor); the roofline's shape
+# (sharpness, ramp) stays shared by every GPU, as in kvpilot.twin.calibration.
+GEMM_FIELDS = ("gemm_compute_eff", "gemm_memory_eff", "gemm_floor_s")
 ATTN_FIELDS = ("attn_prefill_eff", "attn_decode_eff", "attn_floor_s")
 
 

@@ -21,7 +21,7 @@ absolute floors, so they carry to GPUs the calibration never saw.  The constants
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -99,9 +99,25 @@ CALIBRATED_BY_ARCH: dict[str, StepTimeParams] = {
 }
 
 
+# GPUs measured on their own: their GEMM kernel constants refitted on their probe (the shape
+# constants and element-wise ones stay their architecture's).  H200: `benchmarks/gpu_probe.py` on
+# one H200 (cuBLAS bf16 GEMMs of Llama-3-8B at TP 1/2/4 and Llama-3.1-70B at TP 2/4/8, 1..16384
+# tokens; data in benchmarks/data/h200/), fitted by `benchmarks/twin_vs_gpu.py benchmarks/data/h200`:
+# GEMM error median 12-16% / max 22-45% with the H100-fitted Hopper constants, 4-5% / 16-21% with these.
+CALIBRATED_BY_GPU: dict[str, StepTimeParams] = {
+    "H200": replace(
+        CALIBRATED_BY_ARCH["hopper"],
+        gemm_compute_eff=0.8328,
+        gemm_memory_eff=0.7975,
+        gemm_floor_s=6.819e-06,
+    ),
+}
+
+
 def params_for(gpu: GpuSpec) -> StepTimeParams:
-    """The calibrated constants for a GPU: its architecture's, or the generic ones."""
-    return CALIBRATED_BY_ARCH.get(gpu.architecture, CALIBRATED)
+    """The calibrated constants for a GPU: its own if it was measured, else its architecture's,
+    else the generic ones."""
+    return CALIBRATED_BY_GPU.get(gpu.name) or CALIBRATED_BY_ARCH.get(gpu.architecture, CALIBRATED)
 
 
 def _gemm_time(p: StepTimeParams, gpu: GpuSpec, tokens: Any, k: Any, n: Any, b: int) -> Any:
@@ -309,6 +325,7 @@ def ceil_div(a: int, b: int) -> int:
 __all__ = [
     "CALIBRATED",
     "CALIBRATED_BY_ARCH",
+    "CALIBRATED_BY_GPU",
     "params_for",
     "StepTimeModel",
     "StepTimeParams",
