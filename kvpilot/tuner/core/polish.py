@@ -10,9 +10,7 @@ gpuMemoryUtilization, which TPE reaches only by luck.  So after the start-up, ev
 not yet tried and not ruled out by a memory failure.  The other trials stay TPE's, so the
 search still leaves a local optimum when TPE finds a better region.
 
-The same neighbours stand in for a TPE draw of a config already measured (see
-`TunerStudy.ask`).  Measured effect: benchmarks/tuner_quality.py and the tuner notes in
-benchmarks/README-tuner.md.
+Measured effect (with and without): benchmarks/README-tuner.md.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ ATTR_CONSTRAINTS = "constraints"
 ATTR_REASON = "reason"
 ATTR_MESSAGE = "message"
 ATTR_MEASUREMENT = "measurement"
-ATTR_SOURCE = "source"  # sampler | polish | neighbour | current | vllmDefaults | warmStart | resume | remeasure
+ATTR_SOURCE = "source"  # sampler | polish | current | vllmDefaults | warmStart | resume | remeasure
 ATTR_RAISED_FROM = "raisedFrom"  # the drawn fraction, where a memory failure ruled it out
 ATTR_KIND = "kind"  # trial | remeasure
 ATTR_REMEASURE_OF = "remeasureOf"
@@ -47,8 +47,6 @@ STUDY_INCUMBENT = "incumbent"
 
 KIND_TRIAL = "trial"
 KIND_REMEASURE = "remeasure"
-KIND_REPEAT = "repeat"  # a draw of a config already measured, dropped for a neighbour (never measured)
-MAX_REPEAT_DRAWS = 3
 
 
 def study_name(namespace: str, name: str, space: SearchSpace, goal: Goal | str) -> str:
@@ -110,11 +108,10 @@ class Guidance:
     memory_floor: bool = True  # raise a draw's fraction past what memory failures rule out (core.startup)
     redo_startup: bool = True  # a start-up draw that could not start gives its strata back (core.sampler)
     polish: bool = True  # every few trials, a neighbour of the best config (core.polish)
-    replace_repeats: bool = True  # a draw of a config already measured becomes an untried neighbour
 
     @classmethod
     def none(cls) -> Guidance:
-        return cls(memory_floor=False, redo_startup=False, polish=False, replace_repeats=False)
+        return cls(memory_floor=False, redo_startup=False, polish=False)
 
 
 class TunerStudy:
@@ -185,48 +182,25 @@ class TunerStudy:
         floor = self.util_floor() if g.memory_floor else UtilFloor([], self.space.util_step)
         if g.polish and polish_turn(self.finished_count(), self.n_startup) and not self._queued():
             self._enqueue_polish(floor)
-        for attempt in range(MAX_REPEAT_DRAWS + 1):
-            trial = self.study.ask()
-            params = self.space.suggest(trial)
-            drawn = ATTR_SOURCE not in trial.user_attrs  # enqueued configs are measured as given
-            if drawn:
-                # A draw the memory failures so far rule out would waste a trial (live: a rollout)
-                # on a known start-up failure: raise its fraction to the lowest one still possible.
-                raised = self.space.at_least(params, floor(params.max_num_batched_tokens, params.max_num_seqs))
-                if raised != params:
-                    trial.set_user_attr(ATTR_RAISED_FROM, params.gpu_memory_utilization)
-                    params = raised
-                # TPE proposes configs it already measured (the integer knobs are coarse, and the
-                # clamps map several draws onto one config): measuring one again would spend a
-                # trial to learn nothing.  Measure an untried neighbour of it instead.
-                if g.replace_repeats and attempt < MAX_REPEAT_DRAWS and self._replace_repeat(trial, params, floor):
-                    continue
-            trial.set_user_attr(ATTR_ENGINE, params.as_spec())
-            if ATTR_KIND not in trial.user_attrs:
-                trial.set_user_attr(ATTR_KIND, KIND_TRIAL)
-            if drawn:
-                trial.set_user_attr(ATTR_SOURCE, "sampler")
-            self._open[trial.number] = trial
-            return trial.number, params
-        raise AssertionError("unreachable: the last attempt always returns")
-
-    def _tried(self, but: int | None = None) -> set[EngineParams]:
-        """Configs of every trial that drew one (any state), but trial number `but`."""
-        return {self.engine_of(t) for t in self.study.get_trials(deepcopy=False) if t.params and t.number != but}
-
-    def _replace_repeat(self, trial: optuna.Trial, params: EngineParams, floor: UtilFloor) -> bool:
-        """If `params` was tried already, drop this trial (FAIL, kind repeat) and queue a neighbour."""
-        tried = self._tried(but=trial.number)
-        if params not in tried:
-            return False
-        q = pick_neighbour(params, self.space, tried, util_floor=floor, seed=f"{self.seed}/{trial.number}")
-        if q is None:
-            return False
+        trial = self.study.ask()
+        params = self.space.suggest(trial)
+        if ATTR_SOURCE not in trial.user_attrs:  # drawn; enqueued configs are measured as given
+            # A draw the memory failures so far rule out would waste a trial (live: a rollout)
+            # on a known start-up failure: raise its fraction to the lowest one still possible.
+            raised = self.space.at_least(params, floor(params.max_num_batched_tokens, params.max_num_seqs))
+            if raised != params:
+                trial.set_user_attr(ATTR_RAISED_FROM, params.gpu_memory_utilization)
+                params = raised
+            trial.set_user_attr(ATTR_SOURCE, "sampler")
         trial.set_user_attr(ATTR_ENGINE, params.as_spec())
-        trial.set_user_attr(ATTR_KIND, KIND_REPEAT)
-        self.study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
-        self.study.enqueue_trial(self.space.raw_params(q), user_attrs={ATTR_SOURCE: "neighbour", ATTR_KIND: KIND_TRIAL})
-        return True
+        if ATTR_KIND not in trial.user_attrs:
+            trial.set_user_attr(ATTR_KIND, KIND_TRIAL)
+        self._open[trial.number] = trial
+        return trial.number, params
+
+    def _tried(self) -> set[EngineParams]:
+        """Configs of every trial that drew one, in any state."""
+        return {self.engine_of(t) for t in self.study.get_trials(deepcopy=False) if t.params}
 
     def util_floor(self) -> UtilFloor:
         """What the memory failures told so far rule out (see `core.startup`)."""
