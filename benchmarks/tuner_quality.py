@@ -9,8 +9,9 @@ For each scenario (a model on a GPU, a workload, an SLO; `benchmarks/scenarios/*
    tokens < seqs; the best is the grid optimum;
 2. the capacity of vLLM's default config for that GPU;
 3. the median regret (1 - capacity found / grid optimum) over 5 seeds (`--seeds`) of the tuner
-   (Latin hypercube start, then multivariate TPE; vLLM's defaults enqueued first) and of random
-   search, 20 trials each, both searching the grid's resolution (powers of two, 0.05 steps) so
+   (Latin hypercube start, then multivariate TPE, guided by the memory floor, redone start-up
+   strata and polish -- `--without PART` turns parts off; vLLM's defaults enqueued first) and of
+   plain random search, 20 trials each, both searching the grid's resolution (powers of two, 0.05 steps) so
    every trial is a grid point.  Where both medians are 0 the median says nothing, so it also
    prints, from the same studies' best-so-far curves: the mean regret after 20, 10 and 5 trials,
    how many seeds got within 5% of the optimum by trial 10, and the mean trials to get within 5%;
