@@ -43,6 +43,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--model", default="Llama-3.1-8B", help="twin model preset (default %(default)s)")
     p.add_argument("--gpu", default="H100-80GB", help="twin GPU preset (default %(default)s)")
     p.add_argument("--max-model-len", type=int, default=8192, help="default %(default)s")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="GPUs the twin engine shards the model over, as vLLM's flag (default %(default)s)")
     p.add_argument("--workload", default="chat", help="preset or spec, see below (default %(default)s)")
     p.add_argument("--slo", default="ttft=0.5,itl=0.05",
                    help="p99 targets in seconds, ttft=S,itl=S (default %(default)s)")

@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from optuna.trial import FrozenTrial
 
 from kvpilot.tuner.core.objective import SLO, Goal, Measurement, Outcome, infeasible, score
 from kvpilot.tuner.core.space import EngineParams, SearchSpace
-from kvpilot.tuner.core.study import TunerStudy, study_name
+from kvpilot.tuner.core.study import ATTR_RAISED_FROM, ATTR_SOURCE, TunerStudy, study_name
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def engine_yaml(params: EngineParams, comment: str) -> str:
 
 
 def trials_table(st: TunerStudy, limit: int = 12) -> str:
-    """Best trials first: number, params, value, p99s, reason."""
+    """Best trials first: number, params, value, p99s, reason, and where the config came from."""
     rows = []
     maximize = st.goal.direction == "maximize"
     for t in st.trials():
@@ -63,18 +64,26 @@ def trials_table(st: TunerStudy, limit: int = 12) -> str:
         rows.append((t, p, m))
     feasible = {t.number for t in st.feasible()}
     rows.sort(key=lambda r: (r[0].number not in feasible, -(r[0].value or 0) if maximize else (r[0].value or 0)))
-    head = f"{'#':>3} {'tokens':>7} {'util':>5} {'seqs':>5} {'value':>9} {'p99 TTFT':>9} {'p99 ITL':>8}  reason"
+    head = (f"{'#':>3} {'tokens':>7} {'util':>5} {'seqs':>5} {'value':>9} {'p99 TTFT':>9} {'p99 ITL':>8}  "
+            f"{'reason':<16} source")
     lines = [head, "-" * len(head)]
     for t, p, m in rows[:limit]:
         ttft = f"{m.ttft_p99:.3f}" if m else "-"
         itl = f"{m.itl_p99:.4f}" if m else "-"
         lines.append(
             f"{t.number:>3} {p.max_num_batched_tokens:>7} {p.gpu_memory_utilization:>5.2f} {p.max_num_seqs:>5} "
-            f"{t.value:>9.3f} {ttft:>9} {itl:>8}  {t.user_attrs.get('reason', '')}"
+            f"{t.value:>9.3f} {ttft:>9} {itl:>8}  {t.user_attrs.get('reason', ''):<16} {_source(t)}"
         )
     if len(rows) > limit:
         lines.append(f"... {len(rows) - limit} more in the study")
     return "\n".join(lines)
+
+
+def _source(t: FrozenTrial) -> str:
+    """sampler | polish | vllmDefaults | current | warmStart | resume, and a fraction the memory floor raised."""
+    source = str(t.user_attrs.get(ATTR_SOURCE, ""))
+    raised = t.user_attrs.get(ATTR_RAISED_FROM)
+    return f"{source} (util raised from {raised:.2f})" if raised is not None else source
 
 
 def sqlite_url(storage: str) -> str:
@@ -100,11 +109,18 @@ def tune_offline(args: argparse.Namespace) -> int:
         workload = parse_workload(args.workload)
     except (ValueError, KeyError) as exc:
         raise UsageError(str(exc)) from None
-    target = TwinTarget(model=args.model, gpu=args.gpu, max_model_len=args.max_model_len)
+    if args.tensor_parallel_size < 1:
+        raise UsageError(f"--tensor-parallel-size: must be >= 1, got {args.tensor_parallel_size}")
+    target = TwinTarget(model=args.model, gpu=args.gpu, max_model_len=args.max_model_len,
+                        tensor_parallel_size=args.tensor_parallel_size)
+    from kvpilot.twin.memory import EngineStartupError
+
     try:
         defaults = target.vllm_defaults()
-        target.engine_config(defaults)
+        target.engine_config(defaults).validate()  # what `vllm serve` refuses before loading
     except ValueError as exc:  # unknown model or GPU: the twin's message names what it knows
+        raise UsageError(str(exc)) from None
+    except EngineStartupError as exc:  # e.g. heads not divisible by --tensor-parallel-size
         raise UsageError(str(exc)) from None
     space = space_from_args(args)
     goal = Goal(args.goal)
@@ -237,7 +253,8 @@ def _warm_start_local(args: argparse.Namespace, st: TunerStudy, tuner: Any, sign
     tuner.clock.sleep(args.warmup)
     try:
         est = estimate_workload(signals, window_s=max(args.warmup, 10.0))
-        target = TwinTarget(model=args.model, gpu=args.gpu, max_model_len=args.max_model_len)
+        target = TwinTarget(model=args.model, gpu=args.gpu, max_model_len=args.max_model_len,
+                        tensor_parallel_size=args.tensor_parallel_size)
         target.engine_config(start)
     except (SignalsUnavailable, ValueError) as exc:
         log.warning("warm start skipped: %s", exc)

@@ -219,3 +219,11 @@ def test_a_redone_start_up_draw_is_drawn_in_the_same_strata() -> None:
     strata = [min(int(x * n), n - 1) for x in draws]
     assert strata[2] == strata[1]  # the failed draw's stratum, again
     assert sorted(strata[:1] + strata[2:]) == list(range(n))  # and still one draw in every stratum
+
+
+def test_the_results_table_says_where_each_config_came_from() -> None:
+    from kvpilot.tuner.jobs import trials_table
+
+    table = trials_table(_run(0), limit=50)
+    assert "polish" in table and "vllmDefaults" not in table  # nothing enqueued here but polish
+    assert "(util raised from 0." in table  # a draw the memory floor moved, with the drawn fraction
