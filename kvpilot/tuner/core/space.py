@@ -276,12 +276,19 @@ class SearchSpace:
         util = lo + round((c(params.gpu_memory_utilization, (lo, hi)) - lo) / self.util_step) * self.util_step
         return EngineParams(max(tokens, seqs), min(util, hi), seqs)
 
-    def at_least(self, params: EngineParams, util_floor: float) -> EngineParams:
-        """`params` with its fraction raised to the first step at or above `util_floor` (capped at max)."""
-        if params.gpu_memory_utilization + 1e-9 >= util_floor:
-            return params
+    def above_floor(self, params: EngineParams, util_floor: float) -> EngineParams:
+        """`params` with its fraction mapped from [min, max] onto [util_floor, max], rounded up to a step.
+
+        Every draw moves, not only those below the floor: clamping would pile every ruled-out
+        draw onto the floor itself, the feasible config with the smallest KV cache and usually
+        the worst, while the mapping keeps the sampler's spread over what is still possible.
+        """
         lo, hi = self._util_bounds()
-        steps = math.ceil((util_floor - lo) / self.util_step - 1e-6)
+        if util_floor <= lo + 1e-9:
+            return params
+        floor = min(util_floor, hi)
+        u = floor + (params.gpu_memory_utilization - lo) * (hi - floor) / (hi - lo)
+        steps = math.ceil((u - lo) / self.util_step - 1e-6)
         util = min(round(lo + steps * self.util_step, 4), hi)
         return EngineParams(params.max_num_batched_tokens, util, params.max_num_seqs)
 

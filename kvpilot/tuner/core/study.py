@@ -186,8 +186,8 @@ class TunerStudy:
         params = self.space.suggest(trial)
         if ATTR_SOURCE not in trial.user_attrs:  # drawn; enqueued configs are measured as given
             # A draw the memory failures so far rule out would waste a trial (live: a rollout)
-            # on a known start-up failure: raise its fraction to the lowest one still possible.
-            raised = self.space.at_least(params, floor(params.max_num_batched_tokens, params.max_num_seqs))
+            # on a known start-up failure: map the fraction onto what is still possible.
+            raised = self.space.above_floor(params, floor(params.max_num_batched_tokens, params.max_num_seqs))
             if raised != params:
                 trial.set_user_attr(ATTR_RAISED_FROM, params.gpu_memory_utilization)
                 params = raised

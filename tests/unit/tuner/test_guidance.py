@@ -111,14 +111,18 @@ def test_without_numbers_a_failure_rules_out_only_configs_with_less_memory() -> 
     assert memory_floor([bare], 1024, 128, 0.01) == 0.0
 
 
-def test_a_fraction_is_raised_to_the_first_step_at_or_above_the_floor() -> None:
-    space = SearchSpace(util_step=0.01)
-    p = EngineParams(512, 0.70, 64)
-    assert space.at_least(p, 0.8624).gpu_memory_utilization == 0.87
-    assert space.at_least(p, 0.86).gpu_memory_utilization == 0.86
-    assert space.at_least(p, 0.99).gpu_memory_utilization == 0.95  # capped at the space's max
-    assert space.at_least(EngineParams(512, 0.90, 64), 0.8) == EngineParams(512, 0.90, 64)
-    assert GRID.at_least(p, 0.8624).gpu_memory_utilization == 0.90
+def test_above_a_floor_the_fraction_is_mapped_onto_what_is_left() -> None:
+    space = SearchSpace(util_step=0.01)  # 0.70..0.95
+    assert space.above_floor(EngineParams(512, 0.70, 64), 0.8624).gpu_memory_utilization == 0.87  # min -> floor
+    assert space.above_floor(EngineParams(512, 0.95, 64), 0.8624).gpu_memory_utilization == 0.95  # max stays
+    assert space.above_floor(EngineParams(512, 0.825, 64), 0.85).gpu_memory_utilization == 0.90  # halfway -> halfway
+    assert space.above_floor(EngineParams(512, 0.80, 64), 0.99).gpu_memory_utilization == 0.95  # capped at max
+    assert space.above_floor(EngineParams(512, 0.80, 64), 0.70) == EngineParams(512, 0.80, 64)  # no floor: unchanged
+    # Draws keep their order, so the sampler's spread survives; and on the benchmark grid the
+    # draws are spread over the two fractions left, not piled on the lower one.
+    lifted = [GRID.above_floor(EngineParams(512, u, 64), 0.8624).gpu_memory_utilization
+              for u in (0.70, 0.75, 0.80, 0.85, 0.90, 0.95)]
+    assert lifted == sorted(lifted) and lifted.count(0.90) == 3 and lifted.count(0.95) == 3
 
 
 # -- polish -----------------------------------------------------------------------------------
