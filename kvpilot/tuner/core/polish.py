@@ -15,6 +15,7 @@ Measured effect (with and without): benchmarks/README-tuner.md.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 
@@ -37,13 +38,16 @@ def util_step(space: SearchSpace) -> float:
 
 
 def neighbours(params: EngineParams, space: SearchSpace) -> list[EngineParams]:
-    """One step along one knob (x2 or /2 for the integers, a fifth of the range for the
-    fraction), kept inside the space with the token budget >= the sequence cap; `params` excluded."""
+    """One step along one knob (for the integers x2 or /2 on a powers-of-two space, a half-octave
+    on a log-scale one; for the fraction a fifth of its range), kept inside the space with the
+    token budget >= the sequence cap; `params` excluded."""
     t, u, s = params.max_num_batched_tokens, params.gpu_memory_utilization, params.max_num_seqs
     du = util_step(space)
+    f = 2.0 if space.scale == "pow2" else math.sqrt(2.0)
     out: list[EngineParams] = []
     for tokens, util, seqs in (
-        (t, u + du, s), (t, u - du, s), (t * 2, u, s), (t // 2, u, s), (t, u, s * 2), (t, u, s // 2),
+        (t, u + du, s), (t, u - du, s), (round(t * f), u, s), (round(t / f), u, s),
+        (t, u, round(s * f)), (t, u, round(s / f)),
     ):
         if tokens < 1 or seqs < 1:
             continue
