@@ -3,7 +3,7 @@
 TPE is good at finding the right region and poor at finishing in it: with 20 trials its
 "good" group is the best one or two trials, and its candidates scatter around them on every
 knob at once.  vLLM's knobs have a clear local structure (one more step of KV-cache fraction,
-half or twice the token budget or sequence cap), and the last few percent of capacity is often
+a step up or down of the token budget or sequence cap), and the last few percent of capacity is often
 exactly one such step away -- a memory-bound model gains from the next step of
 gpuMemoryUtilization, which TPE reaches only by luck.  So after the start-up, every
 `POLISH_EVERY`-th trial is a neighbour of the best config so far, one step along one knob,

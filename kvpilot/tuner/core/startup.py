@@ -111,10 +111,6 @@ def memory_shortfall(message: str) -> Shortfall | None:
 # non-torch N)" at fraction u means the GPU holds R / u and any config needs at least
 # (W + N + its own activation) of it, whatever its token budget.
 
-_GPU_TOTAL = re.compile(r"total capacity of " + _SIZE, re.IGNORECASE)
-_FREE_OF_TOTAL = re.compile(r"\([0-9.]+/([0-9.]+) GiB\) on startup", re.IGNORECASE)
-
-
 @dataclass(frozen=True)
 class MemoryFailure:
     """One config that could not start for lack of memory, and what its message says."""
@@ -122,7 +118,7 @@ class MemoryFailure:
     tokens: int
     util: float
     seqs: int
-    total: float | None = None  # the GPU's memory, bytes, where the message gives it
+    total: float | None = None  # the GPU's memory, bytes (requested / fraction, where the message says)
     fixed: float | None = None  # weights + non-torch memory, bytes (needed by every config)
     activation: float | None = None  # this config's activation peak, bytes
     missing: float | None = None  # bytes more this config needed (one max_model_len sequence short)
@@ -138,21 +134,15 @@ def read_memory_failure(tokens: int, util: float, seqs: int, message: str) -> Me
     shortfall = memory_shortfall(message)
     if shortfall is None or shortfall.tier == 2:
         return None
-    total = None
-    if m := _GPU_TOTAL.search(message):
-        total = _bytes(*m.group(1, 2))
-    elif m := _FREE_OF_TOTAL.search(message):
-        total = float(m.group(1)) * 2**30
     if m := _NO_CACHE_NUMBERS.search(message):
         requested, weights = _bytes(*m.group(1, 2)), _bytes(*m.group(3, 4))
         activation, non_torch = _bytes(*m.group(5, 6)), _bytes(*m.group(7, 8))
-        return MemoryFailure(tokens, util, seqs, total=requested / util if util > 0 else total,
+        return MemoryFailure(tokens, util, seqs, total=requested / util if util > 0 else None,
                              fixed=weights + non_torch, activation=activation)
     if m := _KV_SHORT.search(message):
         needed, available = _bytes(*m.group(1, 2)), _bytes(*m.group(3, 4))
-        return MemoryFailure(tokens, util, seqs, total=total, missing=max(needed - available, 0.0),
-                             one_sequence=needed)
-    return MemoryFailure(tokens, util, seqs, total=total)
+        return MemoryFailure(tokens, util, seqs, missing=max(needed - available, 0.0), one_sequence=needed)
+    return MemoryFailure(tokens, util, seqs)
 
 
 # The messages give sizes to two decimals of a GiB, so each number may be 0.005 GiB off; a bound
