@@ -27,13 +27,12 @@ import json
 import os
 import re
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvpilot.twin.calibration import CLASS_FIELDS, FIT_FIELDS, Profile, fit, nelder_mead
+from kvpilot.twin.calibration import CLASS_FIELDS, FIT_FIELDS, Profile, fit, fit_loss, log_error_loss
 from kvpilot.twin.hardware import GPU_PRESETS, GpuSpec, UnknownGpuError, resolve_gpu
 from kvpilot.twin.models import ModelSpec
 from kvpilot.twin.steptime import StepTimeModel, StepTimeParams, linear_layer_breakdown, params_for
@@ -186,22 +185,6 @@ def report_attention(rows: list[dict[str, Any]], specs: dict[str, ModelSpec], gp
             print(f"  {kind:<7} n={len(e):<3} median {pct(float(np.median(e)))}  max {pct(float(np.max(e)))}")
 
 
-def _log_objective(pred: np.ndarray, meas: np.ndarray) -> float:
-    err = np.log(pred / meas)
-    over = np.maximum(np.abs(err) - np.log(1.2), 0.0)
-    return float(np.abs(err).mean() + 5.0 * (over**2).mean())
-
-
-def refit_fields(start: StepTimeParams, names: tuple[str, ...], loss) -> StepTimeParams:
-    """nelder_mead on the log of the named constants (efficiencies capped at 1), as calibration.fit."""
-    def params_of(x: np.ndarray) -> StepTimeParams:
-        vals = {n: float(np.exp(v)) for n, v in zip(names, x, strict=True)}
-        return replace(start, **{n: (min(v, 1.0) if n.endswith("_eff") else v) for n, v in vals.items()})
-
-    x0 = np.log(np.array([getattr(start, n) for n in names], dtype=float))
-    return params_of(nelder_mead(lambda x: loss(params_of(x)), x0, iters=800))
-
-
 def consts(p: StepTimeParams, names: tuple[str, ...]) -> str:
     return ", ".join(f"{n}={getattr(p, n):.4g}" for n in names)
 
@@ -278,9 +261,9 @@ def main(argv: list[str] | None = None) -> int:
         def gemm_loss(p: StepTimeParams) -> float:
             pred = np.concatenate([g.total(g.predicted(gpu, p), GEMMS) for g in gemm_groups])
             meas = np.concatenate([g.total(g.measured, GEMMS) for g in gemm_groups])
-            return _log_objective(pred, meas)
+            return log_error_loss(pred, meas)
 
-        p = refit_fields(base, GEMM_FIELDS, gemm_loss)
+        p = fit_loss(gemm_loss, base, GEMM_FIELDS)
         print(f"-- GEMMs only (the ops the probe runs as vLLM does), {consts(p, GEMM_FIELDS)}")
         report_linear(gemm_groups, gpu, p, per_op=False)
 
@@ -289,9 +272,9 @@ def main(argv: list[str] | None = None) -> int:
 
         def attn_loss(p: StepTimeParams) -> float:
             pred = np.array([attention_pred(r, specs[r["model"]], gpu, p) for r in arows])
-            return _log_objective(pred, meas_a)
+            return log_error_loss(pred, meas_a)
 
-        p = refit_fields(base, ATTN_FIELDS, attn_loss)
+        p = fit_loss(attn_loss, base, ATTN_FIELDS)
         print(f"-- attention constants, {consts(p, ATTN_FIELDS)}")
         report_attention(arows, specs, gpu, p, detail=False)
     return 0

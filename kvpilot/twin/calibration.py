@@ -111,16 +111,17 @@ def relative_errors(profile: Profile, params: StepTimeParams) -> np.ndarray:
     return np.abs(predict(profile, params) - profile.measured_s) / profile.measured_s
 
 
+def log_error_loss(pred: np.ndarray, meas: np.ndarray) -> float:
+    """Mean |log error|, plus a steep penalty on every point more than 20% off."""
+    err = np.log(pred / meas)
+    over = np.maximum(np.abs(err) - np.log(1.2), 0.0)
+    return float(np.abs(err).mean() + 5.0 * (over**2).mean())
+
+
 def _objective(profiles: Sequence[Profile], params: StepTimeParams) -> float:
-    total, count, excess = 0.0, 0, 0.0
-    for prof in profiles:
-        pred = predict(prof, params)
-        err = np.log(pred / prof.measured_s)
-        total += float(np.abs(err).sum())
-        count += len(err)
-        over = np.maximum(np.abs(err) - np.log(1.2), 0.0)
-        excess += float((over**2).sum())
-    return total / count + 5.0 * excess / count
+    pred = np.concatenate([predict(prof, params) for prof in profiles])
+    meas = np.concatenate([prof.measured_s for prof in profiles])
+    return log_error_loss(pred, meas)
 
 
 def nelder_mead(f: Callable[[np.ndarray], float], x0: np.ndarray, *, step: float = 0.3, iters: int = 600,
@@ -169,10 +170,10 @@ def _bounded(name: str, value: float) -> float:
     return value
 
 
-def fit(profiles: Sequence[Profile], start: StepTimeParams | None = None,
-        names: Iterable[str] = FIT_FIELDS, iters: int = 800) -> StepTimeParams:
-    """Fit the named constants (positive; efficiencies capped at 1) to the profiles."""
-    start = start or StepTimeParams()
+def fit_loss(loss: Callable[[StepTimeParams], float], start: StepTimeParams, names: Iterable[str],
+             iters: int = 800) -> StepTimeParams:
+    """Minimise `loss` over the named constants (positive; efficiencies capped at 1), Nelder-Mead
+    on their logs, from `start`."""
     names = tuple(names)
     valid = {f.name for f in fields(StepTimeParams)}
     unknown = set(names) - valid
@@ -183,8 +184,13 @@ def fit(profiles: Sequence[Profile], start: StepTimeParams | None = None,
         return replace(start, **{n: _bounded(n, float(np.exp(v))) for n, v in zip(names, x, strict=True)})
 
     x0 = np.log(np.array([getattr(start, n) for n in names], dtype=float))
-    best = nelder_mead(lambda x: _objective(profiles, params_of(x)), x0, iters=iters)
-    return params_of(best)
+    return params_of(nelder_mead(lambda x: loss(params_of(x)), x0, iters=iters))
+
+
+def fit(profiles: Sequence[Profile], start: StepTimeParams | None = None,
+        names: Iterable[str] = FIT_FIELDS, iters: int = 800) -> StepTimeParams:
+    """Fit the named constants to the profiles."""
+    return fit_loss(lambda p: _objective(profiles, p), start or StepTimeParams(), names, iters)
 
 
 # The constants that differ between GPU generations (kernel efficiency and launch latency);
