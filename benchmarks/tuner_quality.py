@@ -186,14 +186,21 @@ GUIDANCE = Guidance()  # the tuner's; --without turns parts off to measure what 
 
 
 def tuned(table: Table, seed: int, sampler: str, trials: int, seeds: Sequence[EngineParams] = ()) -> TunerStudy:
-    st = TunerStudy(storage=None, name=f"{table.sc['name']}-{sampler}-{seed}", goal=Goal.CAPACITY,
-                    space=GRID_SPACE, slo=slo_of(table.sc), seed=seed, n_trials=trials, sampler=sampler,
+    """A study on the grid, its trials read from the cached table."""
+    return run_study(table.sc, GRID_SPACE, table.outcome, seed, sampler, trials, seeds)
+
+
+def run_study(sc: dict[str, Any], space: SearchSpace, evaluate: Any, seed: int, sampler: str, trials: int,
+              seeds: Sequence[EngineParams] = ()) -> TunerStudy:
+    """The tuner ("tpe": vLLM's defaults first, or the warm-start `seeds`) or random search."""
+    st = TunerStudy(storage=None, name=f"{sc['name']}-{sampler}-{seed}", goal=Goal.CAPACITY,
+                    space=space, slo=slo_of(sc), seed=seed, n_trials=trials, sampler=sampler,
                     guidance=GUIDANCE if sampler == "tpe" else None)
     for p in seeds:
         st.enqueue(p, "warmStart")
     if sampler == "tpe" and not seeds:
-        st.enqueue(target_of(table.sc, None).vllm_defaults(), "vllmDefaults")
-    run_offline(st, table.outcome, trials)
+        st.enqueue(target_of(sc, None).vllm_defaults(), "vllmDefaults")
+    run_offline(st, evaluate, trials)
     return st
 
 
@@ -202,14 +209,19 @@ def best_capacity(st: TunerStudy, table: Table) -> float:
     return 0.0 if best is None else table.capacity(st.engine_of(best))
 
 
-def regret_curve(st: TunerStudy, table: Table, opt: float) -> list[float]:
-    """Regret of the best feasible config found after each trial (1.0 until one is found)."""
+def best_so_far(st: TunerStudy, capacity_of: Any) -> list[float]:
+    """The best feasible capacity found after each trial (0.0 until one is found)."""
     best, out = 0.0, []
     for t in st.trials():
         if t.value is not None and all(c <= 0 for c in t.constraints.values()):
-            best = max(best, table.capacity(st.engine_of(t)))
-        out.append(1 - best / opt)
+            best = max(best, capacity_of(t))
+        out.append(best)
     return out
+
+
+def regret_curve(st: TunerStudy, table: Table, opt: float) -> list[float]:
+    """Regret of the best feasible config found after each trial (1.0 until one is found)."""
+    return [1 - c / opt for c in best_so_far(st, lambda t: table.capacity(st.engine_of(t)))]
 
 
 def trials_to(curve: list[float], regret: float) -> int | None:
@@ -257,13 +269,13 @@ def summarise(tpe: list[list[float]], rnd: list[list[float]]) -> dict[str, Any]:
     }
 
 
-def _twin_curves(job: tuple[dict[str, Any], str, list[int], Guidance]) -> dict[str, Any]:
+def _twin_curves(job: tuple[dict[str, Any], str, list[int]]) -> dict[str, Any]:
     """Worker for --space default: one scenario, one sampler, every seed, on the twin itself.
 
     The product's default space (log-scale integers, the fraction by 0.01) has no grid to cache,
     so configs are evaluated on the nominal twin as the tuner draws them (cached in memory, shared
     by the seeds).  Returns each seed's best-so-far capacity after every trial."""
-    sc, sampler, seed_list, guidance = job
+    sc, sampler, seed_list = job
     ev = TwinEvaluator(target_of(sc, None), parse_workload(sc["workload"]), slo_of(sc), seed=0)
     cache: dict[EngineParams, Outcome] = {}
 
@@ -275,27 +287,15 @@ def _twin_curves(job: tuple[dict[str, Any], str, list[int], Guidance]) -> dict[s
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    curves = []
-    for seed in seed_list:
-        st = TunerStudy(storage=None, name=f"{sc['name']}-{sampler}-{seed}", goal=Goal.CAPACITY,
-                        space=SearchSpace(), slo=slo_of(sc), seed=seed, n_trials=TRIALS, sampler=sampler,
-                        guidance=guidance if sampler == "tpe" else None)
-        if sampler == "tpe":
-            st.enqueue(target_of(sc, None).vllm_defaults(), "vllmDefaults")
-        run_offline(st, evaluate, TRIALS)
-        best, curve = 0.0, []
-        for t in st.trials():
-            if t.value is not None and all(c <= 0 for c in t.constraints.values()):
-                best = max(best, float(t.value))
-            curve.append(best)
-        curves.append(curve)
+    curves = [best_so_far(run_study(sc, SearchSpace(), evaluate, seed, sampler, TRIALS), lambda t: float(t.value))
+              for seed in seed_list]
     return {"scenario": sc["name"], "sampler": sampler, "curves": curves, "configs": len(cache)}
 
 
 def default_space_report(nominal: list[Table], seeds: range, workers: int) -> None:
     """--space default: regret on the space `kvpilot tune` searches by default, against the best
     config known: the grid optimum, or a better one any study here found off the grid."""
-    jobs = [(tb.sc, sampler, list(seeds), GUIDANCE) for tb in nominal for sampler in ("tpe", "random")]
+    jobs = [(tb.sc, sampler, list(seeds)) for tb in nominal for sampler in ("tpe", "random")]
     t0 = time.time()
     print(f"default space: {len(jobs)} studies of {len(seeds)} seeds on the twin, {workers} workers ...",
           file=sys.stderr, flush=True)
