@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from typing import Any
 
 from kvpilot.twin.flags import add_engine_arguments
 from kvpilot.twin.workload import __doc__ as _WORKLOAD_DOC
-
-_SERVE_MODULE = "kvpilot.twin.serve_cli"
 
 
 def _workload_help() -> str:
@@ -68,13 +65,9 @@ def register(subparsers: Any) -> None:
     st.add_argument("--context", type=int, default=0, help="KV-cache tokens each decode reads (default 0)")
     st.set_defaults(handler=_step_time)
 
-    try:
-        serve = importlib.import_module(_SERVE_MODULE)
-    except ModuleNotFoundError as exc:
-        if exc.name != _SERVE_MODULE:
-            raise
-    else:
-        serve.register(twin_sub)
+    from kvpilot.twin.server import cli as serve_cli
+
+    serve_cli.register(twin_sub)
 
 
 def _fail(command: str, message: str, code: int) -> int:

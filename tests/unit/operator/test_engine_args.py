@@ -69,10 +69,8 @@ def test_twin_runs_kvpilot_with_the_same_flags_plus_gpu() -> None:
 
 
 def test_twin_serve_parser_accepts_the_rendered_command() -> None:
-    try:
-        from kvpilot.twin.serve_cli import register
-    except ImportError as exc:  # pragma: no cover - the twin is another area
-        pytest.skip(f"kvpilot.twin.serve_cli not importable: {exc}")
+    from kvpilot.twin.server.cli import register
+
     parser = argparse.ArgumentParser(prog="kvpilot twin", exit_on_error=False)
     register(parser.add_subparsers(dest="cmd"))
     svc = isvc(engine={"kind": "twin", "maxNumBatchedTokens": 4096, "gpuMemoryUtilization": 0.85,

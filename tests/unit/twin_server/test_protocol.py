@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from kvpilot.twin import http_protocol as proto
 from kvpilot.twin import text
+from kvpilot.twin.server import protocol as proto
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 

@@ -10,12 +10,12 @@ from typing import Any
 
 import aiohttp
 
-from kvpilot.twin import http_protocol as proto
 from kvpilot.twin import text
 from kvpilot.twin.engine import Engine, EngineConfig
 from kvpilot.twin.hardware import resolve_gpu
 from kvpilot.twin.models import resolve_model
-from kvpilot.twin.server import ServingInfo, TwinServer
+from kvpilot.twin.server import protocol as proto
+from kvpilot.twin.server.app import ServingInfo, TwinServer
 
 MODEL = "Qwen2.5-0.5B"
 

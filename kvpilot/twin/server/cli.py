@@ -113,12 +113,12 @@ def _startup_failure(exc: BaseException) -> int:
 def serve_command(args: argparse.Namespace) -> int:
     import asyncio
 
-    from kvpilot.twin import http_logging
     from kvpilot.twin.engine import Engine, EngineStartupError
     from kvpilot.twin.flags import engine_config_from_args
-    from kvpilot.twin.server import ServingInfo, serve
+    from kvpilot.twin.server import jsonlog
+    from kvpilot.twin.server.app import ServingInfo, serve
 
-    http_logging.configure(args.log_level)
+    jsonlog.configure(args.log_level)
     try:
         config = engine_config_from_args(args)
     except ValueError as exc:  # unknown model or GPU preset, unreadable config.json
@@ -145,16 +145,3 @@ def serve_command(args: argparse.Namespace) -> int:
     except OSError as exc:  # the port is taken, or the address is not ours
         print(f"kvpilot twin serve: error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m kvpilot.twin.serve_cli ...`: the same command without the kvpilot CLI around it."""
-    parser = argparse.ArgumentParser(prog="kvpilot twin")
-    sub = parser.add_subparsers(dest="command", required=True)
-    register(sub)
-    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
-    return int(args.handler(args))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

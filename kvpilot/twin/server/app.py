@@ -37,10 +37,10 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from kvpilot.api import vllm
-from kvpilot.twin import http_protocol as proto
 from kvpilot.twin import text as tokens
-from kvpilot.twin.http_logging import LOGGER_NAME
 from kvpilot.twin.metrics import CONTENT_TYPE, VllmMetrics
+from kvpilot.twin.server import protocol as proto
+from kvpilot.twin.server.jsonlog import LOGGER_NAME
 
 log = logging.getLogger(LOGGER_NAME)
 
