@@ -30,7 +30,7 @@ def main() -> int:
     ap.add_argument("--gpu", default="H100-80GB")
     args = ap.parse_args()
 
-    config = EngineConfig(model=resolve_model(args.model), gpu=resolve_gpu(args.gpu))
+    config = EngineConfig.resolve(resolve_model(args.model), resolve_gpu(args.gpu))
     workload = Workload.parse(f"poisson:rate={args.rate:g},prompt=sharegpt,output=sharegpt")
     print(f"twin speed: {config.model.name} on {config.gpu.name}, {workload.spec}, {args.duration:g} s simulated, "
           f"max_num_batched_tokens={config.max_num_batched_tokens}, max_num_seqs={config.max_num_seqs}")

@@ -1,15 +1,10 @@
-"""The InferenceService API: typed models, validation, and the CRD generated from them.
+"""The InferenceService API: typed models, validation, the CRD generated from them, the engine codec
+(`engine`: spec <-> `vllm serve` arguments, vLLM's defaults per GPU) and the shared vocabulary.
 
 This package is the bottom layer of kvpilot: it imports nothing else from kvpilot.
 """
 
 from kvpilot.api.models import (
-    API_VERSION,
-    GROUP,
-    KIND,
-    PLURAL,
-    TUNED_ENGINE_FIELDS,
-    VERSION,
     Condition,
     EngineSpec,
     InferenceService,
@@ -33,6 +28,7 @@ from kvpilot.api.validation import (
     validate_object,
     validate_text,
 )
+from kvpilot.api.vocabulary import API_VERSION, GROUP, KIND, PLURAL, TUNED_ENGINE_FIELDS, VERSION
 
 __all__ = [
     "API_VERSION",

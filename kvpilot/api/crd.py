@@ -14,16 +14,8 @@ from typing import Any
 import yaml
 
 from kvpilot.api import vllm
-from kvpilot.api.models import (
-    GROUP,
-    KIND,
-    PLURAL,
-    SHORT_NAMES,
-    SINGULAR,
-    VERSION,
-    InferenceServiceSpec,
-    InferenceServiceStatus,
-)
+from kvpilot.api.models import InferenceServiceSpec, InferenceServiceStatus
+from kvpilot.api.vocabulary import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
 
 CRD_NAME = f"{PLURAL}.{GROUP}"
 CRD_FILENAME = f"{CRD_NAME}.yaml"

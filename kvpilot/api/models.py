@@ -16,21 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from kvpilot.api import rules, vllm
-
-GROUP = "kvpilot.dev"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "InferenceService"
-PLURAL = "inferenceservices"
-SINGULAR = "inferenceservice"
-SHORT_NAMES = ("kvis",)
-
-# Bounds vLLM itself accepts (or that no real deployment goes past); the tuning space must stay inside.
-MAX_BATCHED_TOKENS_LIMIT = 1 << 20
-MAX_NUM_SEQS_LIMIT = 1 << 16
-MAX_MODEL_LEN_LIMIT = 1 << 24
-
-TUNED_ENGINE_FIELDS = ("maxNumBatchedTokens", "gpuMemoryUtilization", "maxNumSeqs")
+from kvpilot.api.engine import MAX_BATCHED_TOKENS_LIMIT, MAX_MODEL_LEN_LIMIT, MAX_NUM_SEQS_LIMIT
 
 
 class _Wire(BaseModel):
@@ -323,6 +309,7 @@ class InferenceServiceStatus(_Status):
 class InferenceService(_Wire):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
+    # Literal types must be spelled out; a test checks they equal the vocabulary's API_VERSION and KIND.
     api_version: Literal["kvpilot.dev/v1alpha1"] = Field("kvpilot.dev/v1alpha1", alias="apiVersion")
     kind: Literal["InferenceService"] = "InferenceService"
     metadata: ObjectMeta

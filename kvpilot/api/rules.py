@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from kvpilot.api import engine as engine_codec
 from kvpilot.api import vllm
 
 if TYPE_CHECKING:
@@ -28,15 +29,13 @@ _ITL_EDGES = frozenset(vllm.ITL_BUCKETS)
 _TTFT_EDGES_TEXT = ", ".join(f"{e:g}" for e in vllm.TTFT_BUCKETS)
 _ITL_EDGES_TEXT = ", ".join(f"{e:g}" for e in vllm.ITL_BUCKETS)
 
-_TYPED_FLAG_FIELDS = {flag: field for field, flag in vllm.TYPED_FLAGS.items()}
-_TYPED_FLAG_FIELDS.update({alias: _TYPED_FLAG_FIELDS[flag] for alias, flag in vllm.FLAG_ALIASES.items()})
+_TYPED_FLAG_FIELDS = {name: f.field for f in engine_codec.ENGINE_FLAGS for name in (f.flag, *f.aliases)}
 
-_TOKENS_LIMIT, _SEQS_LIMIT = 1 << 20, 1 << 16
 # Legal ranges of the tuned fields (the models' own bounds), used to check the tuning space.
 _SPACE_LIMITS: dict[str, tuple[float, float]] = {
-    "maxNumBatchedTokens": (1, _TOKENS_LIMIT),
+    "maxNumBatchedTokens": (1, engine_codec.MAX_BATCHED_TOKENS_LIMIT),
     "gpuMemoryUtilization": (0.0, 1.0),  # exclusive at both ends, as the field itself
-    "maxNumSeqs": (1, _SEQS_LIMIT),
+    "maxNumSeqs": (1, engine_codec.MAX_NUM_SEQS_LIMIT),
 }
 
 
@@ -57,7 +56,7 @@ def raise_issues(title: str, issues: list[Issue]) -> None:
 
 
 _NONE: list[Issue] = []  # shared, never mutated: the common case allocates nothing
-_FORBIDDEN_FLAGS = frozenset(_TYPED_FLAG_FIELDS) | frozenset(vllm.REMOVED_FLAGS) | frozenset(vllm.OWNED_FLAGS)
+_FORBIDDEN_FLAGS = frozenset(_TYPED_FLAG_FIELDS) | frozenset(vllm.REMOVED_FLAGS) | frozenset(engine_codec.OWNED_FLAGS)
 
 
 def _flag_name(arg: str) -> str:
@@ -109,7 +108,7 @@ def engine_issues(engine: EngineSpec) -> list[Issue]:
                 )
             elif flag in vllm.REMOVED_FLAGS:
                 issues.append((("extraArgs", i), f"{flag} was {vllm.REMOVED_FLAGS[flag]}", arg))
-            elif flag in vllm.OWNED_FLAGS:
+            elif flag in engine_codec.OWNED_FLAGS:
                 issues.append(
                     (
                         ("extraArgs", i),
@@ -149,9 +148,9 @@ def tuning_issues(tuning: TuningSpec) -> list[Issue]:
     space = tuning.space
     tokens, util, seqs = space.max_num_batched_tokens, space.gpu_memory_utilization, space.max_num_seqs
     if (
-        1 <= tokens[0] < tokens[1] <= _TOKENS_LIMIT
+        1 <= tokens[0] < tokens[1] <= engine_codec.MAX_BATCHED_TOKENS_LIMIT
         and 0.0 < util[0] < util[1] < 1.0
-        and 1 <= seqs[0] < seqs[1] <= _SEQS_LIMIT
+        and 1 <= seqs[0] < seqs[1] <= engine_codec.MAX_NUM_SEQS_LIMIT
         and tokens[1] >= seqs[0]
         and tuning.warmup_seconds < tuning.trial_seconds
     ):

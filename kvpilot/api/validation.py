@@ -15,7 +15,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
-from kvpilot.api.models import API_VERSION, KIND, InferenceService
+from kvpilot.api.models import InferenceService
+from kvpilot.api.vocabulary import API_VERSION, KIND
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """Facts about vLLM 0.33 that the API, the operator, the twin and the SLO code all rely on.
 
 Kept in one place so that a vLLM upgrade is one diff.  Sources: vLLM's own CLI parser and
-`vllm/v1/metrics/loggers.py` (see ../shared/notes/toolchain.md).
+its `vllm/v1/metrics/loggers.py`.  The flags the typed engine fields render to are in `kvpilot.api.engine`.
 """
 
 from __future__ import annotations
@@ -54,23 +54,6 @@ DEFAULT_BATCHED_TOKENS_SMALL_GPU, DEFAULT_MAX_NUM_SEQS_SMALL_GPU = 2048, 256
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
 BLOCK_SIZES: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256)
 
-# Typed InferenceService engine fields and the `vllm serve` flag each one renders to.
-TYPED_FLAGS: dict[str, str] = {
-    "maxNumBatchedTokens": "--max-num-batched-tokens",
-    "gpuMemoryUtilization": "--gpu-memory-utilization",
-    "kvCacheMemoryBytes": "--kv-cache-memory-bytes",
-    "maxNumSeqs": "--max-num-seqs",
-    "maxModelLen": "--max-model-len",
-    "tensorParallelSize": "--tensor-parallel-size",
-    "blockSize": "--block-size",
-    "kvCacheDtype": "--kv-cache-dtype",
-    "longPrefillTokenThreshold": "--long-prefill-token-threshold",
-    "shutdownTimeoutSeconds": "--shutdown-timeout",
-}
-# Flags the operator always owns, besides the typed ones.
-OWNED_FLAGS: tuple[str, ...] = ("--port", "--host", "--served-model-name", "--model")
-# Short spellings vLLM's parser also accepts for typed flags.
-FLAG_ALIASES: dict[str, str] = {"-tp": "--tensor-parallel-size"}
 # Flags vLLM 0.33 no longer has: passing them makes `vllm serve` exit at start-up.
 REMOVED_FLAGS: dict[str, str] = {
     "--max-num-partial-prefills": "removed in vLLM 0.33 (the V1 scheduler only ever allowed 1)",

@@ -11,13 +11,14 @@ from typing import Any, cast
 
 import kopf
 
-from kvpilot.api.models import GROUP, PLURAL, VERSION
+from kvpilot.api.vocabulary import GROUP, PLURAL, VERSION
 from kvpilot.operator.builders.common import LABEL_ISVC, LABEL_MANAGED_BY, MANAGED_BY
 from kvpilot.operator.reconcile import RetryLater, Runtime, reconcile_service, track_rollout
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
 
-ANNOTATION_PREFIX = "kvpilot.dev"
+# kopf keeps its bookkeeping annotations under our group.
+ANNOTATION_PREFIX = GROUP
 
 
 def configure_kopf(settings: kopf.OperatorSettings, max_workers: int | None = None, *,

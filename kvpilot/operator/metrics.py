@@ -10,11 +10,15 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-RESULTS = ("success", "invalid", "error", "retry")
+from kvpilot.api.vocabulary import (
+    ENGINE_INFO_LABELS,
+    METRIC_ENGINE_INFO,
+    METRIC_RECONCILE_DURATION,
+    METRIC_RECONCILES_TOTAL,
+    METRIC_ROLLBACKS_TOTAL,
+)
 
-# kvpilot_engine_info's labels, as the Grafana dashboard (kvpilot/slo/dashboard.py) reads them.
-ENGINE_INFO_LABELS = ("namespace", "name", "max_num_batched_tokens", "gpu_memory_utilization",
-                      "max_num_seqs", "config_hash")
+RESULTS = ("success", "invalid", "error", "retry")
 
 
 @dataclass
@@ -23,20 +27,20 @@ class OperatorMetrics:
 
     def __post_init__(self) -> None:
         self.reconciles = Counter(
-            "kvpilot_reconciles", "InferenceService reconciles, by result "
+            METRIC_RECONCILES_TOTAL, "InferenceService reconciles, by result "
             "(success, invalid: InvalidSpec, error: permanent failure, retry: transient failure).",
             ["result"], registry=self.registry)
         for result in RESULTS:
             self.reconciles.labels(result=result)  # export zeros so rate() works from the start
         self.duration = Histogram(
-            "kvpilot_reconcile_duration_seconds", "Time to reconcile one InferenceService.",
+            METRIC_RECONCILE_DURATION, "Time to reconcile one InferenceService.",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
             registry=self.registry)
         self.rollbacks = Counter(
-            "kvpilot_rollbacks", "Rollouts that passed their progress deadline and were put back to lastGoodEngine.",
+            METRIC_ROLLBACKS_TOTAL, "Rollouts that passed their progress deadline and were put back to lastGoodEngine.",
             registry=self.registry)
         self.engine_info = Gauge(
-            "kvpilot_engine_info", "The engine config in force for an InferenceService (its Deployment's pod "
+            METRIC_ENGINE_INFO, "The engine config in force for an InferenceService (its Deployment's pod "
             "template): one series per InferenceService, value 1.",
             list(ENGINE_INFO_LABELS), registry=self.registry)
         # (namespace, name) -> the label values of its one engine_info series.

@@ -26,10 +26,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpilot.api.models import GROUP, PLURAL, VERSION, EngineSpec, InferenceService
+from kvpilot.api.models import EngineSpec, InferenceService
 from kvpilot.api.validation import validate_object
+from kvpilot.api.vocabulary import GROUP, PLURAL, VERSION
 from kvpilot.operator.apply import MonitoringDiscovery, NotOwned, ensure, ensure_absent
-from kvpilot.operator.builders.common import LABEL_ISVC, RenderOptions
+from kvpilot.operator.builders.common import ANNOTATION_CONFIG_HASH, LABEL_ISVC, RenderOptions
 from kvpilot.operator.builders.deployment import build_deployment
 from kvpilot.operator.builders.render import render_manifests
 from kvpilot.operator.builders.service import build_pdb, wants_pdb
@@ -323,7 +324,7 @@ async def _track_rollout(rt: Runtime, namespace: str, name: str, deployment: dic
             deployment = applied.live or deployment
             message = (f"rollout of configHash {rollout.config_hash} ({_engine_summary(rollout.engine, last_good)}) "
                        f"did not progress: {rollout.message or REASON_DEADLINE}; put lastGoodEngine back "
-                       f"(configHash {restored['metadata']['annotations']['kvpilot.dev/config-hash']}); "
+                       f"(configHash {restored['metadata']['annotations'][ANNOTATION_CONFIG_HASH]}); "
                        f"a new spec generation tries again")
             degraded = (REASON_ROLLED_BACK, message)
             rt.metrics.rollbacks.inc()

@@ -22,7 +22,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvpilot.api import vllm
+from kvpilot.api import vllm, vocabulary
 from kvpilot.slo import promql
 from kvpilot.slo.objectives import BURN_ALERTS, SLI_SHORT, SLIS, Sli, SloTarget, target_for
 from kvpilot.slo.promql import Selector
@@ -31,10 +31,10 @@ from kvpilot.slo.rules import RECORD_OBJECTIVE, threshold_record
 if TYPE_CHECKING:
     from kvpilot.api import InferenceService
 
-ENGINE_INFO = "kvpilot_engine_info"
-TUNING_TRIALS = "kvpilot_tuning_trials_total"
-TUNING_BEST = "kvpilot_tuning_best_value"
-TUNING_CURRENT = "kvpilot_tuning_current_trial"
+ENGINE_INFO = vocabulary.METRIC_ENGINE_INFO
+TUNING_TRIALS = vocabulary.METRIC_TUNING_TRIALS_TOTAL
+TUNING_BEST = vocabulary.METRIC_TUNING_BEST_VALUE
+TUNING_CURRENT = vocabulary.METRIC_TUNING_CURRENT_TRIAL
 KVPILOT_METRICS = (ENGINE_INFO, TUNING_TRIALS, TUNING_BEST, TUNING_CURRENT)
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}

@@ -19,11 +19,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from kvpilot.api import vllm
+from kvpilot.api import vllm, vocabulary
 
-# The label Prometheus gives the pod label `kvpilot.dev/inferenceservice` (a ServiceMonitor's
-# podTargetLabels, or `labelmap`, turns every character that is not [a-zA-Z0-9_] into `_`).
-ISVC_POD_LABEL = "kvpilot_dev_inferenceservice"
+# The series label of the pod label `kvpilot.dev/inferenceservice`.
+ISVC_POD_LABEL = vocabulary.SERIES_LABEL_INFERENCESERVICE
 
 _LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 # A Prometheus duration: one or more <number><unit>, e.g. 5m, 1h30m, 600s.

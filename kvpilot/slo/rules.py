@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvpilot.api import vocabulary
 from kvpilot.slo import promql
 from kvpilot.slo.objectives import (
     BURN_ALERTS,
@@ -233,9 +234,9 @@ def metrics_absent_rule(target: SloTarget, options: RuleOptions) -> dict[str, An
                 "burn-rate alerts cannot fire."
             ),
             "runbook": (
-                "Check the pods (kubectl get pods -l kvpilot.dev/inferenceservice=NAME), their readiness and logs; "
-                "then the ServiceMonitor and Prometheus targets page (is the pod label kept as "
-                "kvpilot_dev_inferenceservice?)."
+                f"Check the pods (kubectl get pods -l {vocabulary.LABEL_INFERENCESERVICE}=NAME), their readiness "
+                "and logs; then the ServiceMonitor and Prometheus targets page (is the pod label kept as "
+                f"{vocabulary.SERIES_LABEL_INFERENCESERVICE}?)."
             ),
             **_runbook(options, "metrics-absent"),
         },
@@ -289,11 +290,11 @@ def prometheus_rule_for(
             "name": f"{target.name}-slo",
             "namespace": target.namespace,
             "labels": {
-                "app.kubernetes.io/name": "kvpilot",
-                "app.kubernetes.io/component": "slo",
-                "app.kubernetes.io/managed-by": "kvpilot",
-                "app.kubernetes.io/instance": target.name,
-                "kvpilot.dev/inferenceservice": target.name,
+                vocabulary.LABEL_NAME: "kvpilot",
+                vocabulary.LABEL_COMPONENT: "slo",
+                vocabulary.LABEL_MANAGED_BY: vocabulary.MANAGED_BY,
+                vocabulary.LABEL_INSTANCE: target.name,
+                vocabulary.LABEL_INFERENCESERVICE: target.name,
                 **(extra_labels or {}),
             },
         },

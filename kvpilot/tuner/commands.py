@@ -41,7 +41,9 @@ def register(subparsers: Any) -> None:
     mode.add_argument("--offline", action="store_true", help="search the engine twin (the default)")
     mode.add_argument("--local", action="store_true", help="tune a local engine process live")
     p.add_argument("--model", default="Llama-3.1-8B", help="twin model preset (default %(default)s)")
-    p.add_argument("--gpu", default="H100-80GB", help="twin GPU preset (default %(default)s)")
+    p.add_argument("--gpu", default="H100-80GB",
+                   help="GPU preset: the twin simulates it; live, vLLM's defaults on it fill the tuned flags the "
+                        "engine command leaves out (default %(default)s)")
     p.add_argument("--max-model-len", type=int, default=8192, help="default %(default)s")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="GPUs the twin engine shards the model over, as vLLM's flag (default %(default)s)")

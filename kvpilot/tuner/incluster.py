@@ -22,6 +22,7 @@ import time
 from argparse import Namespace
 from typing import Any, cast
 
+from kvpilot.api.vocabulary import TuningPhase
 from kvpilot.tuner.core.loop import LiveSettings, LiveTuner
 from kvpilot.tuner.core.objective import SLO, Goal
 from kvpilot.tuner.core.space import EngineParams, SearchSpace, SpaceError
@@ -75,14 +76,16 @@ class Worker:
                 self.namespace, self.name), slo=slo, objective=spec.slo.objective)
             current = applier.current()
             study.enqueue(current, "current")
-            study.enqueue(EngineParams.vllm_defaults(), "vllmDefaults")
+            defaults = self._vllm_defaults()
+            if defaults is not None:
+                study.enqueue(defaults, "vllmDefaults")
             self._warm_start(study, signals, space, slo, current, observer)
             if goal is Goal.CAPACITY and study.finished_count() == 0:
                 # capacity is an offline goal: the twin's best config is applied once, then kept.
                 best = next((t for t in study.study.trials if t.user_attrs.get("source") == "warmStart"), None)
                 if best is not None:
                     applier.apply(study.engine_of(best), best.number)
-                observer.phase("Completed", "TwinBest", "capacity goal: the twin's best config is in force")
+                observer.phase(TuningPhase.DONE, "TwinBest", "capacity goal: the twin's best config is in force")
                 return
             settings = LiveSettings(warmup_s=float(spec.tuning.warmup_seconds),
                                     window_s=float(spec.tuning.trial_seconds), poll_s=self.args.poll,
@@ -96,6 +99,21 @@ class Worker:
         finally:
             self.finished = True
 
+    def _vllm_defaults(self) -> EngineParams | None:
+        """vLLM's own defaults on this service's GPU, which the twin knows for engine.kind twin; for a
+        real vLLM the GPU model is not in the spec, so no trial is labelled with defaults it may not have."""
+        engine = self.isvc.spec.engine
+        if engine.kind != "twin":
+            log.info("%s/%s: GPU model unknown; vLLM's defaults are not tried", self.namespace, self.name)
+            return None
+        from kvpilot.twin.hardware import resolve_gpu, serve_defaults
+
+        try:
+            return EngineParams.vllm_defaults(serve_defaults(resolve_gpu(engine.twin.gpu)))
+        except ValueError as exc:
+            log.info("%s/%s: vLLM's defaults are not tried: %s", self.namespace, self.name, exc)
+            return None
+
     def _warm_start(self, study: TunerStudy, signals: Any, space: SearchSpace, slo: SLO,
                     current: EngineParams, observer: Any) -> None:
         """Search the twin under the live workload; enqueue its best 3.  Skipped (logged) when the
@@ -107,7 +125,7 @@ class Worker:
         from kvpilot.tuner.core.loop import SignalsUnavailable
         from kvpilot.tuner.core.warmstart import enqueue_warm_start, twin_best
 
-        observer.phase("WarmStart", "SearchingTwin", "estimating the workload and searching the twin")
+        observer.phase(TuningPhase.WARM_START, "SearchingTwin", "estimating the workload and searching the twin")
         engine = self.isvc.spec.engine
         try:
             twin = TwinTarget(model=self.isvc.spec.model, gpu=engine.twin.gpu,
@@ -139,7 +157,7 @@ def run_tuner(args: Namespace) -> int:
     from kubernetes import client
     from prometheus_client import start_http_server
 
-    from kvpilot.tuner.adapters.kubernetes import GROUP, PLURAL, VERSION
+    from kvpilot.api.vocabulary import GROUP, PLURAL, VERSION
     from kvpilot.tuner.observe import TunerMetrics
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -198,6 +198,7 @@ def tune_local(args: argparse.Namespace) -> int:
     from kvpilot.tuner.adapters.prometheus import PrometheusSignals
     from kvpilot.tuner.core.loop import LiveSettings, LiveTuner
     from kvpilot.tuner.observe import LogObserver
+    from kvpilot.twin.hardware import resolve_gpu, serve_defaults
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if not args.engine_command:
@@ -207,14 +208,15 @@ def tune_local(args: argparse.Namespace) -> int:
     slo = SLO.parse(args.slo)
     space = space_from_args(args)
     try:
-        command, port, start = parse_engine_command(args.engine_command)
+        defaults = serve_defaults(resolve_gpu(args.gpu))
+        command, port, start = parse_engine_command(args.engine_command, defaults)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     name = args.study_name or study_name("local", f"port{port}", space, Goal.LATENCY)
     st = TunerStudy(storage=sqlite_url(args.storage), name=name, goal=Goal.LATENCY, space=space, slo=slo,
                     seed=args.seed, n_trials=args.trials)
     st.enqueue(start, "current")
-    st.enqueue(EngineParams.vllm_defaults(), "vllmDefaults")
+    st.enqueue(EngineParams.vllm_defaults(defaults), "vllmDefaults")
     settings = LiveSettings(warmup_s=args.warmup, window_s=args.window, poll_s=args.poll,
                             fast_burn_window_s=args.fast_burn_window, pause_poll_s=args.poll,
                             max_trials=args.trials)

@@ -5,6 +5,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from kvpilot.api.vocabulary import (
+    METRIC_TUNING_BEST_VALUE,
+    METRIC_TUNING_CURRENT_TRIAL,
+    METRIC_TUNING_TRIALS_TOTAL,
+    TuningPhase,
+)
 from kvpilot.tuner.core.loop import Observer
 from kvpilot.tuner.core.objective import Outcome
 from kvpilot.tuner.core.space import EngineParams
@@ -19,8 +25,8 @@ class LogObserver(Observer):
     def __init__(self, target: str = "local") -> None:
         self.target = target
 
-    def phase(self, phase: str, reason: str, message: str) -> None:
-        log.info("phase=%s reason=%s target=%s %s", phase, reason, self.target, message)
+    def phase(self, phase: TuningPhase, reason: str, message: str) -> None:
+        log.info("phase=%s reason=%s target=%s %s", phase.value, reason, self.target, message)
 
     def trial_started(self, number: int, params: EngineParams, kind: str) -> None:
         log.info("trial=%d kind=%s target=%s started %s", number, kind, self.target, params.label())
@@ -38,7 +44,7 @@ class Fanout(Observer):
     def __init__(self, *observers: Observer) -> None:
         self.observers = observers
 
-    def phase(self, phase: str, reason: str, message: str) -> None:
+    def phase(self, phase: TuningPhase, reason: str, message: str) -> None:
         for o in self.observers:
             o.phase(phase, reason, message)
 
@@ -64,10 +70,10 @@ class TunerMetrics:
 
         reg = registry or REGISTRY
         labels = ("namespace", "name")
-        self.trials = Counter("kvpilot_tuning_trials_total", "Tuning trials finished, by state",
+        self.trials = Counter(METRIC_TUNING_TRIALS_TOTAL, "Tuning trials finished, by state",
                               (*labels, "state"), registry=reg)
-        self.best = Gauge("kvpilot_tuning_best_value", "Best feasible objective value so far", labels, registry=reg)
-        self.current = Gauge("kvpilot_tuning_current_trial", "Number of the trial in progress (-1: none)",
+        self.best = Gauge(METRIC_TUNING_BEST_VALUE, "Best feasible objective value so far", labels, registry=reg)
+        self.current = Gauge(METRIC_TUNING_CURRENT_TRIAL, "Number of the trial in progress (-1: none)",
                              labels, registry=reg)
 
     def observer(self, namespace: str, name: str) -> Observer:

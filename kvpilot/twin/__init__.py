@@ -11,6 +11,5 @@ Modules:
   offline    virtual-time runs and their report (`simulate`)
   flags      the `vllm serve` flags the twin accepts
   server     the HTTP server (OpenAI API + vLLM `/metrics`), its protocol, CLI and logging
-  spec       an EngineConfig from an InferenceService (through those flags)
   calibration  fitting the step-time constants to measured layer times
 """

@@ -107,7 +107,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _step_time(args: argparse.Namespace) -> int:
-    from kvpilot.twin.hardware import resolve_gpu
+    from kvpilot.twin.flags import gpu_from_args
     from kvpilot.twin.models import load_model_config, resolve_model
     from kvpilot.twin.steptime import StepTimeModel, linear_layer_breakdown, prefill_pairs
 
@@ -118,7 +118,7 @@ def _step_time(args: argparse.Namespace) -> int:
     if args.context < 0:
         return _fail("step-time", "--context must be >= 0", 2)
     try:
-        gpu = resolve_gpu(args.gpu)
+        gpu = gpu_from_args(args)
         model = load_model_config(args.model_config) if args.model_config else resolve_model(args.model)
     except ValueError as exc:
         return _fail("step-time", str(exc), 2)

@@ -2,8 +2,8 @@
 
 Interface (stable; the HTTP server and the offline runner both drive it):
 
-    config = EngineConfig(model=resolve_model("meta-llama/Llama-3.1-8B-Instruct"), gpu=resolve_gpu("H100-80GB"),
-                          max_num_batched_tokens=2048)      # None knobs resolve as `vllm serve` does
+    config = EngineConfig.resolve(resolve_model("meta-llama/Llama-3.1-8B-Instruct"), resolve_gpu("H100-80GB"),
+                                  max_num_batched_tokens=2048)   # knobs left out resolve as `vllm serve` does
     engine = Engine(config)            # sizes the KV cache; raises EngineStartupError like vLLM
     engine.num_gpu_blocks              # int, as vLLM logs it
     engine.add_request(request_id, prompt_tokens, max_tokens, arrival_time)   # ValueError if invalid
@@ -28,40 +28,36 @@ for prefix caching.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, fields
+from typing import Any
 
 from kvpilot.api import vllm as vllm_facts
-from kvpilot.twin.hardware import GiB, GpuSpec, resolve_gpu
+from kvpilot.api.engine import resolve as resolve_engine
+from kvpilot.api.engine import serve_defaults
+from kvpilot.twin.hardware import GpuSpec
 from kvpilot.twin.memory import EngineStartupError, MemoryPlan, kv_dtype_bytes, plan_memory
-from kvpilot.twin.models import ModelSpec, resolve_model
+from kvpilot.twin.models import ModelSpec
 from kvpilot.twin.scheduler import Request, Scheduler
 from kvpilot.twin.steptime import StepTimeModel, StepTimeParams
 
 __all__ = [
-    "Engine", "EngineConfig", "EngineStartupError", "RequestOutput", "StepOutput", "default_batching",
+    "Engine", "EngineConfig", "EngineStartupError", "RequestOutput", "StepOutput",
 ]
-
-
-def default_batching(gpu: GpuSpec) -> tuple[int, int]:
-    """(max_num_batched_tokens, max_num_seqs) that `vllm serve` picks when the flags are absent:
-    the larger pair on GPUs with >= 70 GiB that are not A100s."""
-    if gpu.total_memory_bytes >= 70 * GiB and not gpu.name.upper().startswith("A100"):
-        return vllm_facts.DEFAULT_BATCHED_TOKENS_LARGE_GPU, vllm_facts.DEFAULT_MAX_NUM_SEQS_LARGE_GPU
-    return vllm_facts.DEFAULT_BATCHED_TOKENS_SMALL_GPU, vllm_facts.DEFAULT_MAX_NUM_SEQS_SMALL_GPU
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything that decides the engine's behaviour.  `None` knobs resolve as vLLM resolves
-    them (in `__post_init__`), so a constructed config holds concrete values only."""
+    """Everything that decides the engine's behaviour, resolved: build one with `EngineConfig.resolve`,
+    which fills what a `vllm serve` command leaves out the way vLLM does on that GPU.  Exactly one
+    of `gpu_memory_utilization` and `kv_cache_memory_bytes` sizes the KV cache; the other is None."""
 
-    model: ModelSpec = field(default_factory=lambda: resolve_model("Llama-3.1-8B"))
-    gpu: GpuSpec = field(default_factory=resolve_gpu)
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int | None = None
-    gpu_memory_utilization: float | None = vllm_facts.DEFAULT_GPU_MEMORY_UTILIZATION
+    model: ModelSpec
+    gpu: GpuSpec
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    gpu_memory_utilization: float | None
     kv_cache_memory_bytes: int | None = None
-    max_model_len: int | None = None
     tensor_parallel_size: int = 1
     block_size: int = vllm_facts.DEFAULT_BLOCK_SIZE
     kv_cache_dtype: str = "auto"
@@ -75,26 +71,39 @@ class EngineConfig:
     prefill_schedule_interval: int = 1
     step_time_params: StepTimeParams | None = None  # None: calibrated for the GPU's architecture
 
-    def __post_init__(self) -> None:
-        tokens, seqs = default_batching(self.gpu)
-        if self.max_num_batched_tokens is None:
-            object.__setattr__(self, "max_num_batched_tokens", tokens)
-        if self.max_num_seqs is None:
-            object.__setattr__(self, "max_num_seqs", seqs)
-        if self.max_model_len is None:
-            object.__setattr__(self, "max_model_len", self.model.max_position_embeddings)
-        if self.kv_cache_memory_bytes is not None:
-            object.__setattr__(self, "gpu_memory_utilization", None)
-        elif self.gpu_memory_utilization is None:
-            object.__setattr__(self, "gpu_memory_utilization", vllm_facts.DEFAULT_GPU_MEMORY_UTILIZATION)
+    @classmethod
+    def resolve(cls, model: ModelSpec, gpu: GpuSpec, *, max_num_batched_tokens: int | None = None,
+                max_num_seqs: int | None = None, max_model_len: int | None = None,
+                gpu_memory_utilization: float | None = None, kv_cache_memory_bytes: int | None = None,
+                **knobs: Any) -> EngineConfig:
+        """A config with every knob `vllm serve` would resolve at start-up filled in (None = the
+        flag was not given): the token budget and sequence cap from vLLM's defaults for this GPU,
+        the context length from the model, the memory fraction unless a KV-cache size is fixed."""
+        effective = resolve_engine(
+            {"maxNumBatchedTokens": max_num_batched_tokens, "maxNumSeqs": max_num_seqs,
+             "gpuMemoryUtilization": gpu_memory_utilization, "kvCacheMemoryBytes": kv_cache_memory_bytes},
+            serve_defaults(gpu.name, gpu.total_memory_bytes))
+        return cls(
+            model=model, gpu=gpu,
+            max_num_batched_tokens=effective["maxNumBatchedTokens"], max_num_seqs=effective["maxNumSeqs"],
+            max_model_len=model.max_position_embeddings if max_model_len is None else max_model_len,
+            gpu_memory_utilization=effective.get("gpuMemoryUtilization"),
+            kv_cache_memory_bytes=kv_cache_memory_bytes, **knobs,
+        )
 
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model.name
 
-    def with_(self, **changes: object) -> EngineConfig:
-        """A copy with some knobs changed (None re-resolves the default)."""
-        return replace(self, **changes)  # type: ignore[arg-type]
+    def with_(self, **changes: Any) -> EngineConfig:
+        """A copy with some knobs changed; a knob set to None is resolved again as vLLM would."""
+        knobs = {f.name: getattr(self, f.name) for f in fields(self)}
+        if changes.get("kv_cache_memory_bytes") is not None:
+            knobs["gpu_memory_utilization"] = None
+        elif "kv_cache_memory_bytes" in changes or changes.get("gpu_memory_utilization") is not None:
+            knobs["kv_cache_memory_bytes"] = None
+        knobs.update(changes)
+        return EngineConfig.resolve(knobs.pop("model"), knobs.pop("gpu"), **knobs)
 
     def validate(self) -> None:
         """Raise EngineStartupError for a configuration `vllm serve` refuses before loading."""
@@ -113,14 +122,14 @@ class EngineConfig:
         if self.kv_cache_dtype not in vllm_facts.KV_CACHE_DTYPES:
             raise EngineStartupError(
                 f"kv_cache_dtype ({self.kv_cache_dtype!r}) must be one of {list(vllm_facts.KV_CACHE_DTYPES)}")
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:  # type: ignore[operator]
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise EngineStartupError("max_num_batched_tokens and max_num_seqs must be >= 1")
-        if self.max_num_batched_tokens < self.max_num_seqs:  # type: ignore[operator]
+        if self.max_num_batched_tokens < self.max_num_seqs:
             raise EngineStartupError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be greater than or equal to "
                 f"max_num_seqs ({self.max_num_seqs})."
             )
-        if self.max_model_len < 1 or self.max_model_len > m.max_position_embeddings:  # type: ignore[operator]
+        if self.max_model_len < 1 or self.max_model_len > m.max_position_embeddings:
             raise EngineStartupError(
                 f"User-specified max_model_len ({self.max_model_len}) is greater than the derived max_model_len "
                 f"(max_position_embeddings={m.max_position_embeddings} in model's config.json). This may lead "
@@ -143,9 +152,9 @@ class EngineConfig:
         return plan_memory(
             self.model, self.gpu,
             tensor_parallel_size=self.tensor_parallel_size,
-            max_num_batched_tokens=self.max_num_batched_tokens,  # type: ignore[arg-type]
-            max_num_seqs=self.max_num_seqs,  # type: ignore[arg-type]
-            max_model_len=self.max_model_len,  # type: ignore[arg-type]
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
             block_size=self.block_size,
             kv_cache_dtype=self.kv_cache_dtype,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -196,8 +205,8 @@ class Engine:
         self.scheduler = Scheduler(
             num_gpu_blocks=self.num_gpu_blocks,
             block_size=config.block_size,
-            max_num_batched_tokens=config.max_num_batched_tokens,  # type: ignore[arg-type]
-            max_num_seqs=config.max_num_seqs,  # type: ignore[arg-type]
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             long_prefill_token_threshold_adaptive=config.long_prefill_token_threshold_adaptive,
             enable_prefix_caching=config.enable_prefix_caching,
@@ -209,7 +218,7 @@ class Engine:
             config.model, config.gpu, config.tensor_parallel_size, config.step_time_params,
             kv_dtype_bytes(config.kv_cache_dtype, config.model),
         )
-        self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
+        self.max_model_len: int = config.max_model_len
         self.num_steps = 0
 
     # -- requests -------------------------------------------------------------------------------

@@ -10,13 +10,17 @@ the twin simulates (logging, tokenizer, tool calling, ...) are accepted and igno
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from typing import Any
 
 from kvpilot.api import vllm as vllm_facts
 from kvpilot.twin.engine import EngineConfig
-from kvpilot.twin.hardware import GPU_ENV, GPU_PRESETS, resolve_gpu
+from kvpilot.twin.hardware import DEFAULT_GPU, GPU_PRESETS, GpuSpec, resolve_gpu
 from kvpilot.twin.models import MODEL_PRESETS, ModelSpec, ModelSpecError, load_model_config, resolve_model
+
+# The environment variable the twin's commands read when `--gpu` is not given (a pod's env, say).
+GPU_ENV = "KVPILOT_TWIN_GPU"
 
 # vLLM flags the twin accepts and ignores: they take a value ...
 HARMLESS_VALUE_FLAGS: tuple[str, ...] = (
@@ -143,7 +147,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
     g.add_argument("--seed", type=int, default=0, help="random seed (default 0); `twin run` also seeds the workload with it")
     t = parser.add_argument_group("twin only")
     t.add_argument("--gpu", default=None, metavar="GPU",
-                   help=f"GPU preset: {', '.join(GPU_PRESETS)} (default ${GPU_ENV} or H100-80GB)")
+                   help=f"GPU preset: {', '.join(GPU_PRESETS)} (default ${GPU_ENV} or {DEFAULT_GPU})")
     t.add_argument("--model-config", default=None, metavar="CONFIG_JSON",
                    help="a Hugging Face config.json for a model without a preset")
     ig = parser.add_argument_group("accepted and ignored (no effect on the simulation)")
@@ -166,13 +170,18 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
     return resolve_model(name)
 
 
+def gpu_from_args(args: argparse.Namespace) -> GpuSpec:
+    """The GPU named by `--gpu`, else by $KVPILOT_TWIN_GPU, else the default preset."""
+    return resolve_gpu(getattr(args, "gpu", None) or os.environ.get(GPU_ENV) or DEFAULT_GPU)
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from parsed flags.  ValueError subclasses for unknown GPUs/models."""
     served = args.served_model_name[0] if args.served_model_name else (
         getattr(args, "model", None) or getattr(args, "model_flag", None))
-    return EngineConfig(
-        model=model_from_args(args),
-        gpu=resolve_gpu(args.gpu),
+    return EngineConfig.resolve(
+        model_from_args(args),
+        gpu_from_args(args),
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization,

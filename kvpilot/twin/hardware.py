@@ -9,13 +9,13 @@ multiplies `--gpu-memory-utilization` by.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+
+from kvpilot.api import engine as engine_codec
 
 GiB = 1 << 30
 
-# Environment variable the twin reads when `--gpu` is not given.
-GPU_ENV = "KVPILOT_TWIN_GPU"
+# The GPU the twin's commands simulate when `--gpu` is not given (they also read $KVPILOT_TWIN_GPU).
 DEFAULT_GPU = "H100-80GB"
 
 
@@ -87,10 +87,8 @@ def _norm(name: str) -> str:
     return name.strip().lower().replace("_", "-").replace(" ", "-")
 
 
-def resolve_gpu(name: str | None = None) -> GpuSpec:
-    """The preset for `name` (case-insensitive; common aliases), `$KVPILOT_TWIN_GPU`, or H100-80GB."""
-    if name is None:
-        name = os.environ.get(GPU_ENV) or DEFAULT_GPU
+def resolve_gpu(name: str) -> GpuSpec:
+    """The preset for `name` (case-insensitive; common aliases)."""
     key = _norm(name)
     for preset in GPU_PRESETS.values():
         if _norm(preset.name) == key:
@@ -98,3 +96,8 @@ def resolve_gpu(name: str | None = None) -> GpuSpec:
     if key in _ALIASES:
         return GPU_PRESETS[_ALIASES[key]]
     raise UnknownGpuError(f"unknown GPU {name!r}; the twin knows: {', '.join(GPU_PRESETS)}")
+
+
+def serve_defaults(gpu: GpuSpec) -> engine_codec.ServeDefaults:
+    """What `vllm serve` resolves on this GPU when the flags are absent."""
+    return engine_codec.serve_defaults(gpu.name, gpu.total_memory_bytes)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpilot.api import vllm
 from kvpilot.twin.hardware import GiB, GpuSpec
 from kvpilot.twin.models import ModelSpec
 
@@ -113,7 +114,7 @@ def plan_memory(
     max_model_len: int,
     block_size: int,
     kv_cache_dtype: str = "auto",
-    gpu_memory_utilization: float | None = 0.92,
+    gpu_memory_utilization: float | None = vllm.DEFAULT_GPU_MEMORY_UTILIZATION,
     kv_cache_memory_bytes: int | None = None,
 ) -> MemoryPlan:
     """Size the KV cache as vLLM does, or raise EngineStartupError with vLLM's message."""
@@ -142,7 +143,7 @@ def plan_memory(
                 "Decrease --kv-cache-memory-bytes."
             )
     else:
-        util = 0.92 if gpu_memory_utilization is None else gpu_memory_utilization
+        util = vllm.DEFAULT_GPU_MEMORY_UTILIZATION if gpu_memory_utilization is None else gpu_memory_utilization
         requested = int(util * total)
         if requested > free_at_start:
             raise EngineStartupError(

@@ -19,7 +19,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from kvpilot.api import vllm
+from kvpilot.api import vllm, vocabulary
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # vLLM's FinishReason strings (`FINISH_REASON_STRINGS` in vllm/v1/engine): the Prometheus logger
@@ -131,16 +131,16 @@ class VllmMetrics:
         self.decode = histogram(vllm.METRIC_DECODE, "Histogram of time spent in DECODE phase for request.",
                                 latency)
         # The twin's own health (not vLLM metrics): does the real-time loop keep the simulated pace?
-        self.twin_steps = Counter("kvpilot_twin_engine_steps", "Engine steps the twin has run.",
+        self.twin_steps = Counter(vocabulary.METRIC_TWIN_STEPS_TOTAL, "Engine steps the twin has run.",
                                   labels, registry=reg).labels(*values)
-        self.twin_simulated = Counter("kvpilot_twin_simulated_seconds",
+        self.twin_simulated = Counter(vocabulary.METRIC_TWIN_SIMULATED_SECONDS_TOTAL,
                                       "Sum of the simulated durations of the twin's engine steps.",
                                       labels, registry=reg).labels(*values)
-        self.twin_behind = Counter("kvpilot_twin_behind_seconds",
+        self.twin_behind = Counter(vocabulary.METRIC_TWIN_BEHIND_SECONDS_TOTAL,
                                    "Time the twin's engine loop fell behind the simulated timeline and "
                                    "dropped (CPU too busy to keep real time); 0 when it keeps up.",
                                    labels, registry=reg).labels(*values)
-        self.twin_aborted = Counter("kvpilot_twin_aborted_requests",
+        self.twin_aborted = Counter(vocabulary.METRIC_TWIN_ABORTED_REQUESTS_TOTAL,
                                     "Requests aborted before they finished (client gone, shutdown). vLLM "
                                     "counts these nowhere: its frontend drops an aborted request's stats.",
                                     labels, registry=reg).labels(*values)

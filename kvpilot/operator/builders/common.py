@@ -6,19 +6,22 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.api.models import API_VERSION, KIND, InferenceService
+from kvpilot.api.models import InferenceService
+from kvpilot.api.vocabulary import (
+    ANNOTATION_CONFIG_HASH,
+    ANNOTATION_ENGINE,
+    API_VERSION,
+    KIND,
+    LABEL_COMPONENT,
+    LABEL_INSTANCE,
+    LABEL_MANAGED_BY,
+    LABEL_NAME,
+    MANAGED_BY,
+)
+from kvpilot.api.vocabulary import LABEL_INFERENCESERVICE as LABEL_ISVC
 
-MANAGED_BY = "kvpilot"
-LABEL_NAME = "app.kubernetes.io/name"
-LABEL_INSTANCE = "app.kubernetes.io/instance"
-LABEL_COMPONENT = "app.kubernetes.io/component"
-LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
-LABEL_ISVC = "kvpilot.dev/inferenceservice"
-
-# On the pod template: changes exactly when what the pods run changes.
-ANNOTATION_CONFIG_HASH = "kvpilot.dev/config-hash"
-# On the Deployment: the engine spec (wire form) it was rendered from, for lastGoodEngine and rollback.
-ANNOTATION_ENGINE = "kvpilot.dev/engine"
+__all__ = ["ANNOTATION_CONFIG_HASH", "ANNOTATION_ENGINE", "LABEL_COMPONENT", "LABEL_INSTANCE", "LABEL_ISVC",
+           "LABEL_MANAGED_BY", "LABEL_NAME", "MANAGED_BY"]
 
 HTTP_PORT = 8000
 HTTP_PORT_NAME = "http"

@@ -1,21 +1,17 @@
-"""The engine command line: `vllm serve MODEL --port 8000` plus exactly the typed flags, then extraArgs."""
+"""The engine command line: `vllm serve MODEL --port 8000` plus exactly the typed flags (rendered by the
+API's engine codec), then extraArgs."""
 
 from __future__ import annotations
 
+from kvpilot.api.engine import format_value, render_flags
 from kvpilot.api.models import EngineSpec, InferenceService
-from kvpilot.api.vllm import TYPED_FLAGS
 from kvpilot.operator.builders.common import HTTP_PORT
 
 
-def flag_number(value: float | int) -> str:
-    # 0.9 stays "0.9", not "0.9000000000000000222"; ints print as ints.
-    return str(value) if isinstance(value, int) else repr(float(value))
-
-
 def typed_flags(isvc: InferenceService, engine: EngineSpec | None = None) -> list[str]:
-    """The typed engine fields as vLLM flags, in TYPED_FLAGS order; unset optional fields are left out."""
+    """The typed engine fields as vLLM flags (the codec's order); unset optional fields are left out."""
     engine = engine or isvc.spec.engine
-    values: dict[str, float | int | str | None] = {
+    return render_flags({
         "maxNumBatchedTokens": engine.max_num_batched_tokens,
         # Always explicit (vLLM's default when unset), so status and hash show what really runs.
         "gpuMemoryUtilization": engine.effective_gpu_memory_utilization,
@@ -27,17 +23,7 @@ def typed_flags(isvc: InferenceService, engine: EngineSpec | None = None) -> lis
         "kvCacheDtype": engine.kv_cache_dtype,
         "longPrefillTokenThreshold": engine.long_prefill_token_threshold,
         "shutdownTimeoutSeconds": isvc.spec.rollout.shutdown_timeout_seconds,
-    }
-    missing = set(TYPED_FLAGS) - set(values)
-    if missing:  # a new typed field in kvpilot.api.vllm must be rendered here too
-        raise AssertionError(f"typed engine fields without a rendering: {sorted(missing)}")
-    args: list[str] = []
-    for field, flag in TYPED_FLAGS.items():
-        value = values[field]
-        if value is None:
-            continue
-        args += [flag, value if isinstance(value, str) else flag_number(value)]
-    return args
+    })
 
 
 def engine_args(isvc: InferenceService, engine: EngineSpec | None = None) -> list[str]:
@@ -53,7 +39,7 @@ def engine_args(isvc: InferenceService, engine: EngineSpec | None = None) -> lis
     if engine.kind == "twin":
         args += ["--gpu", engine.twin.gpu]
         if engine.twin.startup_delay_seconds > 0:
-            args += ["--startup-delay", flag_number(engine.twin.startup_delay_seconds)]
+            args += ["--startup-delay", format_value(engine.twin.startup_delay_seconds)]
     args += list(engine.extra_args)
     return args
 

@@ -16,18 +16,19 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from kvpilot.api.engine import format_value
 from kvpilot.api.models import EngineSpec
-from kvpilot.operator.builders.common import ANNOTATION_CONFIG_HASH, ANNOTATION_ENGINE
-from kvpilot.operator.builders.engine import flag_number
+from kvpilot.api.vocabulary import ANNOTATION_CONFIG_HASH, ANNOTATION_ENGINE, ConditionType, Reason
 
-READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
+READY, PROGRESSING, DEGRADED = ConditionType.READY.value, ConditionType.PROGRESSING.value, ConditionType.DEGRADED.value
 # The condition types the operator writes. Every other type (the tuner's Tuning, SLOBurning) belongs
 # to another writer: the functions below carry it over from the status they are given, untouched.
 OWN_CONDITIONS = (READY, PROGRESSING, DEGRADED)
-REASON_ROLLED_BACK = "RolledBack"
-REASON_INVALID_SPEC = "InvalidSpec"
-REASON_APPLY_FAILED = "ApplyFailed"
-REASON_DEADLINE = "ProgressDeadlineExceeded"
+REASON_ROLLED_BACK = Reason.ROLLED_BACK.value
+REASON_INVALID_SPEC = Reason.INVALID_SPEC.value
+REASON_APPLY_FAILED = Reason.APPLY_FAILED.value
+REASON_DEADLINE = Reason.PROGRESS_DEADLINE_EXCEEDED.value
+REASON_COMPLETE = Reason.ROLLOUT_COMPLETE.value
 
 
 def now_rfc3339() -> str:
@@ -74,7 +75,7 @@ def rollout_of(deployment: dict[str, Any] | None) -> Rollout:
     complete = observed and updated >= desired and ready >= desired and available >= desired and replicas <= desired
     deadline, message = False, ""
     for cond in status.get("conditions") or []:
-        if cond.get("type") == "Progressing":
+        if cond.get("type") == PROGRESSING:
             message = str(cond.get("message", ""))
             deadline = observed and cond.get("status") == "False" and cond.get("reason") == REASON_DEADLINE
     annotations = meta.get("annotations") or {}
@@ -106,7 +107,7 @@ def engine_info(rollout: Rollout) -> dict[str, str] | None:
     return {
         "max_num_batched_tokens": str(engine.max_num_batched_tokens),
         # Empty (no label) when kvCacheMemoryBytes sizes the KV cache instead.
-        "gpu_memory_utilization": "" if utilization is None else flag_number(utilization),
+        "gpu_memory_utilization": "" if utilization is None else format_value(utilization),
         "max_num_seqs": str(engine.max_num_seqs),
         "config_hash": rollout.config_hash,
     }
@@ -155,8 +156,8 @@ def desired_status(*, generation: int | None, previous: dict[str, Any] | None, d
         progressing = ("True", "Creating", "creating the engine Deployment")
     elif rollout.complete:
         what = "scaled to zero" if rollout.desired == 0 else f"all {rollout.desired} replicas updated and ready"
-        ready = ("True", "RolloutComplete", f"{what} (configHash {rollout.config_hash})")
-        progressing = ("False", "RolloutComplete", f"{what} (configHash {rollout.config_hash})")
+        ready = ("True", REASON_COMPLETE, f"{what} (configHash {rollout.config_hash})")
+        progressing = ("False", REASON_COMPLETE, f"{what} (configHash {rollout.config_hash})")
     elif rollout.deadline_exceeded:
         ready = ("False", REASON_DEADLINE, rollout.counts())
         progressing = ("False", REASON_DEADLINE, rollout.message or "the rollout passed its progress deadline")
@@ -172,7 +173,7 @@ def desired_status(*, generation: int | None, previous: dict[str, Any] | None, d
     if degraded is not None:
         conditions = set_condition(conditions, DEGRADED, "True", degraded[0], degraded[1], generation, now)
     else:
-        conditions = set_condition(conditions, DEGRADED, "False", "AsExpected", "", generation, now)
+        conditions = set_condition(conditions, DEGRADED, "False", Reason.AS_EXPECTED.value, "", generation, now)
 
     status: dict[str, Any] = {
         "observedGeneration": generation,

@@ -21,18 +21,27 @@ import time
 import uuid
 from typing import Any, cast
 
+from kvpilot.api.models import EngineSpec
+from kvpilot.api.vocabulary import (
+    ANNOTATION_TUNING_TRIAL,
+    API_VERSION,
+    FIELD_MANAGER_TUNER,
+    GROUP,
+    KIND,
+    PLURAL,
+    VERSION,
+    ConditionType,
+    Reason,
+    TuningPhase,
+)
 from kvpilot.tuner.core.loop import ApplyFailed, Observer
 from kvpilot.tuner.core.objective import Outcome
-from kvpilot.tuner.core.space import PARAM_GPU_UTIL, PARAM_SEQS, PARAM_TOKENS, EngineParams
+from kvpilot.tuner.core.space import EngineParams
 from kvpilot.tuner.core.study import Incumbent
 
 log = logging.getLogger(__name__)
 
-GROUP, VERSION, PLURAL, KIND = "kvpilot.dev", "v1alpha1", "inferenceservices", "InferenceService"
-FIELD_MANAGER = "kvpilot-tuner"
-TRIAL_ANNOTATION = "kvpilot.dev/tuning-trial"
-# vLLM resolves missing flags at start-up; the operator's model defaults are the same.
-_DEFAULTS = {PARAM_TOKENS: 2048, PARAM_GPU_UTIL: 0.92, PARAM_SEQS: 256}
+FIELD_MANAGER = FIELD_MANAGER_TUNER
 
 
 def _condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
@@ -47,15 +56,15 @@ def rollout_state(obj: dict[str, Any], generation: int) -> tuple[str, str]:
     status = obj.get("status") or {}
     if int(status.get("observedGeneration") or 0) < generation:
         return "progressing", f"the operator has not seen generation {generation} yet"
-    degraded = _condition(obj, "Degraded")
-    if degraded.get("status") == "True" and degraded.get("reason") == "RolledBack":
+    degraded = _condition(obj, ConditionType.DEGRADED)
+    if degraded.get("status") == "True" and degraded.get("reason") == Reason.ROLLED_BACK:
         return "failed", degraded.get("message", "rolled back")
-    prog = _condition(obj, "Progressing")
-    if prog.get("reason") == "RolloutComplete" and prog.get("status") == "False":
+    prog = _condition(obj, ConditionType.PROGRESSING)
+    if prog.get("reason") == Reason.ROLLOUT_COMPLETE and prog.get("status") == "False":
         want = int((obj.get("spec") or {}).get("replicas") or 1)
         if (int(status.get("updatedReplicas") or 0) >= want and int(status.get("readyReplicas") or 0) >= want):
             return "complete", prog.get("message", "")
-    if prog.get("reason") == "ProgressDeadlineExceeded":
+    if prog.get("reason") == Reason.PROGRESS_DEADLINE_EXCEEDED:
         return "failed", prog.get("message", "progress deadline exceeded")
     return "progressing", prog.get("message", "")
 
@@ -74,16 +83,16 @@ class KubernetesApplier:
             GROUP, VERSION, self.namespace, PLURAL, self.name))
 
     def current(self) -> EngineParams:
-        engine = dict(_DEFAULTS)
-        spec_engine = (self.get().get("spec") or {}).get("engine") or {}
-        engine.update({k: v for k, v in spec_engine.items() if k in _DEFAULTS and v is not None})
-        return EngineParams.from_spec(engine)
+        """The tuned fields in force: the spec's, with the API's defaults for those it leaves out."""
+        engine = EngineSpec.model_validate((self.get().get("spec") or {}).get("engine") or {})
+        return EngineParams(engine.max_num_batched_tokens, engine.effective_gpu_memory_utilization or 0.0,
+                            engine.max_num_seqs)
 
     def body(self, params: EngineParams, trial: int | None) -> dict[str, Any]:
         """The server-side apply body: the tuned fields and the trial annotation, nothing else."""
         meta: dict[str, Any] = {"name": self.name, "namespace": self.namespace}
-        meta["annotations"] = {TRIAL_ANNOTATION: "restore" if trial is None else str(trial)}
-        return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": meta,
+        meta["annotations"] = {ANNOTATION_TUNING_TRIAL: "restore" if trial is None else str(trial)}
+        return {"apiVersion": API_VERSION, "kind": KIND, "metadata": meta,
                 "spec": {"engine": params.as_spec()}}
 
     def apply(self, params: EngineParams, trial: int | None) -> None:
@@ -109,14 +118,6 @@ class KubernetesApplier:
             if time.monotonic() >= deadline:
                 raise ApplyFailed("RolloutTimeout", f"not complete after {self.timeout_s:g}s: {message}")
             time.sleep(self.poll_s)
-
-
-# Loop phases -> the API's status.tuning.phase vocabulary.
-_PHASES = {
-    "Applying": "Applying", "RollingBack": "Applying", "Finishing": "Applying", "WarmingUp": "WarmingUp",
-    "Measuring": "Measuring", "CoolingDown": "Measuring", "Remeasuring": "Measuring", "Paused": "Paused",
-    "Completed": "Done", "WarmStart": "WarmStart", "Failed": "Failed", "Idle": "Idle",
-}
 
 
 class KubeStatusObserver(Observer):
@@ -148,7 +149,7 @@ class KubeStatusObserver(Observer):
         ev = client.CoreV1Event(
             metadata=client.V1ObjectMeta(name=f"{self.name}.{uuid.uuid4().hex[:12]}", namespace=self.namespace),
             involved_object=client.V1ObjectReference(
-                api_version=f"{GROUP}/{VERSION}", kind=KIND, name=self.name, namespace=self.namespace,
+                api_version=API_VERSION, kind=KIND, name=self.name, namespace=self.namespace,
                 uid=obj["metadata"].get("uid"),
             ),
             reason=reason, message=message[:1024], type=type_, count=1,
@@ -160,8 +161,8 @@ class KubeStatusObserver(Observer):
         except Exception as exc:
             log.warning("could not post an Event for %s/%s: %s", self.namespace, self.name, exc)
 
-    def phase(self, phase: str, reason: str, message: str) -> None:
-        self._status({"phase": _PHASES.get(phase, phase), "trial": self.trial, "message": f"{reason}: {message}"})
+    def phase(self, phase: TuningPhase, reason: str, message: str) -> None:
+        self._status({"phase": phase.value, "trial": self.trial, "message": f"{reason}: {message}"})
 
     def trial_started(self, number: int, params: EngineParams, kind: str) -> None:
         self.trial = number

@@ -29,15 +29,12 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvpilot.api import vllm
+from kvpilot.api.engine import EngineArgsError, ServeDefaults, parse_engine_args, resolve
 from kvpilot.tuner.core.loop import ApplyFailed
-from kvpilot.tuner.core.space import PARAM_GPU_UTIL, PARAM_SEQS, PARAM_TOKENS, EngineParams
+from kvpilot.tuner.core.space import TUNED_FIELDS, EngineParams
 from kvpilot.tuner.core.startup import memory_shortfall
 
 log = logging.getLogger(__name__)
-
-_TUNED_FLAGS = {vllm.TYPED_FLAGS[f]: f for f in (PARAM_TOKENS, PARAM_GPU_UTIL, PARAM_SEQS)}
-
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -45,40 +42,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def parse_engine_command(argv: Sequence[str]) -> tuple[list[str], int, EngineParams]:
+def parse_engine_command(argv: Sequence[str], defaults: ServeDefaults) -> tuple[list[str], int, EngineParams]:
     """Split `vllm serve ... --port P --max-num-seqs N ...` into (command without the port and the
-    tuned flags, P, the starting engine).  Missing tuned flags take vLLM's defaults."""
-    rest: list[str] = []
-    port: int | None = None
-    found: dict[str, str] = {}
-    args = list(argv)
-    i = 0
-    while i < len(args):
-        a = args[i]
-        name, eq, val = a.partition("=")
-        if name == "--port" or name in _TUNED_FLAGS:
-            if not eq:
-                if i + 1 >= len(args):
-                    raise ValueError(f"engine command: {name} needs a value")
-                val = args[i + 1]
-                i += 1
-            if name == "--port":
-                try:
-                    port = int(val)
-                except ValueError:
-                    raise ValueError(f"engine command: --port must be a number, got {val!r}") from None
-            else:
-                found[_TUNED_FLAGS[name]] = val
-        else:
-            rest.append(a)
-        i += 1
-    if port is None:
+    tuned flags, P, the starting engine).  Tuned flags the command leaves out take `defaults`,
+    vLLM's for the GPU the engine runs on."""
+    try:
+        parsed = parse_engine_args(argv, only=TUNED_FIELDS)
+    except EngineArgsError as exc:
+        raise ValueError(f"engine command: {exc}") from None
+    if parsed.port is None:
         raise ValueError("engine command: give --port P (the port clients use; the tuner serves it)")
-    if not rest:
+    if not parsed.rest:
         raise ValueError("engine command: empty")
-    d = EngineParams.vllm_defaults().as_spec()
-    d.update(found)
-    return rest, port, EngineParams.from_spec(d)
+    values = resolve(parsed.values, defaults)
+    return parsed.rest, parsed.port, EngineParams.from_spec({k: values[k] for k in TUNED_FIELDS})
 
 
 class _Forwarder:

@@ -174,8 +174,8 @@ class TwinTarget:
         if self.perturb:
             base = params_for(gpu)
             stp = replace(base, **{k: getattr(base, k) * f for k, f in self.perturb})
-        return EngineConfig(
-            model=resolve_model(self.model), gpu=gpu,
+        return EngineConfig.resolve(
+            resolve_model(self.model), gpu,
             max_num_batched_tokens=params.max_num_batched_tokens,
             max_num_seqs=params.max_num_seqs,
             gpu_memory_utilization=params.gpu_memory_utilization,
@@ -184,12 +184,9 @@ class TwinTarget:
         )
 
     def vllm_defaults(self) -> EngineParams:
-        from kvpilot.api import vllm
-        from kvpilot.twin.engine import default_batching
-        from kvpilot.twin.hardware import resolve_gpu
+        from kvpilot.twin.hardware import resolve_gpu, serve_defaults
 
-        tokens, seqs = default_batching(resolve_gpu(self.gpu))
-        return EngineParams(tokens, vllm.DEFAULT_GPU_MEMORY_UTILIZATION, seqs)
+        return EngineParams.vllm_defaults(serve_defaults(resolve_gpu(self.gpu)))
 
     def perturbed(self, seed: int, spread: float = 0.2) -> TwinTarget:
         """The same target with its efficiency factors and overheads each off by up to `spread`."""

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvpilot.api.vocabulary import Reason, TuningPhase
 from kvpilot.tuner.core.objective import Goal, Measurement, Outcome, better, infeasible, score
 from kvpilot.tuner.core.space import EngineParams
 from kvpilot.tuner.core.study import KIND_REMEASURE, Incumbent, TunerStudy
@@ -88,7 +89,7 @@ class RealClock:
 class Observer:
     """Hooks for status, Events and metrics.  No-ops by default."""
 
-    def phase(self, phase: str, reason: str, message: str) -> None: ...
+    def phase(self, phase: TuningPhase, reason: str, message: str) -> None: ...
 
     def trial_started(self, number: int, params: EngineParams, kind: str) -> None: ...
 
@@ -147,7 +148,7 @@ class LiveTuner:
         target = self._fallback()
         if self.applier.current() == target:
             return
-        self.obs.phase("RollingBack", "RestoringBest", f"putting back {target.label()}")
+        self.obs.phase(TuningPhase.APPLYING, "RestoringBest", f"putting back {target.label()}")
         try:
             self.applier.apply(target, None)
         except ApplyFailed as exc:  # the known-good engine failing is not ours to fix: say so loudly
@@ -163,14 +164,14 @@ class LiveTuner:
                 return
             except SignalsUnavailable as exc:
                 self.pauses += 1
-                self.obs.phase("Paused", exc.reason, f"{exc.message}; the engine is left as it is")
+                self.obs.phase(TuningPhase.PAUSED, exc.reason, f"{exc.message}; the engine is left as it is")
                 log.warning("paused: %s", exc)
                 self.clock.sleep(self.s.pause_poll_s)
 
     def _cool_down(self) -> None:
         """After a prune, wait until the fast-burn window no longer holds the bad config's errors;
         otherwise the next trial would be judged (and pruned) on its predecessor's burn."""
-        self.obs.phase("CoolingDown", "FastBurn", "waiting for the burn rate to fall after the rollback")
+        self.obs.phase(TuningPhase.MEASURING, "FastBurn", "waiting for the burn rate to fall after the rollback")
         deadline = self.clock.monotonic() + 2 * self.s.fast_burn_window_s
         while self.clock.monotonic() < deadline:
             self.clock.sleep(self.s.poll_s)
@@ -193,7 +194,7 @@ class LiveTuner:
                 burn = self.signals.burn_rate(self.s.fast_burn_window_s)
             except SignalsUnavailable:
                 self._wait_for_signals()
-                self.obs.phase("Measuring", "SignalsBack", "signals are back; the window starts again")
+                self.obs.phase(TuningPhase.MEASURING, "SignalsBack", "signals are back; the window starts again")
                 return False
             if burn >= self.s.fast_burn:
                 raise TrialPruned(burn)
@@ -203,7 +204,7 @@ class LiveTuner:
         if warmup:
             while not self._watch(self.s.warmup_s):
                 pass
-        self.obs.phase("Measuring", "WindowStarted", f"measuring over {self.s.window_s:g}s")
+        self.obs.phase(TuningPhase.MEASURING, "WindowStarted", f"measuring over {self.s.window_s:g}s")
         while True:
             if not self._watch(self.s.window_s):
                 continue
@@ -217,7 +218,7 @@ class LiveTuner:
         """Apply, measure and tell one trial.  Returns its final state (complete|pruned|infeasible)."""
         self._wait_for_signals()  # never change the engine blind
         self.obs.trial_started(number, params, kind)
-        self.obs.phase("Applying", "TrialStarted", f"trial {number}: {params.label()}")
+        self.obs.phase(TuningPhase.APPLYING, "TrialStarted", f"trial {number}: {params.label()}")
         try:
             self.applier.apply(params, number)
         except ApplyFailed as exc:
@@ -226,7 +227,7 @@ class LiveTuner:
             self.obs.trial_finished(number, params, "infeasible", outcome)
             self._restore()
             return "infeasible"
-        self.obs.phase("WarmingUp", "RolloutComplete", f"trial {number}: {self.s.warmup_s:g}s warm-up")
+        self.obs.phase(TuningPhase.WARMING_UP, Reason.ROLLOUT_COMPLETE, f"trial {number}: {self.s.warmup_s:g}s warm-up")
         try:
             m = self._measure()
         except TrialPruned as exc:
@@ -267,7 +268,7 @@ class LiveTuner:
         when it no longer holds up (then the trial being judged stands on its own)."""
         log.info("load drifted more than %.0f%% since trial %d was measured; measuring it again",
                  self.s.drift * 100, inc.trial)
-        self.obs.phase("Remeasuring", "LoadDrift", f"re-measuring the incumbent (trial {inc.trial})")
+        self.obs.phase(TuningPhase.MEASURING, "LoadDrift", f"re-measuring the incumbent (trial {inc.trial})")
         self._wait_for_signals()
         try:
             self.applier.apply(inc.params, None)
@@ -300,12 +301,12 @@ class LiveTuner:
             best = self._fallback()
             self._wait_for_signals()
         except TunerStopped:
-            self.obs.phase("Idle", "Stopped", "stopped; a restarted tuner resumes the study")
+            self.obs.phase(TuningPhase.IDLE, "Stopped", "stopped; a restarted tuner resumes the study")
             return self.applier.current()
         if self.applier.current() != best:
-            self.obs.phase("Finishing", "ApplyingBest", f"putting the best engine in force: {best.label()}")
+            self.obs.phase(TuningPhase.APPLYING, "ApplyingBest", f"putting the best engine in force: {best.label()}")
             self.applier.apply(best, None)
-        self.obs.phase("Completed", "BudgetSpent", f"best: {best.label()}")
+        self.obs.phase(TuningPhase.DONE, "BudgetSpent", f"best: {best.label()}")
         return best
 
 

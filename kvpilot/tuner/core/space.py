@@ -21,12 +21,11 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvpilot.api import vllm
+from kvpilot.api.engine import ServeDefaults, render_flags
+from kvpilot.api.vocabulary import TUNED_ENGINE_FIELDS
 
-PARAM_TOKENS = "maxNumBatchedTokens"
-PARAM_GPU_UTIL = "gpuMemoryUtilization"
-PARAM_SEQS = "maxNumSeqs"
-TUNED_FIELDS: tuple[str, ...] = (PARAM_TOKENS, PARAM_GPU_UTIL, PARAM_SEQS)
+TUNED_FIELDS: tuple[str, ...] = TUNED_ENGINE_FIELDS
+PARAM_TOKENS, PARAM_GPU_UTIL, PARAM_SEQS = TUNED_FIELDS
 
 GPU_UTIL_STEP = 0.01
 LOG2_PREFIX = "log2"  # pow2 resolution: the trial param is the exponent, e.g. log2maxNumSeqs
@@ -72,12 +71,8 @@ class EngineParams:
         }
 
     def as_flags(self) -> list[str]:
-        """The `vllm serve` / `kvpilot twin serve` flags."""
-        return [
-            vllm.TYPED_FLAGS[PARAM_TOKENS], str(self.max_num_batched_tokens),
-            vllm.TYPED_FLAGS[PARAM_GPU_UTIL], f"{self.gpu_memory_utilization:g}",
-            vllm.TYPED_FLAGS[PARAM_SEQS], str(self.max_num_seqs),
-        ]
+        """The `vllm serve` / `kvpilot twin serve` flags, rendered by the API's engine codec."""
+        return render_flags(self.as_spec())
 
     def label(self) -> str:
         return (
@@ -100,13 +95,10 @@ class EngineParams:
             raise SpaceError("spec.engine", f"tuned fields must be numbers: {exc}") from None
 
     @classmethod
-    def vllm_defaults(cls, large_gpu: bool = True) -> EngineParams:
-        """What `vllm serve` resolves when none of the three flags is given."""
-        if large_gpu:
-            tokens, seqs = vllm.DEFAULT_BATCHED_TOKENS_LARGE_GPU, vllm.DEFAULT_MAX_NUM_SEQS_LARGE_GPU
-        else:
-            tokens, seqs = vllm.DEFAULT_BATCHED_TOKENS_SMALL_GPU, vllm.DEFAULT_MAX_NUM_SEQS_SMALL_GPU
-        return cls(tokens, vllm.DEFAULT_GPU_MEMORY_UTILIZATION, seqs)
+    def vllm_defaults(cls, defaults: ServeDefaults) -> EngineParams:
+        """What `vllm serve` resolves on a GPU (`kvpilot.api.engine.serve_defaults`) when none of
+        the three flags is given."""
+        return cls.from_spec(defaults.as_spec())
 
 
 class _Suggester(Protocol):

@@ -228,7 +228,8 @@ def test_live_tuning_with_a_bad_config_and_a_prometheus_outage(
     restored_at, restored, _ = applier.history[[p for _, p, _ in applier.history].index(BAD) + 1]
     first_fast = next(t for t, v in signals.burns if t >= in_force and v >= SETTINGS.fast_burn)
     # The restore began right after that reading (its start-up takes the rest): within one poll.
-    restore_started = max(t for t, k, a, _ in events.log if k == "phase" and a == "RollingBack" and t <= restored_at)
+    restore_started = max(t for t, k, a, b in events.log
+                          if k == "phase" and (a, b) == ("Applying", "RestoringBest") and t <= restored_at)
     assert restore_started - first_fast <= SETTINGS.poll_s
     assert all(v < SETTINGS.fast_burn for t, v in signals.burns if in_force <= t < first_fast)
     assert restored != BAD

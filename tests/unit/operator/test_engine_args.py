@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from kvpilot.api.vllm import TYPED_FLAGS
+from kvpilot.api.engine import FLAG_OF
 from kvpilot.operator.builders.engine import engine_args, engine_command, typed_flags
 from tests.unit.operator.fixtures import isvc
 
@@ -32,7 +32,7 @@ def test_every_typed_field_renders_its_flag_once() -> None:
     args = typed_flags(svc)
     flags = args[0::2]
     # --kv-cache-memory-bytes replaces --gpu-memory-utilization; every other typed flag appears once.
-    assert sorted(flags) == sorted(set(TYPED_FLAGS.values()) - {"--gpu-memory-utilization"})
+    assert sorted(flags) == sorted(set(FLAG_OF.values()) - {"--gpu-memory-utilization"})
     pairs = dict(zip(args[0::2], args[1::2], strict=True))
     assert pairs == {
         "--max-num-batched-tokens": "8192", "--kv-cache-memory-bytes": str(20 * 2**30),
@@ -63,7 +63,7 @@ def test_twin_runs_kvpilot_with_the_same_flags_plus_gpu() -> None:
     assert args[args.index("--gpu") + 1] == "A100-80GB"
     assert args[args.index("--startup-delay") + 1] == "2.5"
     assert args[args.index("--host") + 1] == "0.0.0.0"
-    for flag in TYPED_FLAGS.values():
+    for flag in FLAG_OF.values():
         if flag in vllm_args:
             assert args[args.index(flag) + 1] == vllm_args[vllm_args.index(flag) + 1]
 

@@ -7,9 +7,10 @@ import json
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpilot.api.vocabulary import ENGINE_INFO_LABELS
 from kvpilot.operator.builders import ANNOTATION_CONFIG_HASH, ANNOTATION_ENGINE
 from kvpilot.operator.builders.status import engine_info, rollout_of
-from kvpilot.operator.metrics import ENGINE_INFO_LABELS, OperatorMetrics
+from kvpilot.operator.metrics import OperatorMetrics
 
 
 def series(metrics: OperatorMetrics) -> list[dict[str, str]]:

@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 import yaml
 
+from kvpilot.api.engine import FLAG_OF
 from kvpilot.api.models import InferenceService
-from kvpilot.api.vllm import REMOVED_FLAGS, TYPED_FLAGS
+from kvpilot.api.vllm import REMOVED_FLAGS
 from kvpilot.operator.builders import build_deployment
 from tests.unit.operator.fixtures import isvc_dict
 
@@ -63,7 +64,7 @@ def rendered_commands() -> list[list[str]]:
 def test_table_is_vllm_0_33_and_knows_the_typed_flags() -> None:
     assert "vLLM 0.33.0" in TABLE.read_text().splitlines()[0]
     table = flag_table()
-    assert set(TYPED_FLAGS.values()) <= set(table)
+    assert set(FLAG_OF.values()) <= set(table)
     assert not set(REMOVED_FLAGS) & set(table)
 
 

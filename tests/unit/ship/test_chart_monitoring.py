@@ -181,7 +181,7 @@ def test_alerts_select_the_scraped_job() -> None:
 def test_the_service_monitor_keeps_the_inferenceservice_namespace_label() -> None:
     """kvpilot_engine_info{namespace,name} names the InferenceService's namespace; the scrape must
     not overwrite it with the operator pod's (the dashboard selects on it)."""
-    from kvpilot.operator.metrics import ENGINE_INFO_LABELS
+    from kvpilot.api.vocabulary import ENGINE_INFO_LABELS
 
     assert "namespace" in ENGINE_INFO_LABELS
     monitor = one(render("monitoring"), "ServiceMonitor")

@@ -415,6 +415,7 @@ def test_every_call_of_the_real_tuner_is_granted(tmp_path: Path) -> None:
     )
     from kubernetes import config as kube_config
 
+    from kvpilot.api.vocabulary import TuningPhase
     from kvpilot.tuner.adapters.kubernetes import KubernetesApplier, KubeStatusObserver
     from kvpilot.tuner.core.loop import ApplyFailed
     from kvpilot.tuner.core.space import EngineParams
@@ -465,9 +466,9 @@ def test_every_call_of_the_real_tuner_is_granted(tmp_path: Path) -> None:
             observer = KubeStatusObserver(client, "team-a", name, study="e2e")
             params = applier.current()
             observer.trial_started(0, params, "current")
-            observer.phase("Applying", "Trial", "applying trial 0")
+            observer.phase(TuningPhase.APPLYING, "Trial", "applying trial 0")
             with pytest.raises(ApplyFailed):  # no operator here to complete the rollout
-                applier.apply(EngineParams.vllm_defaults(), 0)
+                applier.apply(EngineParams(8192, 0.92, 1024), 0)
             observer.trial_finished(0, params, "infeasible", None)
         finally:
             client.close()

@@ -45,7 +45,7 @@ def test_trials_run_and_the_best_engine_is_in_force_at_the_end() -> None:
     assert inc is not None and inc.params == best
     values = [t.value for t in tuner.study.feasible()]
     assert inc.value == pytest.approx(min(values))
-    assert rec.phases[-1] == "Completed"
+    assert rec.phases[-1] == "Done"
 
 
 def test_an_infeasible_config_is_told_and_the_engine_restored() -> None:

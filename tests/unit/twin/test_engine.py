@@ -14,7 +14,7 @@ SMALL = resolve_model("Qwen2.5-0.5B")
 def engine(blocks: int = 200, **kw) -> Engine:
     bs = kw.get("block_size", 16)
     kw.setdefault("max_model_len", (blocks - 1) * bs)
-    return Engine(EngineConfig(model=SMALL, gpu=resolve_gpu("L4"),
+    return Engine(EngineConfig.resolve(SMALL, resolve_gpu("L4"),
                                kv_cache_memory_bytes=blocks * bs * SMALL.kv_bytes_per_token(), **kw))
 
 
@@ -192,7 +192,7 @@ def test_unreferenced_prefix_blocks_are_evicted_when_the_pool_runs_short() -> No
 def test_prefix_caching_lowers_ttft_on_a_shared_system_prompt() -> None:
     from kvpilot.twin.offline import simulate
 
-    cfg = EngineConfig(model=resolve_model("Llama-3.1-8B"), gpu=resolve_gpu("H100-80GB"), max_model_len=8192,
+    cfg = EngineConfig.resolve(resolve_model("Llama-3.1-8B"), resolve_gpu("H100-80GB"), max_model_len=8192,
                        max_num_batched_tokens=2048, max_num_seqs=256)
     wl = "poisson:rate=8,prompt=200,output=50,prefix=3000,prefixes=2"
     on = simulate(cfg, wl, duration_s=30, seed=0)

@@ -62,7 +62,7 @@ def test_tensor_parallel_splits_weights_and_adds_nccl() -> None:
 
 
 def test_bigger_token_budget_leaves_fewer_blocks() -> None:
-    base = EngineConfig(model=LLAMA8, gpu=H100, max_model_len=8192)
+    base = EngineConfig.resolve(LLAMA8, H100, max_model_len=8192)
     small = base.with_(max_num_batched_tokens=2048, max_num_seqs=256).memory_plan()
     big = base.with_(max_num_batched_tokens=32768, max_num_seqs=256).memory_plan()
     assert big.activation_peak_bytes > small.activation_peak_bytes
@@ -77,32 +77,32 @@ def test_fp8_kv_cache_doubles_the_blocks_of_bf16() -> None:
 
 
 def test_lower_utilization_fewer_blocks() -> None:
-    base = EngineConfig(model=LLAMA8, gpu=H100, max_model_len=8192)
+    base = EngineConfig.resolve(LLAMA8, H100, max_model_len=8192)
     blocks = [Engine(base.with_(gpu_memory_utilization=u)).num_gpu_blocks for u in (0.5, 0.7, 0.9)]
     assert blocks == sorted(blocks) and len(set(blocks)) == 3
 
 
 def test_too_high_utilization_fails_like_vllm() -> None:
     with pytest.raises(EngineStartupError, match=r"Free memory on device .* is less than desired GPU memory utilization"):
-        Engine(EngineConfig(model=LLAMA8, gpu=H100, gpu_memory_utilization=0.999, max_model_len=8192))
+        Engine(EngineConfig.resolve(LLAMA8, H100, gpu_memory_utilization=0.999, max_model_len=8192))
 
 
 def test_too_low_utilization_leaves_no_cache() -> None:
     # 0.15 x 79 GiB is less than the 15 GiB of weights.
     with pytest.raises(EngineStartupError, match="No available memory for the cache blocks"):
-        Engine(EngineConfig(model=LLAMA8, gpu=H100, gpu_memory_utilization=0.15))
+        Engine(EngineConfig.resolve(LLAMA8, H100, gpu_memory_utilization=0.15))
 
 
 def test_max_model_len_larger_than_cache_fails_like_vllm() -> None:
     # An 8B model on a 24 GB L4 cannot hold one 131072-token sequence.
     with pytest.raises(EngineStartupError, match=r"max seq len \(131072\) is larger than the maximum number of tokens"):
-        Engine(EngineConfig(model=LLAMA8, gpu=resolve_gpu("L4")))
-    assert Engine(EngineConfig(model=LLAMA8, gpu=resolve_gpu("L4"), max_model_len=8192)).num_gpu_blocks > 512
+        Engine(EngineConfig.resolve(LLAMA8, resolve_gpu("L4")))
+    assert Engine(EngineConfig.resolve(LLAMA8, resolve_gpu("L4"), max_model_len=8192)).num_gpu_blocks > 512
 
 
 def test_model_too_big_for_the_gpu() -> None:
     with pytest.raises(EngineStartupError, match="CUDA out of memory"):
-        Engine(EngineConfig(model=resolve_model("Llama-3.1-70B"), gpu=H100))
+        Engine(EngineConfig.resolve(resolve_model("Llama-3.1-70B"), H100))
 
 
 @pytest.mark.parametrize(
@@ -116,12 +116,12 @@ def test_model_too_big_for_the_gpu() -> None:
 )
 def test_invalid_configs_fail_startup_with_a_reason(changes: dict, match: str) -> None:
     with pytest.raises(EngineStartupError, match=match):
-        Engine(EngineConfig(model=LLAMA8, gpu=H100).with_(**changes))
+        Engine(EngineConfig.resolve(LLAMA8, H100).with_(**changes))
 
 
 def test_vllm_default_batching() -> None:
-    assert EngineConfig(model=LLAMA8, gpu=H100).max_num_batched_tokens == 8192
-    assert EngineConfig(model=LLAMA8, gpu=H100).max_num_seqs == 1024
-    a100 = EngineConfig(model=LLAMA8, gpu=resolve_gpu("A100-80GB"))
+    assert EngineConfig.resolve(LLAMA8, H100).max_num_batched_tokens == 8192
+    assert EngineConfig.resolve(LLAMA8, H100).max_num_seqs == 1024
+    a100 = EngineConfig.resolve(LLAMA8, resolve_gpu("A100-80GB"))
     assert (a100.max_num_batched_tokens, a100.max_num_seqs) == (2048, 256)
-    assert EngineConfig(model=LLAMA8, gpu=H100).max_model_len == 131072
+    assert EngineConfig.resolve(LLAMA8, H100).max_model_len == 131072

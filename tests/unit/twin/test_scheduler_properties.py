@@ -28,8 +28,8 @@ def scenarios(draw):
     blocks = draw(st.integers(30, 120))
     budget = draw(st.integers(16, 512))
     seqs = draw(st.integers(1, min(budget, 24)))
-    config = EngineConfig(
-        model=SMALL, gpu=resolve_gpu("L4"),
+    config = EngineConfig.resolve(
+        SMALL, resolve_gpu("L4"),
         kv_cache_memory_bytes=blocks * block_size * SMALL.kv_bytes_per_token(),
         block_size=block_size,
         max_num_batched_tokens=budget,
@@ -119,7 +119,7 @@ def test_offline_run_accounts_for_every_request(prompt_hi: int, output_hi: int, 
     from kvpilot.twin.offline import simulate
     from kvpilot.twin.workload import Workload
 
-    config = EngineConfig(model=SMALL, gpu=resolve_gpu("L4"), max_model_len=4096, kv_cache_memory_bytes=2000 * BLOCK_BYTES_16,
+    config = EngineConfig.resolve(SMALL, resolve_gpu("L4"), max_model_len=4096, kv_cache_memory_bytes=2000 * BLOCK_BYTES_16,
                           max_num_batched_tokens=512, max_num_seqs=64)
     report = simulate(config, Workload.parse(f"gamma:rate=20,cv=3,prompt=1..{prompt_hi},output=1..{output_hi}"),
                       num_requests=40, seed=seed)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 
-from kvpilot.twin.hardware import GPU_ENV, GPU_PRESETS, UnknownGpuError, resolve_gpu
+from kvpilot.twin.flags import GPU_ENV, gpu_from_args
+from kvpilot.twin.hardware import GPU_PRESETS, UnknownGpuError, resolve_gpu
 from kvpilot.twin.models import MODEL_PRESETS, ModelSpec, ModelSpecError, load_model_config, resolve_model
 
 
@@ -24,9 +26,10 @@ def test_gpu_names_resolve_case_insensitively_and_by_alias(monkeypatch: pytest.M
     assert resolve_gpu("nvidia-a100-80gb").name == "A100-80GB"
     assert resolve_gpu("l40s").name == "L40S"
     monkeypatch.setenv(GPU_ENV, "L4")
-    assert resolve_gpu(None).name == "L4"
+    assert gpu_from_args(argparse.Namespace(gpu=None)).name == "L4"
+    assert gpu_from_args(argparse.Namespace(gpu="H200")).name == "H200"
     monkeypatch.delenv(GPU_ENV)
-    assert resolve_gpu(None).name == "H100-80GB"
+    assert gpu_from_args(argparse.Namespace(gpu=None)).name == "H100-80GB"
 
 
 def test_unknown_gpu_lists_the_presets() -> None:

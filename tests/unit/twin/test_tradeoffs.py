@@ -10,7 +10,7 @@ from kvpilot.twin.models import resolve_model
 from kvpilot.twin.offline import simulate
 from kvpilot.twin.workload import Workload
 
-BASE = EngineConfig(model=resolve_model("meta-llama/Llama-3.1-8B-Instruct"), gpu=resolve_gpu("H100-80GB"),
+BASE = EngineConfig.resolve(resolve_model("meta-llama/Llama-3.1-8B-Instruct"), resolve_gpu("H100-80GB"),
                     max_model_len=8192, max_num_seqs=256)
 
 
@@ -49,7 +49,7 @@ def test_higher_load_raises_latency() -> None:
 
 def test_tensor_parallel_speeds_up_a_70b_model() -> None:
     wl = Workload.parse("poisson:rate=2,prompt=512,output=128")
-    cfg = EngineConfig(model=resolve_model("Llama-3.1-70B"), gpu=resolve_gpu("H100-80GB"), max_model_len=8192)
+    cfg = EngineConfig.resolve(resolve_model("Llama-3.1-70B"), resolve_gpu("H100-80GB"), max_model_len=8192)
     tp4 = simulate(cfg.with_(tensor_parallel_size=4), wl, duration_s=30, seed=0)
     tp8 = simulate(cfg.with_(tensor_parallel_size=8), wl, duration_s=30, seed=0)
     assert tp8.itl_s["p50"] < tp4.itl_s["p50"]

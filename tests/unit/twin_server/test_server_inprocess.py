@@ -21,7 +21,7 @@ MODEL = "Qwen2.5-0.5B"
 
 
 def make_config() -> EngineConfig:
-    return EngineConfig(model=resolve_model(MODEL), gpu=resolve_gpu("H100-80GB"), max_model_len=4096)
+    return EngineConfig.resolve(resolve_model(MODEL), resolve_gpu("H100-80GB"), max_model_len=4096)
 
 
 def make_server(engine: Engine | None = None) -> TwinServer:

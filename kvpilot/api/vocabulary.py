@@ -1,0 +1,106 @@
+"""The words kvpilot's parts use to talk to each other and to Kubernetes and Prometheus.
+
+The operator writes these labels, annotations and conditions; the tuner, the SLO rules and the
+dashboard read them.  Each is written here once, so a writer and its readers cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+
+# ---- the resource -------------------------------------------------------------------------------
+GROUP = "kvpilot.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+SINGULAR = "inferenceservice"
+SHORT_NAMES = ("kvis",)
+
+# The engine fields the tuner owns, camelCase as in spec.engine (and in a trial's params).
+TUNED_ENGINE_FIELDS: tuple[str, ...] = ("maxNumBatchedTokens", "gpuMemoryUtilization", "maxNumSeqs")
+
+# ---- labels and annotations ---------------------------------------------------------------------
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "kvpilot"
+# On every child, and the Deployment's selector: which InferenceService a pod serves.
+LABEL_INFERENCESERVICE = f"{GROUP}/{SINGULAR}"
+
+# On the pod template: changes exactly when what the pods run changes.
+ANNOTATION_CONFIG_HASH = f"{GROUP}/config-hash"
+# On the Deployment: the engine spec (wire form) it was rendered from, for lastGoodEngine and rollback.
+ANNOTATION_ENGINE = f"{GROUP}/engine"
+# On the InferenceService, written by the tuner with the tuned fields: the trial they belong to.
+ANNOTATION_TUNING_TRIAL = f"{GROUP}/tuning-trial"
+
+# The tuner's server-side-apply field manager: a GitOps tool ignores exactly this manager's fields.
+FIELD_MANAGER_TUNER = "kvpilot-tuner"
+
+_NOT_LABEL_CHAR = re.compile(r"[^a-zA-Z0-9_]")
+
+
+def prometheus_label(kubernetes_label: str) -> str:
+    """The series label Prometheus (a ServiceMonitor's podTargetLabels, or `labelmap`) makes of a
+    Kubernetes label: every character outside [a-zA-Z0-9_] becomes `_`."""
+    return _NOT_LABEL_CHAR.sub("_", kubernetes_label)
+
+
+# The series label of LABEL_INFERENCESERVICE: `kvpilot_dev_inferenceservice`.
+SERIES_LABEL_INFERENCESERVICE = prometheus_label(LABEL_INFERENCESERVICE)
+
+
+# ---- status conditions --------------------------------------------------------------------------
+class ConditionType(StrEnum):
+    READY = "Ready"
+    PROGRESSING = "Progressing"
+    DEGRADED = "Degraded"
+    SLO_BURNING = "SLOBurning"
+    TUNING = "Tuning"
+
+
+class Reason(StrEnum):
+    """The CamelCase reasons the operator writes on its conditions."""
+
+    ROLLOUT_COMPLETE = "RolloutComplete"
+    ROLLED_BACK = "RolledBack"
+    INVALID_SPEC = "InvalidSpec"
+    APPLY_FAILED = "ApplyFailed"
+    PROGRESS_DEADLINE_EXCEEDED = "ProgressDeadlineExceeded"
+    AS_EXPECTED = "AsExpected"
+
+
+class TuningPhase(StrEnum):
+    """status.tuning.phase: where the tuner is with a service.  The loop reports these phases, with a
+    reason that says why (e.g. Measuring/LoadDrift while it re-measures the incumbent)."""
+
+    IDLE = "Idle"
+    WARM_START = "WarmStart"
+    APPLYING = "Applying"
+    WARMING_UP = "WarmingUp"
+    MEASURING = "Measuring"
+    PAUSED = "Paused"
+    DONE = "Done"
+    FAILED = "Failed"
+
+
+# ---- kvpilot's own metrics ----------------------------------------------------------------------
+# Counters are named with their `_total`, as they are exposed and queried.
+METRIC_RECONCILES_TOTAL = "kvpilot_reconciles_total"
+METRIC_RECONCILE_DURATION = "kvpilot_reconcile_duration_seconds"
+METRIC_ROLLBACKS_TOTAL = "kvpilot_rollbacks_total"
+METRIC_ENGINE_INFO = "kvpilot_engine_info"
+# kvpilot_engine_info's labels, as the dashboard reads them.
+ENGINE_INFO_LABELS: tuple[str, ...] = (
+    "namespace", "name", "max_num_batched_tokens", "gpu_memory_utilization", "max_num_seqs", "config_hash",
+)
+METRIC_TUNING_TRIALS_TOTAL = "kvpilot_tuning_trials_total"
+METRIC_TUNING_BEST_VALUE = "kvpilot_tuning_best_value"
+METRIC_TUNING_CURRENT_TRIAL = "kvpilot_tuning_current_trial"
+METRIC_TWIN_STEPS_TOTAL = "kvpilot_twin_engine_steps_total"
+METRIC_TWIN_SIMULATED_SECONDS_TOTAL = "kvpilot_twin_simulated_seconds_total"
+METRIC_TWIN_BEHIND_SECONDS_TOTAL = "kvpilot_twin_behind_seconds_total"
+METRIC_TWIN_ABORTED_REQUESTS_TOTAL = "kvpilot_twin_aborted_requests_total"
