@@ -15,7 +15,7 @@ import yaml
 
 from kvpilot.api import vllm
 from kvpilot.api.models import InferenceServiceSpec, InferenceServiceStatus
-from kvpilot.api.vocabulary import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
+from kvpilot.api.vocabulary import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, TUNED_ENGINE_FIELDS, VERSION
 
 CRD_NAME = f"{PLURAL}.{GROUP}"
 CRD_FILENAME = f"{CRD_NAME}.yaml"
@@ -77,7 +77,7 @@ _CEL_RULES: dict[tuple[str, ...], list[dict[str, str]]] = {
             "message": f"{name}: min must be less than max",
             "fieldPath": f".{name}",
         }
-        for name in ("maxNumBatchedTokens", "gpuMemoryUtilization", "maxNumSeqs")
+        for name in TUNED_ENGINE_FIELDS
     ],
 }
 

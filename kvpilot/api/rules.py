@@ -18,6 +18,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from kvpilot.api import engine as engine_codec
 from kvpilot.api import vllm
+from kvpilot.api.vocabulary import TUNED_ENGINE_FIELDS
 
 if TYPE_CHECKING:
     from kvpilot.api.models import EngineSpec, InferenceServiceSpec, SLOSpec, TuningSpec
@@ -156,11 +157,9 @@ def tuning_issues(tuning: TuningSpec) -> list[Issue]:
     ):
         return _NONE
     issues: list[Issue] = []
-    for name, bounds in (
-        ("maxNumBatchedTokens", space.max_num_batched_tokens),
-        ("gpuMemoryUtilization", space.gpu_memory_utilization),
-        ("maxNumSeqs", space.max_num_seqs),
-    ):
+    ranges = space.model_dump(by_alias=True)
+    for name in TUNED_ENGINE_FIELDS:
+        bounds = ranges[name]
         low, high = bounds
         legal_low, legal_high = _SPACE_LIMITS[name]
         if not low < high:

@@ -42,6 +42,9 @@ METRIC_PREEMPTIONS = "vllm:num_preemptions_total"
 METRIC_PROMPT_TOKENS = "vllm:prompt_tokens_total"
 METRIC_GENERATION_TOKENS = "vllm:generation_tokens_total"
 METRIC_REQUEST_SUCCESS = "vllm:request_success_total"
+# Per-request token counts (histograms; edges 1, 2, 5, 10, ... up to max_model_len).
+METRIC_REQUEST_PROMPT_TOKENS = "vllm:request_prompt_tokens"
+METRIC_REQUEST_GENERATION_TOKENS = "vllm:request_generation_tokens"
 
 # Defaults `vllm serve` resolves at start-up when the flags are not given.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92

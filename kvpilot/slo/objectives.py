@@ -12,8 +12,8 @@ ones (the same share of its budget in the same time).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 from kvpilot.slo import promql
 from kvpilot.slo.promql import Selector
@@ -72,7 +72,6 @@ class SloTarget:
     replicas: int = 1
     selector: Selector | None = None
     model_name: str | None = None
-    engine: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for fld in ("namespace", "name"):
@@ -95,11 +94,6 @@ class SloTarget:
             period=spec.slo.period,
             replicas=spec.replicas,
             model_name=spec.served_model_name or spec.model,
-            engine={
-                "maxNumBatchedTokens": spec.engine.max_num_batched_tokens,
-                "gpuMemoryUtilization": spec.engine.effective_gpu_memory_utilization,
-                "maxNumSeqs": spec.engine.max_num_seqs,
-            },
         )
 
     @property

@@ -67,11 +67,6 @@ def quote(value: str) -> str:
     return "".join(out)
 
 
-def regex_literal(value: str) -> str:
-    """An RE2 pattern matching exactly `value` (for `=~` matchers built from plain values)."""
-    return re.sub(r"([\\.+*?()|\[\]{}^$])", r"\\\1", value)
-
-
 def validate_duration(window: str) -> str:
     """Return `window` if it is a Prometheus range duration (`5m`, `600s`, `1h30m`), else raise ValueError."""
     if window in GRAFANA_RANGES:
@@ -306,6 +301,22 @@ def request_rate(selector: Selector, window: str = "5m") -> str:
     """Finished requests per second (every finish reason)."""
     validate_duration(window)
     return f"sum(rate({series(vllm.METRIC_REQUEST_SUCCESS, selector)}[{window}]))"
+
+
+TokenCount = Literal["prompt", "generation"]
+_TOKEN_HISTOGRAMS: dict[str, str] = {
+    "prompt": vllm.METRIC_REQUEST_PROMPT_TOKENS,
+    "generation": vllm.METRIC_REQUEST_GENERATION_TOKENS,
+}
+
+
+def token_quantile(kind: TokenCount, q: float, selector: Selector, window: str = "5m") -> str:
+    """The q-quantile of the tokens per request (prompt or generated) over `window`."""
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"quantile {q} is outside [0, 1]")
+    validate_duration(window)
+    name = _TOKEN_HISTOGRAMS[kind]
+    return f"histogram_quantile({q:g}, sum by (le) (rate({series(name + '_bucket', selector)}[{window}])))"
 
 
 def prompt_token_rate(selector: Selector, window: str = "5m") -> str:

@@ -32,8 +32,6 @@ REQUEST_N_BUCKETS: tuple[float, ...] = (1, 2, 5, 10, 20)
 
 METRIC_INFERENCE = "vllm:request_inference_time_seconds"
 METRIC_TPOT_REQUEST = "vllm:request_time_per_output_token_seconds"
-METRIC_PROMPT_TOKENS_REQUEST = "vllm:request_prompt_tokens"
-METRIC_GENERATION_TOKENS_REQUEST = "vllm:request_generation_tokens"
 METRIC_MAX_TOKENS_PARAM = "vllm:request_params_max_tokens"
 METRIC_N_PARAM = "vllm:request_params_n"
 METRIC_PREFIX_QUERIES = "vllm:prefix_cache_queries"
@@ -102,9 +100,9 @@ class VllmMetrics:
         self.request_success = {reason: success.labels(*values, reason) for reason in FINISH_REASONS}
         # Histograms of counts.
         token_edges = build_1_2_5_buckets(max_model_len)
-        self.prompt_tokens_request = histogram(METRIC_PROMPT_TOKENS_REQUEST,
+        self.prompt_tokens_request = histogram(vllm.METRIC_REQUEST_PROMPT_TOKENS,
                                                "Number of prefill tokens processed.", token_edges)
-        self.generation_tokens_request = histogram(METRIC_GENERATION_TOKENS_REQUEST,
+        self.generation_tokens_request = histogram(vllm.METRIC_REQUEST_GENERATION_TOKENS,
                                                    "Number of generation tokens processed.", token_edges)
         self.iteration_tokens = histogram(vllm.METRIC_ITERATION_TOKENS,
                                           "Histogram of number of tokens per engine_step.",

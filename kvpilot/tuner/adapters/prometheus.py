@@ -34,10 +34,6 @@ def parse_selector(text: str) -> Selector:
     return Selector(tuple(ms))
 
 
-def _window(seconds: float) -> str:
-    return f"{max(1, int(round(seconds)))}s"
-
-
 class PrometheusSignals:
     def __init__(self, url: str, *, selector: Selector | str = "", slo: SLO, objective: float = 0.99,
                  timeout_s: float = 5.0) -> None:
@@ -68,7 +64,7 @@ class PrometheusSignals:
 
     # -- SignalSource ----------------------------------------------------------------------
     def request_rate(self, window_s: float) -> float:
-        rate = self.query(promql.observations_rate("ttft", self.selector, _window(window_s)))
+        rate = self.query(promql.observations_rate("ttft", self.selector, promql.seconds_duration(window_s)))
         if not rate:
             raise SignalsUnavailable("NoTraffic", f"no requests in the last {window_s:g}s")
         return rate
@@ -76,13 +72,13 @@ class PrometheusSignals:
     def burn_rate(self, window_s: float) -> float:
         """The faster-burning of the TTFT and ITL SLOs over the window."""
         self.request_rate(window_s)
-        w = _window(window_s)
+        w = promql.seconds_duration(window_s)
         ttft = self._need(promql.burn_rate("ttft", self.slo.ttft_seconds, self.objective, self.selector, w), "TTFT")
         itl = self.query(promql.burn_rate("itl", self.slo.itl_seconds, self.objective, self.selector, w))
         return max(ttft, itl or 0.0)
 
     def measure(self, window_s: float) -> Measurement:
-        w = _window(window_s)
+        w = promql.seconds_duration(window_s)
         rate = self.request_rate(window_s)
         ttft = self._need(promql.quantile("ttft", 0.99, self.selector, w), "p99 TTFT")
         itl = self.query(promql.quantile("itl", 0.99, self.selector, w))
@@ -99,22 +95,21 @@ def estimate_workload(signals: PrometheusSignals, window_s: float = 3600.0) -> W
     (`vllm:request_prompt_tokens`, `vllm:request_generation_tokens`) as lognormals fitted to their
     p50 and p90; where those are missing, from token rates over the request rate.
     """
-    w = _window(window_s)
-    sel = signals.selector.render()
+    w = promql.seconds_duration(window_s)
+    sel = signals.selector
     rate = signals.request_rate(window_s)
     out: list[tuple[float, float]] = []
-    for hist, counter in (("vllm:request_prompt_tokens", "vllm:prompt_tokens_total"),
-                          ("vllm:request_generation_tokens", "vllm:generation_tokens_total")):
-        def q(x: float, hist: str = hist) -> float | None:
-            return signals.query(f"histogram_quantile({x}, sum by (le) (rate({hist}_bucket{{{sel}}}[{w}])))")
-
-        p50, p90 = q(0.5), q(0.9)
+    kind: promql.TokenCount
+    for kind, total in (("prompt", promql.prompt_token_rate(sel, w)),
+                        ("generation", promql.generation_token_rate(sel, w))):
+        p50 = signals.query(promql.token_quantile(kind, 0.5, sel, w))
+        p90 = signals.query(promql.token_quantile(kind, 0.9, sel, w))
         if p50 and p90 and math.isfinite(p50) and math.isfinite(p90):
             out.append(lognormal_from_quantiles(p50, p90))
             continue
-        tokens = signals.query(f"sum(rate({counter}{{{sel}}}[{w}]))")
+        tokens = signals.query(total)
         if not tokens:
-            raise SignalsUnavailable("NoData", f"neither {hist} nor {counter} has data")
+            raise SignalsUnavailable("NoData", f"no {kind} token counts in the window")
         out.append(lognormal_from_mean(tokens / rate))
     (pm, ps), (om, os_) = out
     return WorkloadEstimate(rate, pm, ps, om, os_)
