@@ -8,20 +8,18 @@ handlers, so `kvpilot --help` and `kvpilot validate` stay fast.
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from collections.abc import Sequence
 
 from kvpilot import __version__
+from kvpilot.api import commands as api_commands
+from kvpilot.operator import commands as operator_commands
+from kvpilot.slo import commands as slo_commands
+from kvpilot.tuner import commands as tuner_commands
+from kvpilot.twin import commands as twin_commands
 
 # Order is the order subcommands appear in `--help`.
-_COMMAND_MODULES = (
-    "kvpilot.api.commands",
-    "kvpilot.operator.commands",
-    "kvpilot.twin.commands",
-    "kvpilot.slo.commands",
-    "kvpilot.tuner.commands",
-)
+_COMMAND_MODULES = (api_commands, operator_commands, twin_commands, slo_commands, tuner_commands)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,13 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvpilot {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in _COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise
-            continue  # an area without commands of its own (yet)
+    for module in _COMMAND_MODULES:
         module.register(subparsers)
     return parser
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from kvpilot.api.models import InferenceService
 from kvpilot.operator.builders.common import HTTP_PORT_NAME, object_meta, owner_reference, selector_labels
+from kvpilot.slo.rules import prometheus_rule_for
 
 SCRAPE_INTERVAL = "15s"
 
@@ -23,12 +24,8 @@ def build_service_monitor(isvc: InferenceService) -> dict[str, Any]:
     }
 
 
-def build_prometheus_rule(isvc: InferenceService) -> dict[str, Any] | None:
-    """The SLO rules from kvpilot.slo, owned by the InferenceService; None where kvpilot.slo has none."""
-    try:
-        from kvpilot.slo.rules import prometheus_rule_for
-    except ImportError:
-        return None
+def build_prometheus_rule(isvc: InferenceService) -> dict[str, Any]:
+    """The SLO rules from kvpilot.slo, owned by the InferenceService."""
     rule = prometheus_rule_for(isvc)
     rule["metadata"]["ownerReferences"] = [owner_reference(isvc)]
     return rule
