@@ -48,10 +48,11 @@ import yaml
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
-from kvpilot.tuner.adapters.offline import TwinEvaluator, TwinTarget, parse_workload  # noqa: E402
+from kvpilot.tuner.adapters.offline import StartupFailed, TwinEvaluator, TwinTarget, parse_workload  # noqa: E402
 from kvpilot.tuner.core.objective import SLO, Goal, Measurement, Outcome, infeasible, score  # noqa: E402
 from kvpilot.tuner.core.search import run_offline, top_configs  # noqa: E402
 from kvpilot.tuner.core.space import EngineParams, SearchSpace  # noqa: E402
+from kvpilot.tuner.core.startup import StartupMemory  # noqa: E402
 from kvpilot.tuner.core.study import Guidance, TunerStudy  # noqa: E402
 
 CACHE = ROOT.parent / "out" / "tuner-quality-cache"  # out/ is git-ignored
@@ -93,6 +94,8 @@ def twin_fingerprint() -> str:
     files = sorted((ROOT.parent / "kvpilot" / "twin").glob("*.py")) + [
         ROOT.parent / "kvpilot" / "tuner" / "adapters" / "offline.py",
         ROOT.parent / "kvpilot" / "tuner" / "core" / "capacity.py",
+        ROOT.parent / "kvpilot" / "api" / "engine.py",
+        ROOT.parent / "kvpilot" / "api" / "vllm.py",
     ]
     for f in files:
         h.update(f.name.encode())
@@ -113,7 +116,8 @@ def _evaluate_chunk(job: tuple[dict[str, Any], int | None, list[tuple[int, float
     for t, u, s in configs:
         p = EngineParams(t, u, s)
         res = ev.capacity(p)
-        out[_key(p)] = res if isinstance(res, str) else {
+        out[_key(p)] = {"failed": res.message, "memory": res.memory.as_dict() if res.memory else None} if isinstance(
+            res, StartupFailed) else {
             "capacity": res.capacity, "ttft": res.at_capacity[0] if res.at_capacity else None,
             "itl": res.at_capacity[1] if res.at_capacity else None, "sims": res.simulations,
         }
@@ -145,12 +149,13 @@ class Table:
 
     def capacity(self, p: EngineParams) -> float:
         v = self.data[_key(p)]
-        return 0.0 if isinstance(v, str) else float(v["capacity"])
+        return 0.0 if "failed" in v else float(v["capacity"])
 
     def outcome(self, p: EngineParams) -> Outcome:
         v = self.data[_key(p)]
-        if isinstance(v, str):
-            return infeasible(Goal.CAPACITY, "StartupFailed", v)  # the whole message: its numbers grade the failure
+        if "failed" in v:  # the twin's numbers grade the failure
+            memory = StartupMemory.from_dict(v["memory"]) if v["memory"] else None
+            return infeasible(Goal.CAPACITY, "StartupFailed", v["failed"], memory=memory)
         m = Measurement(ttft_p99=v["ttft"] or float("inf"), itl_p99=v["itl"] or float("inf"),
                         request_rate=v["capacity"], capacity=v["capacity"])
         return score(Goal.CAPACITY, m, slo_of(self.sc))

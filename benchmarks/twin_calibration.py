@@ -2,7 +2,7 @@
 
     python benchmarks/twin_calibration.py [--profiles DIR]
 
-For every CSV in ../shared/data/vidur-profiles (or --profiles, or $KVPILOT_VIDUR_PROFILES) it
+For every CSV in benchmarks/data/vidur-profiles (or --profiles, or $KVPILOT_VIDUR_PROFILES) it
 prints the median and maximum relative error of `per_layer_linear_time` (what `kvpilot twin
 step-time` reports as per_layer_linear_ms) against the measured sum of the op medians of one
 layer (every op but `emb`), over every token count and tensor-parallel size in the file.
@@ -10,7 +10,7 @@ Goal: median <= 7 %, maximum <= 30 %.
 
 It checks, in order:
 1. the constants stored in kvpilot/twin/steptime.py;
-2. the same fit re-derived here (kvpilot.twin.calibration.fit_by_class), printed so the stored
+2. the same fit re-derived here (benchmarks/calibration.py.fit_by_class), printed so the stored
    constants can be compared or replaced;
 3. generalisation, by leaving each file out of the fit: with its architecture's constants fitted
    on the other files of that architecture (a model the fit never saw), and with the generic
@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from kvpilot.twin.calibration import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: benchmarks.calibration
+
+from benchmarks.calibration import (  # noqa: E402
     CLASS_FIELDS,
     FIT_FIELDS,
     Profile,
@@ -34,9 +37,9 @@ from kvpilot.twin.calibration import (
     load_profiles,
     relative_errors,
 )
-from kvpilot.twin.steptime import StepTimeParams, params_for
+from kvpilot.twin.steptime import StepTimeParams, params_for  # noqa: E402
 
-DEFAULT_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "vidur-profiles"
+DEFAULT_DIR = Path(__file__).resolve().parent / "data" / "vidur-profiles"
 MEDIAN_GOAL, MAX_GOAL = 0.07, 0.30
 
 

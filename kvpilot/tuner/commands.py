@@ -13,12 +13,14 @@ examples:
   kvpilot tune --offline
   kvpilot tune --offline --model Qwen2.5-7B --gpu A100-80GB --workload rag --slo ttft=1.0,itl=0.1 \\
       --trials 30 --report out/report.html
-  kvpilot tune --offline --workload prompt=lognormal:1500:0.6,output=200,cv=1.5
+  kvpilot tune --offline --workload prompt=lognormal/1500/0.6,output=200,cv=1.5
   kvpilot tune --local --prometheus http://127.0.0.1:9090 --trials 8 --window 300 -- \\
       kvpilot twin serve --model Llama-3.1-8B --port 8000
 
-workloads: chat, rag, decode, bursty, or prompt=LEN,output=LEN[,cv=X][,requests=N] where LEN is
-N, uniform:LO:HI or lognormal:MEDIAN:SIGMA.
+workloads: the twin's workload language (as `kvpilot twin run --workload`): a preset (chat, rag,
+decode, bursty, sharegpt) with optional keys, e.g. rag:cv=2, or keys alone,
+prompt=LEN,output=LEN[,cv=X], where LEN is N, LO..HI or lognormal/MEDIAN/SIGMA.  The rate is what
+the capacity search finds; see `kvpilot twin run --help` for the whole language.
 """
 
 
@@ -53,6 +55,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--goal", choices=("capacity", "latency"), default="capacity",
                    help="offline: capacity (most req/s within SLO) or latency (at --rate); default %(default)s")
     p.add_argument("--rate", type=float, default=5.0, help="offline latency goal: offered req/s")
+    p.add_argument("--probe-requests", type=int, default=160, metavar="N",
+                   help="offline: requests each capacity probe serves, the first tenth as warm-up (default %(default)s)")
     p.add_argument("--trials", type=int, default=30, help="default %(default)s")
     p.add_argument("--seed", type=int, default=0, help="sampler and workload seed (default %(default)s)")
     p.add_argument("--storage", default="sqlite:///out/kvpilot-tune.db",

@@ -100,15 +100,17 @@ def sqlite_url(storage: str) -> str:
 def tune_offline(args: argparse.Namespace) -> int:
     import optuna
 
-    from kvpilot.tuner.adapters.offline import TwinEvaluator, TwinTarget, parse_workload
+    from kvpilot.tuner.adapters.offline import StartupFailed, TwinEvaluator, TwinTarget, parse_workload
     from kvpilot.tuner.core.search import run_offline
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     slo = SLO.parse(args.slo)
     try:
         workload = parse_workload(args.workload)
-    except (ValueError, KeyError) as exc:
+    except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if args.probe_requests < 20:
+        raise UsageError(f"--probe-requests: must be >= 20 (a p99 needs them), got {args.probe_requests}")
     if args.tensor_parallel_size < 1:
         raise UsageError(f"--tensor-parallel-size: must be >= 1, got {args.tensor_parallel_size}")
     target = TwinTarget(model=args.model, gpu=args.gpu, max_model_len=args.max_model_len,
@@ -124,7 +126,7 @@ def tune_offline(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     space = space_from_args(args)
     goal = Goal(args.goal)
-    evaluator = TwinEvaluator(target, workload, slo, seed=args.seed)
+    evaluator = TwinEvaluator(target, workload, slo, seed=args.seed, num_requests=args.probe_requests)
 
     def evaluate(params: EngineParams) -> Outcome:
         if goal is Goal.CAPACITY:
@@ -133,7 +135,10 @@ def tune_offline(args: argparse.Namespace) -> int:
 
         try:
             s = evaluator.run(params, args.rate)
-        except (EngineStartupError, ValueError) as exc:
+        except EngineStartupError as exc:
+            failed = StartupFailed.of(exc)
+            return infeasible(goal, "StartupFailed", failed.message.splitlines()[0], memory=failed.memory)
+        except ValueError as exc:
             return infeasible(goal, "StartupFailed", str(exc).splitlines()[0])
         m = Measurement(ttft_p99=s.ttft_p99, itl_p99=s.itl_p99, request_rate=args.rate)
         return score(goal, m, slo)
@@ -144,7 +149,7 @@ def tune_offline(args: argparse.Namespace) -> int:
     st.enqueue(defaults, "vllmDefaults")
     already = st.finished_count()
     print(f"kvpilot tune --offline: {target.model} on {target.gpu}, workload {workload.name} "
-          f"({workload.prompt.as_text()} prompt / {workload.output.as_text()} output tokens), "
+          f"({workload.prompt} prompt / {workload.output} output tokens), "
           f"SLO p99 TTFT <= {slo.ttft_seconds:g}s, ITL <= {slo.itl_seconds:g}s; goal {goal.value}", file=sys.stderr)
     print(f"study {name!r} in {args.storage}" + (f" (resuming: {already} trials done)" if already else ""),
           file=sys.stderr)

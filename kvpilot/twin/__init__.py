@@ -11,5 +11,4 @@ Modules:
   offline    virtual-time runs and their report (`simulate`)
   flags      the `vllm serve` flags the twin accepts
   server     the HTTP server (OpenAI API + vLLM `/metrics`), its protocol, CLI and logging
-  calibration  fitting the step-time constants to measured layer times
 """

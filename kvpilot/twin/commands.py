@@ -13,7 +13,7 @@ from kvpilot.twin.workload import __doc__ as _WORKLOAD_DOC
 
 def _workload_help() -> str:
     doc = _WORKLOAD_DOC or ""
-    start = doc.find("A workload is written")
+    start = doc.find("One language")
     end = doc.find("Everything random")
     return doc[start:end].strip() if start >= 0 and end > start else doc
 
@@ -37,7 +37,8 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run.add_argument("--workload", required=True, metavar="SPEC",
-                     help="e.g. poisson:rate=10,prompt=sharegpt or gamma:rate=5,cv=3 or trace.jsonl (see below)")
+                     help="e.g. poisson:rate=10,prompt=sharegpt or chat:rate=12 or gamma:rate=5,cv=3 or trace.jsonl "
+                          "(see below)")
     stop = run.add_mutually_exclusive_group()
     stop.add_argument("--duration", type=float, default=None, metavar="S",
                       help="arrival window in simulated seconds (default 60 unless --num-requests)")
@@ -76,9 +77,10 @@ def _fail(command: str, message: str, code: int) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from kvpilot.api.slo import SLO
     from kvpilot.twin.flags import engine_config_from_args
     from kvpilot.twin.memory import EngineStartupError
-    from kvpilot.twin.offline import SLO, simulate
+    from kvpilot.twin.offline import simulate
     from kvpilot.twin.workload import Workload
 
     duration = args.duration

@@ -111,10 +111,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="name(s) the API serves the model under (default: the model)")
     g.add_argument("--max-num-batched-tokens", type=_positive, default=None, metavar="TOKENS",
-                   help="token budget per step, the chunked-prefill chunk size (default as vLLM: 8192 on "
-                        ">=70 GiB GPUs other than A100, else 2048)")
+                   help="token budget per step, the chunked-prefill chunk size (default as vLLM: "
+                        f"{vllm_facts.DEFAULT_BATCHED_TOKENS_LARGE_GPU} on >=70 GiB GPUs other than A100, else "
+                        f"{vllm_facts.DEFAULT_BATCHED_TOKENS_SMALL_GPU})")
     g.add_argument("--max-num-seqs", type=_positive, default=None, metavar="N",
-                   help="most requests running at once (default as vLLM: 1024 or 256)")
+                   help="most requests running at once (default as vLLM: "
+                        f"{vllm_facts.DEFAULT_MAX_NUM_SEQS_LARGE_GPU} or {vllm_facts.DEFAULT_MAX_NUM_SEQS_SMALL_GPU})")
     g.add_argument("--gpu-memory-utilization", type=_fraction, default=None, metavar="FRACTION",
                    help=f"fraction of GPU memory for the engine (default {vllm_facts.DEFAULT_GPU_MEMORY_UTILIZATION})")
     g.add_argument("--kv-cache-memory-bytes", type=_positive, default=None, metavar="BYTES",

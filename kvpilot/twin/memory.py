@@ -27,7 +27,23 @@ NCCL_BYTES = int(0.35 * GiB)
 
 
 class EngineStartupError(Exception):
-    """The engine cannot start with this configuration (vLLM raises at start-up and exits)."""
+    """The engine cannot start with this configuration (vLLM raises at start-up and exits).
+
+    The message is vLLM's; a memory failure also carries its numbers, in bytes, so nothing in
+    this process has to read them back out of the text:
+      kind "kv_short"  the KV cache cannot hold one max_model_len sequence: `needed` vs `available`
+      kind "no_cache"  nothing is left for the KV cache: `requested`, `weights`, `activation`, `non_torch`
+      kind "gpu_short" the GPU itself is short (weights, an allocation, the asked fraction): `needed` vs `available`
+      kind "config"    a setting vLLM refuses before it looks at memory
+    """
+
+    def __init__(self, message: str, *, kind: str = "config", needed: float | None = None,
+                 available: float | None = None, requested: float | None = None, weights: float | None = None,
+                 activation: float | None = None, non_torch: float | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.needed, self.available = needed, available
+        self.requested, self.weights, self.activation, self.non_torch = requested, weights, activation, non_torch
 
 
 def kv_dtype_bytes(kv_cache_dtype: str, model: ModelSpec) -> int:
@@ -130,7 +146,8 @@ def plan_memory(
         raise EngineStartupError(
             f"CUDA out of memory while loading the model weights: they need {weights / GiB:.2f} GiB per GPU "
             f"and GPU 0 has a total capacity of {total / GiB:.2f} GiB of which {free_at_start / GiB:.2f} GiB "
-            "is free. Increase --tensor-parallel-size or use a GPU with more memory."
+            "is free. Increase --tensor-parallel-size or use a GPU with more memory.",
+            kind="gpu_short", needed=weights, available=free_at_start,
         )
     if kv_cache_memory_bytes is not None:
         requested = weights + activation + non_torch + kv_cache_memory_bytes
@@ -140,7 +157,9 @@ def plan_memory(
                 f"CUDA out of memory. Tried to allocate {kv_cache_memory_bytes / GiB:.2f} GiB for the KV cache. "
                 f"GPU 0 has a total capacity of {total / GiB:.2f} GiB of which "
                 f"{(free_at_start - weights - activation - non_torch) / GiB:.2f} GiB is free. "
-                "Decrease --kv-cache-memory-bytes."
+                "Decrease --kv-cache-memory-bytes.",
+                kind="gpu_short", needed=kv_cache_memory_bytes,
+                available=free_at_start - weights - activation - non_torch,
             )
     else:
         util = vllm.DEFAULT_GPU_MEMORY_UTILIZATION if gpu_memory_utilization is None else gpu_memory_utilization
@@ -149,7 +168,8 @@ def plan_memory(
             raise EngineStartupError(
                 f"Free memory on device cuda:0 ({free_at_start / GiB:.2f}/{total / GiB:.2f} GiB) on startup is "
                 f"less than desired GPU memory utilization ({util}, {requested / GiB:.2f} GiB). Decrease GPU "
-                "memory utilization or reduce GPU memory used by other processes."
+                "memory utilization or reduce GPU memory used by other processes.",
+                kind="gpu_short", needed=requested, available=free_at_start,
             )
         available = requested - weights - activation - non_torch
     if available <= 0:
@@ -157,7 +177,8 @@ def plan_memory(
             "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
             f"initializing the engine. (requested {requested / GiB:.2f} GiB; model weights take "
             f"{weights / GiB:.2f} GiB; PyTorch activation peak memory takes {activation / GiB:.2f} GiB; "
-            f"non-torch memory takes {non_torch / GiB:.2f} GiB)"
+            f"non-torch memory takes {non_torch / GiB:.2f} GiB)",
+            kind="no_cache", requested=requested, weights=weights, activation=activation, non_torch=non_torch,
         )
     num_blocks = available // block_bytes
     tokens = num_blocks * block_size
@@ -168,6 +189,7 @@ def plan_memory(
             f"be stored in KV cache ({tokens}). To serve at least one request with the model's max seq len, "
             f"{needed / GiB:.2f} GiB KV cache is needed, which is larger than the available KV cache memory "
             f"({available / GiB:.2f} GiB). Try increasing `gpu_memory_utilization` or decreasing "
-            "`max_model_len` when initializing the engine."
+            "`max_model_len` when initializing the engine.",
+            kind="kv_short", needed=needed, available=available,
         )
     return MemoryPlan(total, requested, weights, activation, non_torch, available, block_bytes, num_blocks, block_size)

@@ -1,9 +1,8 @@
 """Offline runs of the engine twin, in virtual time, and their report.
 
-`simulate(config, workload, duration_s=..., seed=...)` replays a workload through an Engine with
-a virtual clock: requests that arrived by the start of a step are queued before it (as vLLM's
-engine core adds requests between steps), a step lasts what the step-time model says, and a
-step's tokens exist at its end.  The report carries what vLLM's metrics and `vllm bench serve`
+`drive(engine, batch)` is the one virtual-time loop (the tuner's capacity search drives it with
+an early stop); `simulate(config, workload, duration_s=..., seed=...)` replays a workload through
+it and reports.  The report carries what vLLM's metrics and `vllm bench serve`
 would show: TTFT, inter-token latency, end-to-end and queue time percentiles, throughput,
 goodput under an SLO, preemptions, KV-cache usage, and histograms with vLLM's bucket edges.
 
@@ -20,33 +19,10 @@ from typing import Any
 import numpy as np
 
 from kvpilot.api import vllm as vllm_facts
+from kvpilot.api.slo import SLO
 from kvpilot.twin.engine import Engine, EngineConfig
 from kvpilot.twin.scheduler import Request
 from kvpilot.twin.workload import RequestBatch, Workload
-
-
-@dataclass(frozen=True, slots=True)
-class SLO:
-    ttft_s: float = 0.5
-    itl_s: float = 0.05
-
-    @classmethod
-    def parse(cls, text: str) -> SLO:
-        """`ttft=0.5,itl=0.05` (seconds; either may be left out)."""
-        values: dict[str, float] = {}
-        for item in filter(None, (p.strip() for p in text.split(","))):
-            key, eq, value = item.partition("=")
-            key = key.strip().lower()
-            if not eq or key not in ("ttft", "itl"):
-                raise ValueError(f"SLO {text!r}: use ttft=SECONDS,itl=SECONDS (e.g. ttft=0.5,itl=0.05)")
-            try:
-                v = float(value)
-            except ValueError:
-                raise ValueError(f"SLO {text!r}: {value!r} is not a number of seconds") from None
-            if not v > 0:
-                raise ValueError(f"SLO {text!r}: {key} must be positive")
-            values[key + "_s"] = v
-        return cls(**values)
 
 
 def _stats(x: np.ndarray) -> dict[str, float]:
@@ -110,7 +86,7 @@ class Report:
     def as_dict(self) -> dict[str, Any]:
         return {
             "config": self.config, "workload": self.workload, "seed": self.seed,
-            "slo": {"ttft_s": self.slo.ttft_s, "itl_s": self.slo.itl_s},
+            "slo": {"ttft_s": self.slo.ttft_seconds, "itl_s": self.slo.itl_seconds},
             "requests": {"total": self.num_requests, "completed": self.num_completed,
                          "unfinished": self.num_unfinished},
             "duration_s": self.duration_s, "makespan_s": self.makespan_s, "num_steps": self.num_steps,
@@ -122,56 +98,69 @@ class Report:
         }
 
 
-def simulate(
-    config: EngineConfig,
-    workload: Workload | RequestBatch | str,
-    *,
-    duration_s: float | None = None,
-    num_requests: int | None = None,
-    seed: int = 0,
-    slo: SLO | None = None,
-    max_sim_time_s: float | None = None,
-) -> Report:
-    """Run a workload (a Workload, its spec string, or a RequestBatch) through the twin in
-    virtual time.
+@dataclass
+class Trace:
+    """What one virtual-time run produced, before any statistics: the finished requests, each
+    step's start and end, its steady token gaps and its other gaps (as step indices), and, for a
+    run stopped early, which p99 had certainly missed its SLO."""
 
-    Raises EngineStartupError (as vLLM would at start-up) for a configuration that cannot start.
-    Prompt + output lengths are clipped to `max_model_len` (the output is shortened), as a
-    benchmark client would size its requests.  The run stops at `max_sim_time_s` of virtual
-    time (default: 3x the arrival window + 300 s); requests unfinished by then are counted in
-    `num_unfinished` and are not good.
+    engine: Engine
+    batch: RequestBatch
+    window_s: float
+    done: list[Request]
+    starts: list[float]
+    ends: list[float]
+    steadies: list[int]
+    gaps: list[tuple[int, int]]
+    usage_area: float = 0.0
+    usage_max: float = 0.0
+    tokens_total: int = 0
+    stopped: bool = False
+    ttft_missed: bool = False
+    itl_missed: bool = False
+
+
+def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None, max_sim_time_s: float | None = None,
+          stop_on_miss: SLO | None = None, measure_from_s: float = 0.0) -> Trace:
+    """Serve a request batch through `engine` on a virtual clock: requests that arrived by the start
+    of a step are queued before it (as vLLM's engine core adds requests between steps), a step lasts
+    what the step-time model says, and a step's tokens exist at its end.
+
+    Prompt + output lengths are clipped to `max_model_len` (the output is shortened), as a benchmark
+    client sizes its requests.  The run stops at `max_sim_time_s` of virtual time (default: 3x the
+    arrival window + 300 s).  With `stop_on_miss`, it also stops as soon as more than 1% of the
+    TTFTs or token gaps observed from `measure_from_s` on (a warm-up excluded) already missed the
+    SLO: that p99 cannot come back under it, and over-capacity runs, whose queues grow without
+    bound, are the slow ones.
     """
-    wall0 = time.perf_counter()
-    if isinstance(workload, str):
-        workload = Workload.parse(workload)
-    slo = slo or SLO()
-    engine = Engine(config)
-    batch = workload if isinstance(workload, RequestBatch) else workload.generate(
-        duration_s=duration_s, num_requests=num_requests, seed=seed)
     mml = engine.max_model_len
     arrivals = batch.arrival_s.tolist()
-    prompts = np.minimum(batch.prompt_tokens, mml - 1)
-    outputs = np.maximum(1, np.minimum(batch.output_tokens, mml - prompts)).tolist()
-    prompts = prompts.tolist()
+    prompts_a = np.minimum(batch.prompt_tokens, mml - 1)
+    outputs = np.maximum(1, np.minimum(batch.output_tokens, mml - prompts_a)).tolist()
+    prompts = prompts_a.tolist()
     keys = batch.prefix_keys
     ptoks = batch.prefix_tokens.tolist() if batch.prefix_tokens is not None else None
     n = len(arrivals)
-    window = duration_s if duration_s is not None else (arrivals[-1] if n else 0.0)
+    window = window_s if window_s is not None else (arrivals[-1] if n else 0.0)
     limit = max_sim_time_s if max_sim_time_s is not None else 3.0 * window + 300.0
 
     sched = engine.scheduler
     add = sched.add
-    bs = config.block_size
+    bs = engine.config.block_size
     run = engine._run_step
     usable = sched.usable_blocks or 1
     # Indexed by engine step; steps count from 1, so index 0 is a placeholder.
-    starts: list[float] = [0.0]
-    ends: list[float] = [0.0]
-    steadies: list[int] = [0]
-    gaps: list[tuple[int, int]] = []
-    done: list[Request] = []
-    usage_area = 0.0
-    usage_max = 0.0
+    trace = Trace(engine, batch, float(window), [], [0.0], [0.0], [0], [])
+    starts, ends, steadies, gaps, done = trace.starts, trace.ends, trace.steadies, trace.gaps, trace.done
+    # The early stop's tallies: more misses than 1% of what will be observed and the p99 is over.
+    watch = stop_on_miss is not None
+    slo_ttft = stop_on_miss.ttft_seconds if stop_on_miss else 0.0
+    slo_itl = stop_on_miss.itl_seconds if stop_on_miss else 0.0
+    measured = [i for i in range(n) if arrivals[i] >= measure_from_s] if watch else []
+    ttft_budget = int(0.01 * len(measured))
+    itl_budget = int(0.01 * sum(max(outputs[i] - 1, 0) for i in measured))
+    ttft_miss = itl_miss = 0
+    usage_area = usage_max = 0.0
     tokens_total = 0
     now = 0.0
     i = 0
@@ -191,7 +180,7 @@ def simulate(
             continue
         if now >= limit:
             break
-        duration, _scheduled, finished, _pre, tokens, steady, g = run()
+        duration, scheduled, finished, _pre, tokens, steady, g = run()
         starts.append(now)
         now += duration
         ends.append(now)
@@ -205,17 +194,85 @@ def simulate(
             usage_max = u
         if finished:
             done.extend(finished)
+        if watch and now >= measure_from_s:
+            k = len(ends) - 1
+            for req in scheduled:
+                if req.step_first_token == k and req.arrival_time >= measure_from_s and now - req.arrival_time > slo_ttft:
+                    ttft_miss += 1
+            if duration > slo_itl:
+                itl_miss += steady
+            for a, b in g:
+                if ends[b] - ends[a] > slo_itl:
+                    itl_miss += 1
+            if not k % 32:
+                # Requests still waiting for their first token longer than the SLO are misses already.
+                late = sum(1 for r in sched.waiting if r.arrival_time >= measure_from_s and now - r.arrival_time > slo_ttft)
+                if ttft_miss + late > ttft_budget:
+                    ttft_miss += late
+            if ttft_miss > ttft_budget or itl_miss > itl_budget:
+                trace.stopped = True
+                trace.ttft_missed, trace.itl_missed = ttft_miss > ttft_budget, itl_miss > itl_budget
+                break
+    trace.usage_area, trace.usage_max, trace.tokens_total = usage_area, usage_max, tokens_total
+    return trace
 
-    return _report(engine, config, workload, batch, seed, slo, window, n, done, starts, ends, steadies, gaps,
-                   usage_area, usage_max, tokens_total, wall0)
+
+def observed_p99(trace: Trace, measure_from_s: float = 0.0) -> tuple[float, float]:
+    """(p99 TTFT, p99 inter-token latency) of the requests that arrived from `measure_from_s` on;
+    inf for a p99 that the run stopped early on (it had certainly missed its SLO)."""
+    ends = np.asarray(trace.ends, dtype=float)
+    reqs = [r for r in trace.done if r.arrival_time >= measure_from_s]
+    live = [r for r in trace.engine.scheduler.running if r.arrival_time >= measure_from_s and r.step_first_token]
+    firsts = np.fromiter((ends[r.step_first_token] - r.arrival_time for r in (*reqs, *live)), float)
+    ttft = np.inf if trace.ttft_missed else (float(np.percentile(firsts, 99)) if len(firsts) else 0.0)
+    if trace.itl_missed:
+        return ttft, np.inf
+    t0 = measure_from_s
+    step_itl = np.diff(ends, prepend=0.0)
+    keep = ends >= t0
+    parts = [np.repeat(step_itl[keep], np.asarray(trace.steadies, dtype=np.int64)[keep])]
+    if trace.gaps:
+        g = np.asarray(trace.gaps, dtype=np.int64)
+        gap_ends = ends[g[:, 1]]
+        parts.append((gap_ends - ends[g[:, 0]])[gap_ends >= t0])
+    itl = np.concatenate(parts)
+    return ttft, float(np.percentile(itl, 99)) if len(itl) else 0.0
 
 
-def _report(engine: Engine, config: EngineConfig, workload: Workload | RequestBatch, batch: RequestBatch, seed: int,
-            slo: SLO, window: float, n: int, done: list[Request], starts_l: list[float], ends_l: list[float],
-            steadies_l: list[int], gaps_l: list[tuple[int, int]], usage_area: float, usage_max: float,
-            tokens_total: int, wall0: float) -> Report:
-    starts = np.asarray(starts_l, dtype=float)  # [0] is a placeholder (steps count from 1)
-    ends = np.asarray(ends_l, dtype=float)
+def simulate(
+    config: EngineConfig,
+    workload: Workload | RequestBatch | str,
+    *,
+    duration_s: float | None = None,
+    num_requests: int | None = None,
+    seed: int = 0,
+    slo: SLO | None = None,
+    max_sim_time_s: float | None = None,
+) -> Report:
+    """Run a workload (a Workload, its spec string, or a RequestBatch) through the twin in
+    virtual time (`drive`) and report on it.
+
+    Raises EngineStartupError (as vLLM would at start-up) for a configuration that cannot start.
+    Requests unfinished when the run stops are counted in `num_unfinished` and are not good.
+    """
+    wall0 = time.perf_counter()
+    if isinstance(workload, str):
+        workload = Workload.parse(workload)
+    slo = slo or SLO()
+    engine = Engine(config)
+    batch = workload if isinstance(workload, RequestBatch) else workload.generate(
+        duration_s=duration_s, num_requests=num_requests, seed=seed)
+    trace = drive(engine, batch, window_s=duration_s, max_sim_time_s=max_sim_time_s)
+    return _report(trace, config, workload, seed, slo, wall0)
+
+
+def _report(trace: Trace, config: EngineConfig, workload: Workload | RequestBatch, seed: int, slo: SLO,
+            wall0: float) -> Report:
+    engine, batch, window, done = trace.engine, trace.batch, trace.window_s, trace.done
+    n = len(batch)
+    usage_area, usage_max, tokens_total = trace.usage_area, trace.usage_max, trace.tokens_total
+    starts = np.asarray(trace.starts, dtype=float)  # [0] is a placeholder (steps count from 1)
+    ends = np.asarray(trace.ends, dtype=float)
     makespan = float(ends[-1])
     busy = float((ends - starts).sum())
     m = len(done)
@@ -233,18 +290,18 @@ def _report(engine: Engine, config: EngineConfig, workload: Workload | RequestBa
     multi = n_out > 1
     tpot = decode[multi] / (n_out[multi] - 1)
 
-    steady = np.asarray(steadies_l, dtype=np.int64)
+    steady = np.asarray(trace.steadies, dtype=np.int64)
     step_itl = np.diff(ends, prepend=0.0)
     itl_parts = [np.repeat(step_itl, steady)]
-    if gaps_l:
-        g = np.asarray(gaps_l, dtype=np.int64)
+    if trace.gaps:
+        g = np.asarray(trace.gaps, dtype=np.int64)
         itl_parts.append(ends[g[:, 1]] - ends[g[:, 0]])
     itl = np.concatenate(itl_parts)
 
-    good_mask = ttft <= slo.ttft_s
+    good_mask = ttft <= slo.ttft_seconds
     req_tpot = np.zeros(m)
     req_tpot[multi] = tpot
-    good_mask &= req_tpot <= slo.itl_s
+    good_mask &= req_tpot <= slo.itl_seconds
     good = int(good_mask.sum())
     span = makespan if makespan > 0 else 1.0
     out_tokens = int(n_out.sum())
@@ -286,8 +343,8 @@ def _report(engine: Engine, config: EngineConfig, workload: Workload | RequestBa
         goodput={
             "requests_per_s": good / span,
             "good_fraction": good / n if n else 1.0,
-            "ttft_attainment": float((ttft <= slo.ttft_s).mean()) if m else 1.0,
-            "itl_attainment": float((itl <= slo.itl_s).mean()) if len(itl) else 1.0,
+            "ttft_attainment": float((ttft <= slo.ttft_seconds).mean()) if m else 1.0,
+            "itl_attainment": float((itl <= slo.itl_seconds).mean()) if len(itl) else 1.0,
         },
         num_preemptions=sched.num_preemptions_total,
         kv_cache_usage={"mean": usage_area / busy if busy else 0.0, "max": usage_max},
@@ -302,4 +359,4 @@ def _report(engine: Engine, config: EngineConfig, workload: Workload | RequestBa
     )
 
 
-__all__ = ["SLO", "Report", "simulate"]
+__all__ = ["SLO", "Report", "Trace", "drive", "observed_p99", "simulate"]

@@ -1,6 +1,6 @@
 """vLLM 0.33's V1 scheduler and its KV block pool, for the engine twin.
 
-One `schedule()` per engine step, as vLLM does it (see ../shared/notes/toolchain.md):
+One `schedule()` per engine step, as vLLM does it (vllm/v1/core/sched/scheduler.py):
 
 1. RUNNING requests first, in order.  Each wants `num_tokens - num_computed` tokens (1 for a
    decode, the rest of the prompt for a prefill in progress), capped by

@@ -16,11 +16,12 @@ then the LM head over the sequences that sample a token, and a fixed CPU overhea
 The constants are relative to each GPU's datasheet peak (fraction of FLOP/s, of bandwidth) plus
 absolute floors, so they carry to GPUs the calibration never saw.  The constants were fitted by
 `benchmarks/twin_calibration.py` (which re-derives it) on the Vidur per-layer profiles in
-../shared/data/vidur-profiles (A100 and H100, Llama-2-7B and Llama-3-8B, TP 1-8).
+benchmarks/data/vidur-profiles (A100 and H100, Llama-2-7B and Llama-3-8B, TP 1-8).
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -60,7 +61,7 @@ class StepTimeParams:
         return asdict(self)
 
 
-# Fitted by `benchmarks/twin_calibration.py` (kvpilot.twin.calibration.fit_by_class: Nelder-Mead on
+# Fitted by `benchmarks/twin_calibration.py` (benchmarks/calibration.py.fit_by_class: Nelder-Mead on
 # the log of the constants, minimising mean |log error| plus a penalty above 20%) on the three Vidur
 # profiles, 4 significant digits.  CALIBRATED fits every linear constant on all profiles and serves
 # architectures never measured (Ada: L40S, L4); each measured architecture refits its kernel
@@ -167,6 +168,10 @@ def per_layer_linear_time(
 
 
 _LINEAR_TABLES: dict[tuple[ModelSpec, GpuSpec, int, StepTimeParams], list[float]] = {}
+# Guards the shared tables: the in-cluster tuner runs twins in several threads, and two threads
+# extending one table at once would each append the same stretch of token counts.  Reads need no
+# lock: a table only ever grows by whole, correct stretches.
+_TABLES_LOCK = threading.Lock()
 
 
 class StepTimeModel:
@@ -206,9 +211,10 @@ class StepTimeModel:
         self.model, self.gpu, self.tp, self.params = model, gpu, tp, params
         # Linear time of all layers by token count, shared by every model with the same key (the
         # tuner builds thousands of engines for one model and GPU).
-        if len(_LINEAR_TABLES) > 64:  # a bound, not an LRU: tables are cheap to rebuild
-            _LINEAR_TABLES.clear()
-        self._linear: list[float] = _LINEAR_TABLES.setdefault((model, gpu, tp, params), [])
+        with _TABLES_LOCK:
+            if len(_LINEAR_TABLES) > 64:  # a bound, not an LRU: tables are cheap to rebuild
+                _LINEAR_TABLES.clear()
+            self._linear: list[float] = _LINEAR_TABLES.setdefault((model, gpu, tp, params), [])
         self._layers = model.num_hidden_layers
         heads = model.num_attention_heads // tp
         # QK^T and PV: 2 GEMMs x 2 FLOPs per multiply-add, per head dim, per (query, key) pair.
@@ -233,13 +239,15 @@ class StepTimeModel:
         with one vectorised computation per doubling of the largest token count seen)."""
         table = self._linear
         if tokens >= len(table):
-            start = len(table)
-            stop = max(2 * tokens + 1, 8193)
-            counts = np.arange(start, stop)
-            times = self._layers * per_layer_linear_time(self.model, self.gpu, self.tp, counts, self.params)
-            if start == 0:
-                times[0] = 0.0
-            table.extend(times.tolist())
+            with _TABLES_LOCK:
+                start = len(table)  # another thread may have grown it meanwhile
+                if tokens >= start:
+                    stop = max(2 * tokens + 1, 8193)
+                    counts = np.arange(start, stop)
+                    times = self._layers * per_layer_linear_time(self.model, self.gpu, self.tp, counts, self.params)
+                    if start == 0:
+                        times[0] = 0.0
+                    table.extend(times.tolist())
         return table[tokens]
 
     def allreduce_time(self, tokens: int) -> float:

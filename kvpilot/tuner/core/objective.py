@@ -20,7 +20,10 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any, Literal
 
-from kvpilot.tuner.core.startup import memory_shortfall
+from kvpilot.api.slo import SLO
+from kvpilot.tuner.core.startup import StartupMemory, memory_report
+
+__all__ = ["SLO", "Goal", "Measurement", "Outcome", "better", "infeasible", "score"]
 
 
 class Goal(StrEnum):
@@ -30,32 +33,6 @@ class Goal(StrEnum):
     @property
     def direction(self) -> Literal["minimize", "maximize"]:
         return "minimize" if self is Goal.LATENCY else "maximize"
-
-
-@dataclass(frozen=True)
-class SLO:
-    ttft_seconds: float = 0.5
-    itl_seconds: float = 0.05
-
-    def __post_init__(self) -> None:
-        for name, v in (("ttftSeconds", self.ttft_seconds), ("itlSeconds", self.itl_seconds)):
-            if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
-                raise ValueError(f"spec.slo.{name}: must be a positive number of seconds, got {v!r}")
-
-    @classmethod
-    def parse(cls, text: str) -> SLO:
-        """`ttft=0.5,itl=0.05` (either may be left out)."""
-        values: dict[str, float] = {}
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            key, sep, raw = part.partition("=")
-            key = key.strip().lower()
-            if not sep or key not in ("ttft", "itl"):
-                raise ValueError(f"--slo: expected ttft=SECONDS,itl=SECONDS, got {part!r}")
-            try:
-                values[key] = float(raw)
-            except ValueError:
-                raise ValueError(f"--slo: {key} must be a number of seconds, got {raw!r}") from None
-        return cls(ttft_seconds=values.get("ttft", 0.5), itl_seconds=values.get("itl", 0.05))
 
 
 # Values told for infeasible configs: worse than anything a running engine can score, but finite
@@ -106,6 +83,7 @@ class Outcome:
     reason: str  # short CamelCase reason, as in Kubernetes conditions
     message: str = ""
     measurement: Measurement | None = None
+    memory: StartupMemory | None = None  # what a start-up failure for lack of memory reported
 
 
 def latency_score(m: Measurement, slo: SLO) -> float:
@@ -132,22 +110,29 @@ def score(goal: Goal, m: Measurement, slo: SLO) -> Outcome:
     return Outcome(cap, (-1.0,), True, "WithinSLO", f"capacity {cap:.3f} req/s", m)
 
 
-def infeasible(goal: Goal, reason: str, message: str, m: Measurement | None = None) -> Outcome:
+def infeasible(goal: Goal, reason: str, message: str, m: Measurement | None = None,
+               memory: StartupMemory | None = None) -> Outcome:
     """A config that could not run (start-up failure, OOM, failed rollout).
 
     Still a completed trial with a violated constraint; the violation is graded by the memory
-    shortfall where `message` (vLLM's or the twin's start-up error) reports one.
+    shortfall the failure reports: `memory` where the engine gave its numbers (the twin), else
+    what a real vLLM's `message` says.
     """
     value = LATENCY_PENALTY if goal is Goal.LATENCY else CAPACITY_PENALTY
-    return Outcome(value, (infeasible_violation(message),), False, reason, message, m)
+    memory = memory if memory is not None else memory_report(message)
+    return Outcome(value, (memory_violation(memory),), False, reason, message, m, memory)
 
 
 def infeasible_violation(message: str) -> float:
-    """The constraint value for a config that could not run: graded by memory shortfall, else constant."""
-    shortfall = memory_shortfall(message)
-    if shortfall is None:
+    """The constraint value for a config that could not run, from vLLM's message."""
+    return memory_violation(memory_report(message))
+
+
+def memory_violation(memory: StartupMemory | None) -> float:
+    """Graded by memory shortfall, else constant."""
+    if memory is None:
         return INFEASIBLE_VIOLATION
-    return MEMORY_VIOLATION * (1.0 + shortfall.distance)
+    return MEMORY_VIOLATION * (1.0 + memory.shortfall().distance)
 
 
 def better(goal: Goal, a: float, b: float) -> bool:

@@ -35,8 +35,10 @@ from optuna.trial import FrozenTrial, TrialState
 
 SAMPLERS = ("tpe", "random")
 
-# Optuna marks an enqueued trial with this system attr (its fixed params); such a trial takes no stratum.
-_FIXED_PARAMS = "fixed_params"
+
+
+def _every_trial_drawn(trial: FrozenTrial) -> bool:
+    return True
 
 
 def startup_trials(n_trials: int) -> int:
@@ -52,7 +54,8 @@ def startup_trials(n_trials: int) -> int:
 
 
 def make_sampler(seed: int | None, n_trials: int, sampler: str = "tpe",
-                 redo: Callable[[FrozenTrial], bool] | None = None) -> BaseSampler:
+                 redo: Callable[[FrozenTrial], bool] | None = None,
+                 drawn: Callable[[FrozenTrial], bool] | None = None) -> BaseSampler:
     if sampler == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if sampler != "tpe":
@@ -60,18 +63,23 @@ def make_sampler(seed: int | None, n_trials: int, sampler: str = "tpe",
     n = startup_trials(n_trials)
     # Optuna 5's TPE is multivariate (the joint density keeps "bigger budget <-> fewer KV blocks").
     tpe = optuna.samplers.TPESampler(seed=seed, n_startup_trials=n)
-    return LatinHypercubeStart(tpe, n_startup_trials=n, seed=seed, redo=redo)
+    return LatinHypercubeStart(tpe, n_startup_trials=n, seed=seed, redo=redo, drawn=drawn)
 
 
 class LatinHypercubeStart(BaseSampler):
-    """`main` after `n_startup_trials` trials; before that, Latin hypercube draws."""
+    """`main` after `n_startup_trials` trials; before that, Latin hypercube draws.
+
+    `drawn(trial)` tells a trial the sampler drew from one that was enqueued with its params (the
+    caller marks those; Optuna's own mark is private): only drawn trials take a stratum."""
 
     def __init__(self, main: BaseSampler, *, n_startup_trials: int, seed: int | None = None,
-                 redo: Callable[[FrozenTrial], bool] | None = None) -> None:
+                 redo: Callable[[FrozenTrial], bool] | None = None,
+                 drawn: Callable[[FrozenTrial], bool] | None = None) -> None:
         if n_startup_trials < 1:
             raise ValueError(f"n_startup_trials must be >= 1, got {n_startup_trials}")
         self._main = main
         self._redo = redo or (lambda t: False)
+        self._drawn = drawn or _every_trial_drawn
         self._n = n_startup_trials
         self._seed = seed
         self._rng = random.Random(seed)
@@ -88,12 +96,12 @@ class LatinHypercubeStart(BaseSampler):
         return done < self._n and len(finished) < 2 * self._n
 
     def _redone(self, t: FrozenTrial) -> bool:
-        return _FIXED_PARAMS not in t.system_attrs and t.state.is_finished() and self._redo(t)
+        return self._drawn(t) and t.state.is_finished() and self._redo(t)
 
     def _stratum_index(self, study: optuna.Study, trial: FrozenTrial) -> int:
         """Which start-up draw this is: earlier trials that were drawn (not enqueued), any state,
         but those whose stratum is drawn again (`redo`: a config that could not start, say)."""
-        return sum(1 for t in self._earlier(study, trial) if _FIXED_PARAMS not in t.system_attrs and not self._redone(t))
+        return sum(1 for t in self._earlier(study, trial) if self._drawn(t) and not self._redone(t))
 
     # -- BaseSampler ----------------------------------------------------------------------
     def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:

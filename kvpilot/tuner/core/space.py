@@ -19,7 +19,9 @@ import json
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
+
+from optuna.distributions import BaseDistribution, FloatDistribution, IntDistribution
 
 from kvpilot.api.engine import ServeDefaults, render_flags
 from kvpilot.api.vocabulary import TUNED_ENGINE_FIELDS
@@ -99,16 +101,6 @@ class EngineParams:
         """What `vllm serve` resolves on a GPU (`kvpilot.api.engine.serve_defaults`) when none of
         the three flags is given."""
         return cls.from_spec(defaults.as_spec())
-
-
-class _Suggester(Protocol):
-    """The part of `optuna.Trial` the space uses (kept narrow so tests can drive it)."""
-
-    def suggest_int(self, name: str, low: int, high: int, *, step: int = 1, log: bool = False) -> int: ...
-
-    def suggest_float(
-        self, name: str, low: float, high: float, *, step: float | None = None, log: bool = False
-    ) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -208,24 +200,22 @@ class SearchSpace:
         return hashlib.sha256(blob).hexdigest()[:10]
 
     # -- sampling -------------------------------------------------------------------------
-    def suggest(self, trial: _Suggester) -> EngineParams:
-        """Draw one config.  Sequence cap first, then the token budget clamped up to it."""
+    def distributions(self) -> dict[str, BaseDistribution]:
+        """The Optuna distributions of a draw, built once and passed to `Study.ask` (as Katib does).
+        Sequence cap first, then the fraction, then the token budget (clamped up to the cap)."""
         util_lo, util_hi = self._util_bounds()
+        util = FloatDistribution(util_lo, util_hi, step=self.util_step)
         if self.scale == "pow2":
-            raw: dict[str, Any] = {
-                LOG2_PREFIX + PARAM_SEQS: trial.suggest_int(LOG2_PREFIX + PARAM_SEQS, *_pow2_exponents(*self.max_num_seqs)),
-                PARAM_GPU_UTIL: trial.suggest_float(PARAM_GPU_UTIL, util_lo, util_hi, step=self.util_step),
-                LOG2_PREFIX + PARAM_TOKENS: trial.suggest_int(
-                    LOG2_PREFIX + PARAM_TOKENS, *_pow2_exponents(*self.max_num_batched_tokens)
-                ),
+            return {
+                LOG2_PREFIX + PARAM_SEQS: IntDistribution(*_pow2_exponents(*self.max_num_seqs)),
+                PARAM_GPU_UTIL: util,
+                LOG2_PREFIX + PARAM_TOKENS: IntDistribution(*_pow2_exponents(*self.max_num_batched_tokens)),
             }
-        else:
-            raw = {
-                PARAM_SEQS: trial.suggest_int(PARAM_SEQS, *self.max_num_seqs, log=True),
-                PARAM_GPU_UTIL: trial.suggest_float(PARAM_GPU_UTIL, util_lo, util_hi, step=self.util_step),
-                PARAM_TOKENS: trial.suggest_int(PARAM_TOKENS, *self.max_num_batched_tokens, log=True),
-            }
-        return self.resolve(raw)
+        return {
+            PARAM_SEQS: IntDistribution(*self.max_num_seqs, log=True),
+            PARAM_GPU_UTIL: util,
+            PARAM_TOKENS: IntDistribution(*self.max_num_batched_tokens, log=True),
+        }
 
     def _util_bounds(self) -> tuple[float, float]:
         lo, hi = self.gpu_memory_utilization

@@ -24,7 +24,8 @@ with none of these shapes (a crash, a failed rollout) gives None: the caller kee
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 _UNIT = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
 _SIZE = r"([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B)"
@@ -76,29 +77,73 @@ def _share(missing: float, needed: float) -> float:
     return 0.0 if needed <= 0 else min(max(missing / needed, 0.0), 1.0)
 
 
-def memory_shortfall(message: str) -> Shortfall | None:
-    """The memory shortfall a start-up error reports, or None where it reports none."""
+@dataclass(frozen=True)
+class StartupMemory:
+    """The numbers a memory start-up failure reports, in bytes (None where it reports none).
+
+    kind: "kv_short" (tier 0: `needed` for one max_model_len sequence vs `available`),
+    "no_cache" (tier 1: `requested` vs weights + activation + non-torch), "gpu_short" (tier 2:
+    `needed` vs `available` on the GPU).  The twin raises these numbers as fields; a real vLLM's
+    are read from its log (`memory_report`).
+    """
+
+    kind: str
+    needed: float | None = None
+    available: float | None = None
+    requested: float | None = None
+    weights: float | None = None
+    activation: float | None = None
+    non_torch: float | None = None
+    # A kv_short message cut short may say it in tokens only: max_model_len vs the tokens that fit.
+    max_model_len: float | None = None
+    tokens_fit: float | None = None
+
+    def shortfall(self) -> Shortfall:
+        if self.kind == "kv_short":
+            if self.needed is None and self.max_model_len:
+                return Shortfall(0, _share(self.max_model_len - (self.tokens_fit or 0.0), self.max_model_len))
+            return Shortfall(0, _share((self.needed or 0.0) - (self.available or 0.0), self.needed or 0.0))
+        if self.kind == "no_cache":
+            if self.requested is None or self.weights is None:
+                return Shortfall(1, 0.0)
+            fixed = self.weights + (self.activation or 0.0) + (self.non_torch or 0.0)
+            return Shortfall(1, _share(fixed - self.requested, fixed))
+        if self.needed is None or self.available is None:
+            return Shortfall(2, 1.0)
+        return Shortfall(2, _share(self.needed - self.available, self.needed))
+
+    def as_dict(self) -> dict[str, float | str]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StartupMemory:
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+def memory_report(message: str) -> StartupMemory | None:
+    """The memory failure a real vLLM's start-up log reports, or None where it reports none."""
     if m := _KV_SHORT.search(message):
-        needed, available = _bytes(*m.group(1, 2)), _bytes(*m.group(3, 4))
-        return Shortfall(0, _share(needed - available, needed))
-    if m := _MAX_LEN.search(message):  # the same failure, in tokens (a message cut short still has these)
-        max_len, fits = int(m.group(1)), int(m.group(2))
-        return Shortfall(0, _share(max_len - fits, max_len))
+        return StartupMemory("kv_short", needed=_bytes(*m.group(1, 2)), available=_bytes(*m.group(3, 4)))
+    if m := _MAX_LEN.search(message):  # the same failure in tokens (a message cut short still has these)
+        return StartupMemory("kv_short", max_model_len=float(m.group(1)), tokens_fit=float(m.group(2)))
     if _NO_CACHE.search(message):
         if m := _NO_CACHE_NUMBERS.search(message):
-            requested = _bytes(*m.group(1, 2))
-            fixed = _bytes(*m.group(3, 4)) + _bytes(*m.group(5, 6)) + _bytes(*m.group(7, 8))
-            return Shortfall(1, _share(fixed - requested, fixed))
-        return Shortfall(1, 0.0)
+            return StartupMemory("no_cache", requested=_bytes(*m.group(1, 2)), weights=_bytes(*m.group(3, 4)),
+                                 activation=_bytes(*m.group(5, 6)), non_torch=_bytes(*m.group(7, 8)))
+        return StartupMemory("no_cache")
     if m := _WEIGHTS.search(message) or _CUDA_OOM.search(message):
-        asked, free = _bytes(*m.group(1, 2)), _bytes(*m.group(3, 4))
-        return Shortfall(2, _share(asked - free, asked))
+        return StartupMemory("gpu_short", needed=_bytes(*m.group(1, 2)), available=_bytes(*m.group(3, 4)))
     if m := _UTIL_TOO_HIGH.search(message):
-        free, asked = float(m.group(1)) * 2**30, _bytes(*m.group(2, 3))
-        return Shortfall(2, _share(asked - free, asked))
+        return StartupMemory("gpu_short", needed=_bytes(*m.group(2, 3)), available=float(m.group(1)) * 2**30)
     if _OOM.search(message):
-        return Shortfall(2, 1.0)
+        return StartupMemory("gpu_short")
     return None
+
+
+def memory_shortfall(message: str) -> Shortfall | None:
+    """The memory shortfall a start-up error reports, or None where it reports none."""
+    report = memory_report(message)
+    return report.shortfall() if report is not None else None
 
 
 # -- the memory floor ----------------------------------------------------------------------
@@ -125,23 +170,20 @@ class MemoryFailure:
     one_sequence: float | None = None  # KV cache bytes one max_model_len sequence needs (any config)
 
 
-def read_memory_failure(tokens: int, util: float, seqs: int, message: str) -> MemoryFailure | None:
-    """The memory failure a start-up error reports for a low fraction; None for any other failure.
+def read_memory_failure(tokens: int, util: float, seqs: int, report: StartupMemory | None) -> MemoryFailure | None:
+    """The memory failure a start-up report says for a low fraction; None for any other failure.
 
     A GPU that is short whatever the fraction (weights too big, less free memory than asked)
     says nothing about a higher fraction, so it gives None too.
     """
-    shortfall = memory_shortfall(message)
-    if shortfall is None or shortfall.tier == 2:
+    if report is None or report.kind == "gpu_short":
         return None
-    if m := _NO_CACHE_NUMBERS.search(message):
-        requested, weights = _bytes(*m.group(1, 2)), _bytes(*m.group(3, 4))
-        activation, non_torch = _bytes(*m.group(5, 6)), _bytes(*m.group(7, 8))
-        return MemoryFailure(tokens, util, seqs, total=requested / util if util > 0 else None,
-                             fixed=weights + non_torch, activation=activation)
-    if m := _KV_SHORT.search(message):
-        needed, available = _bytes(*m.group(1, 2)), _bytes(*m.group(3, 4))
-        return MemoryFailure(tokens, util, seqs, missing=max(needed - available, 0.0), one_sequence=needed)
+    if report.kind == "no_cache" and report.requested is not None and report.weights is not None:
+        return MemoryFailure(tokens, util, seqs, total=report.requested / util if util > 0 else None,
+                             fixed=report.weights + (report.non_torch or 0.0), activation=report.activation)
+    if report.kind == "kv_short" and report.needed is not None:
+        return MemoryFailure(tokens, util, seqs, missing=max(report.needed - (report.available or 0.0), 0.0),
+                             one_sequence=report.needed)
     return MemoryFailure(tokens, util, seqs)
 
 

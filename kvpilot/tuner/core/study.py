@@ -28,7 +28,13 @@ from kvpilot.tuner.core.objective import SLO, Goal, Measurement, Outcome, better
 from kvpilot.tuner.core.polish import pick_neighbour, polish_turn
 from kvpilot.tuner.core.sampler import make_sampler, startup_trials
 from kvpilot.tuner.core.space import EngineParams, SearchSpace
-from kvpilot.tuner.core.startup import MemoryFailure, UtilFloor, read_memory_failure
+from kvpilot.tuner.core.startup import (
+    MemoryFailure,
+    StartupMemory,
+    UtilFloor,
+    memory_report,
+    read_memory_failure,
+)
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +43,7 @@ ATTR_ENGINE = "engine"  # the applied engine (after clamping), camelCase dict
 ATTR_CONSTRAINTS = "constraints"
 ATTR_REASON = "reason"
 ATTR_MESSAGE = "message"
+ATTR_MEMORY = "memory"  # the numbers of a start-up failure for lack of memory (core.startup.StartupMemory)
 ATTR_MEASUREMENT = "measurement"
 ATTR_SOURCE = "source"  # sampler | polish | current | vllmDefaults | warmStart | resume | remeasure
 ATTR_RAISED_FROM = "raisedFrom"  # the drawn fraction, where a memory failure ruled it out
@@ -63,12 +70,20 @@ CONSTRAINT_NAMES = ("slo",)
 
 def memory_failure_of(trial: FrozenTrial) -> MemoryFailure | None:
     """What a completed trial that could not start for lack of memory says (None: any other trial)."""
-    message = trial.user_attrs.get(ATTR_MESSAGE)
     engine = trial.user_attrs.get(ATTR_ENGINE)
-    if trial.state != TrialState.COMPLETE or not message or not engine or not any(c > 0 for c in constraints_of(trial)):
+    if trial.state != TrialState.COMPLETE or not engine or not any(c > 0 for c in constraints_of(trial)):
         return None
+    if ATTR_MEMORY in trial.user_attrs:
+        memory: StartupMemory | None = StartupMemory.from_dict(trial.user_attrs[ATTR_MEMORY])
+    else:  # a study written before the numbers were kept: read them from the message
+        memory = memory_report(str(trial.user_attrs.get(ATTR_MESSAGE) or ""))
     p = EngineParams.from_spec(engine)
-    return read_memory_failure(p.max_num_batched_tokens, p.gpu_memory_utilization, p.max_num_seqs, message)
+    return read_memory_failure(p.max_num_batched_tokens, p.gpu_memory_utilization, p.max_num_seqs, memory)
+
+
+def _was_drawn(trial: FrozenTrial) -> bool:
+    """Whether the sampler drew this trial's config (every enqueued one carries its source)."""
+    return trial.user_attrs.get(ATTR_SOURCE, "sampler") == "sampler"
 
 
 def _is_memory_failure(trial: FrozenTrial) -> bool:
@@ -139,7 +154,8 @@ class TunerStudy:
             study_name=name,
             direction=goal.direction,
             sampler=make_sampler(seed, n_trials, sampler,
-                                 redo=_is_memory_failure if self.guidance.redo_startup else None),
+                                 redo=_is_memory_failure if self.guidance.redo_startup else None,
+                                 drawn=_was_drawn),
             load_if_exists=True,
         )
         attrs = self.study.user_attrs
@@ -147,7 +163,9 @@ class TunerStudy:
             self.study.set_user_attr("space", space.as_spec())
             self.study.set_user_attr("goal", goal.value)
             self.study.set_user_attr("slo", {"ttftSeconds": slo.ttft_seconds, "itlSeconds": slo.itl_seconds})
+        self.distributions = space.distributions()
         self._open: dict[int, optuna.Trial] = {}
+        self._constrained: dict[int, set[str]] = {}
         self.resumed = self.recover()
 
     # -- resume ---------------------------------------------------------------------------
@@ -182,8 +200,8 @@ class TunerStudy:
         floor = self.util_floor() if g.memory_floor else UtilFloor([], self.space.util_step)
         if g.polish and polish_turn(self.finished_count(), self.n_startup) and not self._queued():
             self._enqueue_polish(floor)
-        trial = self.study.ask()
-        params = self.space.suggest(trial)
+        trial = self.study.ask(self.distributions)
+        params = self.space.resolve(trial.params)
         if ATTR_SOURCE not in trial.user_attrs:  # drawn; enqueued configs are measured as given
             # A draw the memory failures so far rule out would waste a trial (live: a rollout)
             # on a known start-up failure: map the fraction onto what is still possible.
@@ -223,27 +241,27 @@ class TunerStudy:
                attrs: dict[str, Any] | None = None) -> FrozenTrial:
         """Add an already measured config as a finished trial (used for re-measuring the incumbent:
         it must not pop whatever else is queued, and a crash mid-way loses nothing worth keeping)."""
-        ref = next((t for t in self.study.get_trials(deepcopy=False) if t.distributions), None)
-        if ref is None:
-            raise RuntimeError("record() needs a trial that already drew the space's distributions")
         raw = self.space.raw_params(params)
         user_attrs = {ATTR_ENGINE: params.as_spec(), ATTR_KIND: kind, ATTR_SOURCE: source,
                       ATTR_REASON: outcome.reason, ATTR_MESSAGE: outcome.message, **(attrs or {})}
         if outcome.measurement is not None:
             user_attrs[ATTR_MEASUREMENT] = outcome.measurement.as_dict()
-        system_attrs = {f"constraints:{CONSTRAINT_NAMES[0]}": float(outcome.constraints[0])}
+        if outcome.memory is not None:
+            user_attrs[ATTR_MEMORY] = outcome.memory.as_dict()
         trial = optuna.trial.create_trial(
-            params=raw, distributions={k: ref.distributions[k] for k in raw}, value=outcome.value,
-            user_attrs=user_attrs, system_attrs=system_attrs,
+            params=raw, distributions={k: self.distributions[k] for k in raw}, value=outcome.value,
+            user_attrs=user_attrs, constraints=_constraints(outcome.constraints),
         )
         self.study.add_trial(trial)
         return self.study.get_trials(deepcopy=False)[-1]
 
     def _trial(self, number: int) -> optuna.Trial:
-        if number in self._open:
+        """A trial this study asked for and has not told yet.  A trial left RUNNING by another
+        process was failed by `recover` when this one opened the study, so none other is open."""
+        try:
             return self._open[number]
-        frozen = self.study.get_trials(deepcopy=False)[number]
-        return optuna.Trial(self.study, frozen._trial_id)
+        except KeyError:
+            raise KeyError(f"trial {number} was not asked by this tuner (or was already told)") from None
 
     def tell(self, number: int, outcome: Outcome) -> FrozenTrial:
         """Record an outcome.  Idempotent: a second tell of a finished trial changes nothing."""
@@ -251,13 +269,16 @@ class TunerStudy:
         if frozen.state.is_finished():
             return frozen
         trial = self._trial(number)
-        _set_constraints(trial, outcome.constraints)
+        self._set_constraints(trial, outcome.constraints)
         trial.set_user_attr(ATTR_REASON, outcome.reason)
         trial.set_user_attr(ATTR_MESSAGE, outcome.message)
+        if outcome.memory is not None:
+            trial.set_user_attr(ATTR_MEMORY, outcome.memory.as_dict())
         if outcome.measurement is not None:
             trial.set_user_attr(ATTR_MEASUREMENT, outcome.measurement.as_dict())
         done = self.study.tell(number, outcome.value, skip_if_finished=True)
         self._open.pop(number, None)
+        self._constrained.pop(number, None)
         return done
 
     def prune(self, number: int, reason: str, message: str, constraints: Iterable[float] = (1.0,)) -> FrozenTrial:
@@ -265,12 +286,21 @@ class TunerStudy:
         if frozen.state.is_finished():
             return frozen
         trial = self._trial(number)
-        _set_constraints(trial, tuple(constraints))
+        self._set_constraints(trial, tuple(constraints))
         trial.set_user_attr(ATTR_REASON, reason)
         trial.set_user_attr(ATTR_MESSAGE, message)
         done = self.study.tell(number, state=TrialState.PRUNED, skip_if_finished=True)
         self._open.pop(number, None)
+        self._constrained.pop(number, None)
         return done
+
+    def _set_constraints(self, trial: optuna.Trial, values: tuple[float, ...]) -> None:
+        # Telling twice is harmless: a constraint already set on this trial is not set again.
+        done = self._constrained.setdefault(trial.number, set())
+        for key, value in _constraints(values).items():
+            if key not in done:
+                trial.set_constraint(key, value)
+                done.add(key)
 
     # -- reading --------------------------------------------------------------------------
     def trials(self, kinds: tuple[str, ...] = (KIND_TRIAL,)) -> list[FrozenTrial]:
@@ -323,10 +353,6 @@ class TunerStudy:
         return self.engine_of(best), best.value
 
 
-def _set_constraints(trial: optuna.Trial, values: tuple[float, ...]) -> None:
-    """Store the constraints where Optuna's samplers read them (> 0 means violated)."""
-    done = trial.storage.get_trial_system_attrs(trial._trial_id)
-    for i, v in enumerate(values):
-        key = CONSTRAINT_NAMES[i] if i < len(CONSTRAINT_NAMES) else f"c{i}"
-        if f"constraints:{key}" not in done:  # telling twice is harmless
-            trial.set_constraint(key, float(v))
+def _constraints(values: tuple[float, ...]) -> dict[str, float]:
+    """Named constraints, as Optuna's samplers read them (> 0 means violated)."""
+    return {CONSTRAINT_NAMES[i] if i < len(CONSTRAINT_NAMES) else f"c{i}": float(v) for i, v in enumerate(values)}

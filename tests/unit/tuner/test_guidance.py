@@ -14,12 +14,19 @@ from pathlib import Path
 import optuna
 import pytest
 
+from kvpilot.tuner.adapters.offline import StartupFailed
 from kvpilot.tuner.core.objective import SLO, Goal, Measurement, Outcome, infeasible, score
 from kvpilot.tuner.core.polish import neighbours, pick_neighbour, polish_turn
 from kvpilot.tuner.core.sampler import LatinHypercubeStart
 from kvpilot.tuner.core.search import run_offline
 from kvpilot.tuner.core.space import EngineParams, SearchSpace
-from kvpilot.tuner.core.startup import MemoryFailure, UtilFloor, memory_floor, read_memory_failure
+from kvpilot.tuner.core.startup import (
+    MemoryFailure,
+    UtilFloor,
+    memory_floor,
+    memory_report,
+    read_memory_failure,
+)
 from kvpilot.tuner.core.study import Guidance, TunerStudy, memory_failure_of
 from kvpilot.twin.hardware import GiB, resolve_gpu
 from kvpilot.twin.memory import EngineStartupError, plan_memory
@@ -33,14 +40,15 @@ POW2_TOKENS = [2**k for k in range(8, 15)]
 POW2_SEQS = [2**k for k in range(6, 11)]
 
 
-def _start(p: EngineParams, model: str = "Llama-3.1-70B", gpu: str = "H100-80GB", tp: int = 2) -> str | None:
-    """The twin's start-up error for this config, or None when it starts."""
+def _start(p: EngineParams, model: str = "Llama-3.1-70B", gpu: str = "H100-80GB",
+           tp: int = 2) -> StartupFailed | None:
+    """The twin's start-up failure for this config, or None when it starts."""
     try:
         plan_memory(resolve_model(model), resolve_gpu(gpu), tensor_parallel_size=tp,
                     max_num_batched_tokens=p.max_num_batched_tokens, max_num_seqs=p.max_num_seqs,
                     max_model_len=8192, block_size=16, gpu_memory_utilization=p.gpu_memory_utilization)
     except EngineStartupError as err:
-        return str(err)
+        return StartupFailed.of(err)
     return None
 
 
@@ -48,7 +56,7 @@ def _evaluate(p: EngineParams) -> Outcome:
     """Memory from the twin; capacity peaks at a 512-token budget and grows with the KV cache."""
     error = _start(p)
     if error is not None:
-        return infeasible(Goal.CAPACITY, "StartupFailed", error)
+        return infeasible(Goal.CAPACITY, "StartupFailed", error.message, memory=error.memory)
     peak = math.exp(-abs(math.log2(p.max_num_batched_tokens / 512)))
     cap = p.gpu_memory_utilization * peak + 0.01 * math.log2(p.max_num_seqs)
     return score(Goal.CAPACITY, Measurement(ttft_p99=0.1, itl_p99=0.01, request_rate=cap, capacity=cap), SLO())
@@ -57,8 +65,14 @@ def _evaluate(p: EngineParams) -> Outcome:
 def _failure(p: EngineParams) -> MemoryFailure:
     error = _start(p)
     assert error is not None, f"{p.label()} starts"
-    f = read_memory_failure(p.max_num_batched_tokens, p.gpu_memory_utilization, p.max_num_seqs, error)
+    f = read_memory_failure(p.max_num_batched_tokens, p.gpu_memory_utilization, p.max_num_seqs, error.memory)
     assert f is not None, error
+    # vLLM's words say the same as the twin's numbers (to their two decimals of a GiB).
+    g = read_memory_failure(p.max_num_batched_tokens, p.gpu_memory_utilization, p.max_num_seqs,
+                            memory_report(error.message))
+    assert g is not None
+    for a, b in ((f.total, g.total), (f.fixed, g.fixed), (f.missing, g.missing), (f.one_sequence, g.one_sequence)):
+        assert (a is None) == (b is None) and (a is None or abs(a - b) <= 0.02 * GiB), (f, g)
     return f
 
 
@@ -76,8 +90,8 @@ def test_the_twins_start_up_errors_give_the_gpu_and_the_fixed_memory() -> None:
 def test_a_gpu_too_small_at_any_fraction_says_nothing_of_a_higher_one() -> None:
     msg = ("Free memory on device cuda:0 (70.10/79.19 GiB) on startup is less than desired GPU memory "
            "utilization (0.95, 75.23 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.")
-    assert read_memory_failure(512, 0.95, 64, msg) is None
-    assert read_memory_failure(512, 0.95, 64, "engine exited (1)") is None
+    assert read_memory_failure(512, 0.95, 64, memory_report(msg)) is None
+    assert read_memory_failure(512, 0.95, 64, memory_report("engine exited (1)")) is None
 
 
 # -- the floor ------------------------------------------------------------------------------
@@ -89,7 +103,7 @@ def test_the_floor_never_rules_out_a_config_that_starts(model: str, gpu: str, tp
     for t, u, s in itertools.product(POW2_TOKENS, UTILS[::5], POW2_SEQS):
         p = EngineParams(max(t, s), u, s)
         if (error := _start(p, model, gpu, tp)) is not None:
-            f = read_memory_failure(p.max_num_batched_tokens, u, s, error)
+            f = read_memory_failure(p.max_num_batched_tokens, u, s, error.memory)
             if f is not None:
                 failures.append(f)
     assert failures, "this model must be memory-bound somewhere on the grid"

@@ -51,8 +51,10 @@ def test_startup_puts_one_draw_in_every_stratum_of_every_knob(seed: int) -> None
 
 def test_enqueued_trials_count_towards_startup_but_take_no_stratum() -> None:
     n = 4
-    study = optuna.create_study(sampler=_sampler(n))
-    study.enqueue_trial({"x": 0.01, "n": 10, "u": 0.9})
+    study = optuna.create_study(sampler=LatinHypercubeStart(
+        optuna.samplers.TPESampler(seed=0, n_startup_trials=n), n_startup_trials=n, seed=0,
+        drawn=lambda t: "source" not in t.user_attrs))
+    study.enqueue_trial({"x": 0.01, "n": 10, "u": 0.9}, user_attrs={"source": "current"})
     first = _draw(study, 1)[0]
     assert first["x"] == 0.01  # the enqueued one
     drawn = _draw(study, n - 1)
@@ -76,8 +78,7 @@ def test_the_token_budget_exponents_are_spread_over_the_pow2_range() -> None:
     assert startup_trials(20) == 6
     exps = []
     for _ in range(startup_trials(20)):
-        t = study.ask()
-        space.suggest(t)
+        t = study.ask(space.distributions())
         exps.append(t.params[LOG2_PREFIX + PARAM_TOKENS])
         study.tell(t, 1.0)
     assert len(set(exps)) >= 5  # 6 strata of 7 exponents: at most one repeat

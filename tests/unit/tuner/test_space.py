@@ -55,8 +55,8 @@ def test_tokens_never_below_seqs(seed: int, tok: tuple[int, int], seqs: tuple[in
     space = SearchSpace(max_num_batched_tokens=(lo_t, hi_t), max_num_seqs=(lo_s, hi_s))
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed))
     for _ in range(10):
-        trial = study.ask()
-        p = space.suggest(trial)
+        trial = study.ask(space.distributions())
+        p = space.resolve(trial.params)
         assert p.max_num_batched_tokens >= p.max_num_seqs
         assert lo_s <= p.max_num_seqs <= hi_s
         assert 0.70 <= p.gpu_memory_utilization <= 0.95
@@ -100,8 +100,8 @@ def test_pow2_resolution_draws_grid_points_only() -> None:
     grid = set(space.grid())
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
     for _ in range(50):
-        trial = study.ask()
-        assert space.suggest(trial) in grid
+        trial = study.ask(space.distributions())
+        assert space.resolve(trial.params) in grid
         study.tell(trial, 0.0)
     assert space.raw_params(EngineParams(3000, 0.92, 200)) == {
         "log2maxNumSeqs": 8, "gpuMemoryUtilization": 0.9, "log2maxNumBatchedTokens": 12,

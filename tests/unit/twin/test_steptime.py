@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from kvpilot.twin.calibration import load_profiles, nelder_mead, relative_errors
+from benchmarks.calibration import load_profiles, nelder_mead, relative_errors
 from kvpilot.twin.hardware import resolve_gpu
 from kvpilot.twin.models import resolve_model
 from kvpilot.twin.steptime import StepTimeModel, params_for, per_layer_linear_time, prefill_pairs
 
-PROFILES = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "vidur-profiles"
+PROFILES = Path(__file__).resolve().parents[3] / "benchmarks" / "data" / "vidur-profiles"
 LLAMA8 = resolve_model("Llama-3.1-8B")
 H100 = resolve_gpu("H100-80GB")
 
@@ -73,3 +74,33 @@ def test_stored_constants_meet_the_calibration_goal() -> None:
         err = relative_errors(p, params_for(p.gpu))
         assert np.median(err) <= 0.07, p.name
         assert err.max() <= 0.30, p.name
+
+
+def test_threads_sharing_a_step_time_table_all_read_the_same_times() -> None:
+    """The in-cluster tuner prices steps in several threads: a table two of them grow at once must
+    still hold each token count's time exactly once, in order."""
+    import threading
+
+    from kvpilot.twin import steptime
+
+    model, gpu = resolve_model("Qwen2.5-0.5B"), resolve_gpu("L4")
+    params = replace(steptime.params_for(gpu), cpu_overhead_s=0.000123)  # a key no other test has built
+    reference = StepTimeModel(model, gpu, 1, replace(params, cpu_overhead_s=0.000124))
+    barrier = threading.Barrier(8)
+    errors: list[str] = []
+
+    def worker(seed: int) -> None:
+        stm = StepTimeModel(model, gpu, 1, params)
+        barrier.wait()
+        for tokens in (9000 + seed, 20000 + 7 * seed, 41000 + seed, 90000):
+            if stm.linear_time(tokens) != reference.linear_time(tokens):
+                errors.append(f"thread {seed}: tokens {tokens}")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    table = StepTimeModel(model, gpu, 1, params)._linear
+    assert table == reference._linear[:len(table)]

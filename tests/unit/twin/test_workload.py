@@ -55,8 +55,9 @@ def test_count_limit_and_prefixes() -> None:
 @pytest.mark.parametrize(
     ("spec", "match"),
     [
-        ("uniform:rate=1", "start with poisson: or gamma:"),
-        ("poisson:prompt=10", "rate=R"),
+        ("uniform:rate=1", "start with a preset .* or an arrival process"),
+        ("poisson:rate=1,requests=5", "--num-requests N"),
+        ("chat:preset=rag", "write the preset first"),
         ("poisson:rate=-1", "positive"),
         ("poisson:rate=1,foo=2", "unknown key"),
         ("poisson:rate=1,prompt=abc", "LOW..HIGH"),
@@ -90,3 +91,40 @@ def test_bad_trace_names_the_line(tmp_path) -> None:
         Workload.parse(str(path)).generate(num_requests=5)
     with pytest.raises(WorkloadError, match="cannot read trace"):
         Workload.parse(str(tmp_path / "none.jsonl")).generate(num_requests=5)
+
+
+def test_a_rate_is_needed_to_generate_but_not_to_parse() -> None:
+    w = Workload.parse("poisson:prompt=10")
+    with pytest.raises(WorkloadError, match="rate=R"):
+        w.generate(num_requests=3)
+    assert len(w.with_rate(2.0).generate(num_requests=3)) == 3
+
+
+@pytest.mark.parametrize(("spec", "arrival", "prompt", "output"), [
+    ("chat", "poisson", "lognormal/512/0.8/16..6144", "lognormal/160/0.7/8..1024"),
+    ("bursty", "gamma", "lognormal/512/0.8/16..6144", "lognormal/160/0.7/8..1024"),
+    ("rag:rate=3", "poisson", "lognormal/2048/0.5/256..7168", "lognormal/96/0.5/8..512"),
+    # The earlier `kvpilot tune` form: keys alone, colon-separated lengths, cv switching to gamma.
+    ("prompt=lognormal:1500:0.6,output=uniform:10:20,cv=1.5", "gamma", "lognormal/1500/0.6", "10..20"),
+    ("prompt=256,output=32", "poisson", "256", "32"),
+    ("bursty:cv=1", "poisson", "lognormal/512/0.8/16..6144", "lognormal/160/0.7/8..1024"),
+])
+def test_one_language_for_presets_and_specs(spec: str, arrival: str, prompt: str, output: str) -> None:
+    w = Workload.parse(spec)
+    assert (w.arrival, str(w.prompt), str(w.output)) == (arrival, prompt, output)
+    # What a spec prints reads back as the same distribution.
+    assert LengthDist.parse(str(w.prompt), "prompt") == w.prompt
+
+
+def test_arrivals_scale_exactly_with_the_rate() -> None:
+    w = Workload.parse("bursty")
+    slow = w.with_rate(1.0).generate(num_requests=200, seed=3)
+    fast = w.with_rate(4.0).generate(num_requests=200, seed=3)
+    assert np.allclose(fast.arrival_s, slow.arrival_s / 4.0)
+    assert np.allclose(slow.at_rate(4.0).arrival_s, fast.arrival_s)
+    assert np.array_equal(fast.prompt_tokens, slow.prompt_tokens)
+
+
+def test_bounded_lognormal_stays_inside_its_bounds() -> None:
+    x = LengthDist.parse("lognormal/800/1.5/16..2000", "prompt").sample(np.random.default_rng(0), 5000)
+    assert x.min() >= 16 and x.max() <= 2000 and (x == 2000).any()

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Installs the LOWEST versions pyproject.toml declares for kvpilot's runtime dependencies into a
+# venv of its own, then imports every kvpilot module and runs the tuner's unit tests with them:
+# a `>=` that the code has outgrown (an API the floor version lacks) fails here, not at a user's.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV_MIN:-.venv-lowest}
+PYTHON=${PYTHON:-python3}
+constraints=$(mktemp)
+trap 'rm -f "$constraints"' EXIT
+"$PYTHON" - "$constraints" <<'PY'
+import re, sys, tomllib
+deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+lines = []
+for dep in deps:
+    m = re.fullmatch(r"\s*([A-Za-z0-9_.\-\[\]]+)\s*>=\s*([0-9][^,;\s]*)\s*(,.*)?", dep)
+    if not m:
+        sys.exit(f"lowest-deps: {dep!r} has no '>=' floor to test")
+    name = re.sub(r"\[.*\]", "", m.group(1))
+    lines.append(f"{name}=={m.group(2)}")
+open(sys.argv[1], "w").write("\n".join(lines) + "\n")
+print("lowest declared versions:", ", ".join(lines))
+PY
+if [ ! -x "$VENV/bin/python" ] || ! cmp -s "$constraints" "$VENV/.constraints"; then
+  rm -rf "$VENV"
+  "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/python" -m pip -q --disable-pip-version-check install --upgrade pip
+  # The floors of our dependencies, and test tools at any version (they are not ours to floor).
+  "$VENV/bin/python" -m pip -q --disable-pip-version-check install -c "$constraints" -e . pytest pytest-timeout hypothesis
+  cp "$constraints" "$VENV/.constraints"
+fi
+"$VENV/bin/python" - <<'PY'
+import importlib, pkgutil
+import kvpilot
+names = [m.name for m in pkgutil.walk_packages(kvpilot.__path__, "kvpilot.")]
+for name in names:
+    importlib.import_module(name)
+print(f"imported {len(names)} kvpilot modules with the lowest declared dependencies")
+PY
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/unit/tuner
