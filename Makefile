@@ -5,7 +5,7 @@ PYTHON  ?= python3
 PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip -q --disable-pip-version-check
 
-.PHONY: setup tools tune test test-unit lint crd clean
+.PHONY: setup tools tune test test-unit test-lowest lint crd clean
 
 setup: $(VENV)/.installed
 
@@ -22,9 +22,15 @@ tools:
 tune: setup
 	$(VENV)/bin/kvpilot tune --offline
 
-## Everything CI runs: lint, types, the import-layering contract, and the whole test suite.
-test: setup tools lint
+## Everything CI runs: lint, types, the import-layering contract, the lowest declared dependency
+## versions, and the whole test suite.
+test: setup tools lint test-lowest
 	$(PY) -m pytest
+
+## The runtime dependencies at the lowest versions pyproject.toml declares (a venv of their own):
+## every kvpilot module imports and the tuner's unit tests pass.
+test-lowest:
+	./scripts/lowest-deps.sh
 
 test-unit: setup
 	$(PY) -m pytest tests/unit
@@ -41,4 +47,4 @@ crd: setup
 	$(VENV)/bin/kvpilot slo dashboard --all -o charts/kvpilot/dashboards/kvpilot.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .import_linter_cache
+	rm -rf $(VENV) .venv-lowest .pytest_cache .ruff_cache .mypy_cache .import_linter_cache

@@ -2,7 +2,7 @@
 
 KMock (kopf's own API emulator) serves a Kubernetes-like API from memory.  Version 0.8 stores
 bodies exactly as sent and so misses what an API server adds; `KvpilotEmulator` fills that in
-(see ../shared/notes/toolchain.md, "KMock 0.8 quirks"):
+(each found by running kopf and kubectl against it):
 
 1. objects get `uid`, `resourceVersion`, `creationTimestamp` and `generation` on create;
    every write bumps `resourceVersion`; a change to anything but metadata/status bumps
