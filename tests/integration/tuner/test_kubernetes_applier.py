@@ -16,12 +16,10 @@ import attrs
 import pytest
 
 import tests.support.kmock_api as kmock_api
-from kvpilot.tuner.adapters.kubernetes import (
-    FIELD_MANAGER,
-    TRIAL_ANNOTATION,
-    KubernetesApplier,
-    KubeStatusObserver,
-)
+from kvpilot.api.vocabulary import ANNOTATION_TUNING_TRIAL as TRIAL_ANNOTATION
+from kvpilot.api.vocabulary import FIELD_MANAGER_TUNER as FIELD_MANAGER
+from kvpilot.api.vocabulary import TuningPhase
+from kvpilot.tuner.adapters.kubernetes import KubernetesApplier, KubeStatusObserver
 from kvpilot.tuner.core.loop import ApplyFailed
 from kvpilot.tuner.core.space import EngineParams
 from tests.support.kmock_api import KMockAPI, OperatorProcess, kopf_operator, wait_for
@@ -195,7 +193,7 @@ def test_status_and_events(api: KMockAPI, client: Any, ready: str) -> None:
     obs = KubeStatusObserver(client, NS, ready, study="tuning.llama.latency.abc")
     p = EngineParams(1024, 0.9, 64)
     obs.trial_started(7, p, "trial")
-    obs.phase("Measuring", "WarmingUp", "trial 7")
+    obs.phase(TuningPhase.MEASURING, "WarmingUp", "trial 7")
     obs.best_changed(Incumbent(p, 0.42, 3.0, 7))
     obs.trial_finished(7, p, "pruned", None)
     tuning = wait_for(lambda: (api.get_isvc(NS, ready).get("status") or {}).get("tuning", {}).get("best"),
