@@ -53,10 +53,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--slo", default="ttft=0.5,itl=0.05",
                    help="p99 targets in seconds, ttft=S,itl=S (default %(default)s)")
     p.add_argument("--goal", choices=("capacity", "latency"), default="capacity",
-                   help="offline: capacity (most req/s within SLO) or latency (at --rate); default %(default)s")
+                   help="offline: capacity (the most req/s sustained in steady state within the SLO) or latency "
+                        "(at --rate); default %(default)s")
     p.add_argument("--rate", type=float, default=5.0, help="offline latency goal: offered req/s")
-    p.add_argument("--probe-requests", type=int, default=160, metavar="N",
-                   help="offline: requests each capacity probe serves, the first tenth as warm-up (default %(default)s)")
+    p.add_argument("--probe-seconds", type=float, default=150.0, metavar="S",
+                   help="offline capacity: seconds of arrivals (virtual time) each probed rate is served for, the "
+                        "first fifth a warm-up that is not measured; long enough for a queue the engine cannot "
+                        "keep up with to show in the p99 (default %(default)s)")
     p.add_argument("--trials", type=int, default=30, help="default %(default)s")
     p.add_argument("--seed", type=int, default=0, help="sampler and workload seed (default %(default)s)")
     p.add_argument("--storage", default="sqlite:///out/kvpilot-tune.db",

@@ -109,8 +109,8 @@ def tune_offline(args: argparse.Namespace) -> int:
         workload = parse_workload(args.workload)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    if args.probe_requests < 20:
-        raise UsageError(f"--probe-requests: must be >= 20 (a p99 needs them), got {args.probe_requests}")
+    if not 10.0 <= args.probe_seconds <= 3600.0:
+        raise UsageError(f"--probe-seconds: must be between 10 and 3600, got {args.probe_seconds:g}")
     if args.tensor_parallel_size < 1:
         raise UsageError(f"--tensor-parallel-size: must be >= 1, got {args.tensor_parallel_size}")
     target = TwinTarget(model=args.model, gpu=args.gpu, max_model_len=args.max_model_len,
@@ -126,7 +126,8 @@ def tune_offline(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     space = space_from_args(args)
     goal = Goal(args.goal)
-    evaluator = TwinEvaluator(target, workload, slo, seed=args.seed, num_requests=args.probe_requests)
+    evaluator = TwinEvaluator(target, workload, slo, seed=args.seed, probe_s=args.probe_seconds,
+                              warmup_s=args.probe_seconds / 5)
 
     def evaluate(params: EngineParams) -> Outcome:
         if goal is Goal.CAPACITY:
@@ -171,13 +172,17 @@ def tune_offline(args: argparse.Namespace) -> int:
         bar.close()
     table = trials_table(st)
     print(table)
+    if goal is Goal.CAPACITY:
+        print(f"\nvalue: capacity, the highest arrival rate (req/s) each config sustains in steady state with "
+              f"both p99s within the SLO ({args.probe_seconds:g} s of arrivals per rate, the first "
+              f"{args.probe_seconds / 5:g} s not measured, on two request sequences)")
     best = st.best_engine()
     if best is None:
         print("\nno config met the SLO on the twin: relax the SLO, or try a larger GPU", file=sys.stderr)
         return 1
     params, value = best
     dflt = next((t for t in st.trials() if t.user_attrs.get("source") == "vllmDefaults"), None)
-    unit = "req/s within SLO" if goal is Goal.CAPACITY else "x SLO (lower is better)"
+    unit = "req/s sustained within SLO" if goal is Goal.CAPACITY else "x SLO (lower is better)"
     comment = f"kvpilot tune --offline: {value:.3f} {unit}"
     if dflt is not None and dflt.value is not None and goal is Goal.CAPACITY:
         comment += f" (vLLM defaults: {dflt.value:.3f})"

@@ -12,8 +12,10 @@ on the engine's fast path and leaves the statistics to numpy at the end.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -112,6 +114,7 @@ class Trace:
     ends: list[float]
     steadies: list[int]
     gaps: list[tuple[int, int]]
+    in_system: list[int] = field(default_factory=lambda: [0])  # requests running or waiting after each step
     usage_area: float = 0.0
     usage_max: float = 0.0
     tokens_total: int = 0
@@ -152,6 +155,7 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
     # Indexed by engine step; steps count from 1, so index 0 is a placeholder.
     trace = Trace(engine, batch, float(window), [], [0.0], [0.0], [0], [])
     starts, ends, steadies, gaps, done = trace.starts, trace.ends, trace.steadies, trace.gaps, trace.done
+    in_system = trace.in_system
     # The early stop's tallies: more misses than 1% of what will be observed and the p99 is over.
     watch = stop_on_miss is not None
     slo_ttft = stop_on_miss.ttft_seconds if stop_on_miss else 0.0
@@ -185,6 +189,7 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
         now += duration
         ends.append(now)
         steadies.append(steady)
+        in_system.append(len(sched.running) + len(sched.waiting))
         tokens_total += tokens
         if g:
             gaps.extend(g)
@@ -217,14 +222,30 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
     return trace
 
 
-def observed_p99(trace: Trace, measure_from_s: float = 0.0) -> tuple[float, float]:
+def _p99(x: np.ndarray, independent: int, confidence: float | None) -> float:
+    """The p99 of `x`; with `confidence`, an upper confidence bound of it: the quantile at
+    0.99 + z * sqrt(0.99 * 0.01 / n) for n independent observations (the order statistic's
+    normal approximation), so a p99 measured on a finite run is not read as better than it is."""
+    if not len(x):
+        return 0.0
+    q = 0.99
+    if confidence is not None and independent > 0:
+        q = min(0.99 + NormalDist().inv_cdf(confidence) * math.sqrt(0.99 * 0.01 / independent), 1.0)
+    return float(np.quantile(x, q))
+
+
+def observed_p99(trace: Trace, measure_from_s: float = 0.0, *,
+                 confidence: float | None = None) -> tuple[float, float]:
     """(p99 TTFT, p99 inter-token latency) of the requests that arrived from `measure_from_s` on;
-    inf for a p99 that the run stopped early on (it had certainly missed its SLO)."""
+    inf for a p99 that the run stopped early on (it had certainly missed its SLO).  With
+    `confidence` (e.g. 0.95), upper confidence bounds of the two p99s: TTFTs are one observation
+    per request, but every token gap of a step has that step's length, so the token gaps count as
+    one independent observation per engine step."""
     ends = np.asarray(trace.ends, dtype=float)
     reqs = [r for r in trace.done if r.arrival_time >= measure_from_s]
     live = [r for r in trace.engine.scheduler.running if r.arrival_time >= measure_from_s and r.step_first_token]
     firsts = np.fromiter((ends[r.step_first_token] - r.arrival_time for r in (*reqs, *live)), float)
-    ttft = np.inf if trace.ttft_missed else (float(np.percentile(firsts, 99)) if len(firsts) else 0.0)
+    ttft = np.inf if trace.ttft_missed else _p99(firsts, len(firsts), confidence)
     if trace.itl_missed:
         return ttft, np.inf
     t0 = measure_from_s
@@ -236,7 +257,7 @@ def observed_p99(trace: Trace, measure_from_s: float = 0.0) -> tuple[float, floa
         gap_ends = ends[g[:, 1]]
         parts.append((gap_ends - ends[g[:, 0]])[gap_ends >= t0])
     itl = np.concatenate(parts)
-    return ttft, float(np.percentile(itl, 99)) if len(itl) else 0.0
+    return ttft, _p99(itl, int(keep.sum()), confidence)
 
 
 def simulate(

@@ -146,6 +146,12 @@ class RequestBatch:
         """The same requests arriving `factor` times as fast (arrival times divided by it)."""
         return replace(self, arrival_s=self.arrival_s / factor)
 
+    def head(self, n: int) -> RequestBatch:
+        """The first `n` requests."""
+        return RequestBatch(self.arrival_s[:n], self.prompt_tokens[:n], self.output_tokens[:n],
+                            self.prefix_keys[:n] if self.prefix_keys is not None else None,
+                            self.prefix_tokens[:n] if self.prefix_tokens is not None else None)
+
 
 _KEYS = ("rate", "cv", "prompt", "output", "prefix", "prefixes")
 
@@ -195,8 +201,8 @@ class Workload:
                 raise WorkloadError(f"workload {spec!r}: {item!r} is not key=value")
             if key == "requests":
                 raise WorkloadError(
-                    f"workload {spec!r}: requests=N is not part of a workload; `kvpilot tune` takes "
-                    "--probe-requests N and `kvpilot twin run` takes --num-requests N"
+                    f"workload {spec!r}: requests=N is not part of a workload; `kvpilot tune` measures each "
+                    "rate in steady state (--probe-seconds S) and `kvpilot twin run` takes --num-requests N"
                 )
             if key == "preset":
                 raise WorkloadError(f"workload {spec!r}: write the preset first, e.g. {value}:rate=5")

@@ -1,15 +1,24 @@
 """The offline applier: the engine twin in virtual time (no HTTP, no Prometheus).
 
-A trial's config becomes a twin `Engine`; its capacity is the highest request rate at which both
-p99s (TTFT and ITL) stay within the SLO, found by `core.capacity.find_capacity`.  Workloads are
-the twin's (`kvpilot.twin.workload`: presets and specs in one language).
+A trial's config becomes a twin `Engine`; its capacity is the highest request rate it sustains
+in steady state with both p99s (TTFT and ITL) within the SLO, found by
+`core.capacity.find_capacity`.  Workloads are the twin's (`kvpilot.twin.workload`).
 
-Each probe is one run of the twin's virtual-time driver (`kvpilot.twin.offline.drive`) over a
-fixed request sequence: lengths and unit-rate arrival gaps are drawn once per seed and scaled by
-1/rate, so every rate (and every config) sees the same requests (common random numbers:
-differences come from the config, not from the dice).  The driver stops a run as soon as more
-than 1% of its requests (or token gaps) already missed the SLO.  That, plus caching by (config,
-rate), keeps a capacity search well under a second for small models.
+Capacity, as a user reads it: the highest arrival rate at which the engine keeps up indefinitely
+and the SLO holds.  Each probe of a rate is one run of the twin's virtual-time driver
+(`kvpilot.twin.offline.drive`) over `probe_s` seconds of arrivals (150 by default) served to the
+last token; the first `warmup_s` (30) are warm-up from an empty engine and not measured; the
+TTFTs of the requests that arrive after it, and every token gap after it, make the p99s.  The
+window is what makes this a steady-state figure: above the saturation throughput the queue grows
+without bound, and over two minutes the wait of the last arrivals passes any TTFT target once
+the overload is more than a fraction of a percent, so a rate the engine cannot sustain never
+passes (a burst on an idle engine would: an empty engine absorbs a few seconds of far more than
+it sustains).
+
+Arrivals are drawn once per seed at unit rate and divided by the probed rate, so every rate (and
+every config) sees the same requests (common random numbers: differences come from the config,
+not from the dice).  The driver stops a run as soon as more than 1% of its measured requests (or
+token gaps) already missed the SLO; over-capacity runs are the slow ones.
 """
 
 from __future__ import annotations
@@ -17,6 +26,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, replace
 from typing import Any
+
+import numpy as np
 
 from kvpilot.tuner.core.capacity import CapacityResult, find_capacity
 from kvpilot.tuner.core.objective import SLO, Goal, Measurement, Outcome, infeasible, score
@@ -27,8 +38,17 @@ from kvpilot.twin.workload import PRESETS, LengthDist, Workload, WorkloadError
 __all__ = ["PRESETS", "RunStats", "StartupFailed", "TwinEvaluator", "TwinTarget", "Workload", "WorkloadError", "parse_workload",
            "workload_from_estimate"]
 
-# Requests each capacity probe serves (the first tenth is warm-up and not measured).
-PROBE_REQUESTS = 160
+# Seconds of arrivals each capacity probe serves, and the warm-up at its start that is not measured.
+PROBE_SECONDS = 150.0
+WARMUP_SECONDS = 30.0
+# A probed rate passes when an upper confidence bound of each p99, not the p99 of one finite run,
+# is within the SLO: near its capacity a config's p99 moves little with the rate and a run's p99
+# is noisy, so the bare p99 would let a lucky run set a capacity that the next run misses.
+CONFIDENCE = 0.95
+# ... and it must pass on two request sequences: near saturation a p99 depends on the arrival
+# sequence (a burst of long prompts) more than the run's own confidence bound shows, and an
+# optimiser picking the best of many configs would otherwise pick the luckiest sequence.
+PATHS = 2
 
 
 def parse_workload(text: str) -> Workload:
@@ -113,34 +133,62 @@ class TwinEvaluator:
     """Capacity of configs on one target and workload.  Results are cached by (config, rate)."""
 
     def __init__(self, target: TwinTarget, workload: Workload, slo: SLO, seed: int = 0,
-                 num_requests: int = PROBE_REQUESTS) -> None:
+                 probe_s: float = PROBE_SECONDS, warmup_s: float = WARMUP_SECONDS, paths: int = PATHS) -> None:
+        if not 0 <= warmup_s < probe_s:
+            raise ValueError(f"the warm-up ({warmup_s:g} s) must be shorter than the probe ({probe_s:g} s)")
+        if paths < 1:
+            raise ValueError(f"paths must be >= 1, got {paths}")
         self.target, self.workload, self.slo, self.seed = target, workload, slo, seed
-        # At rate 1; each probe divides the arrival times by its rate.
-        self._unit = workload.with_rate(1.0).generate(num_requests=num_requests, seed=seed)
+        self.probe_s, self.warmup_s, self.paths = probe_s, warmup_s, paths
+        # Per path: its requests at rate 1, enough for the highest rate probed so far.
+        self._units: list[Any] = [None] * paths
         self._runs: dict[tuple[EngineParams, float], RunStats] = {}
         self._caps: dict[EngineParams, CapacityResult | StartupFailed] = {}
         self.simulations = 0
         self.hint = 1.0
 
+    def requests(self, rate: float, path: int = 0) -> Any:
+        """A path's requests at `rate`: the first `probe_s` seconds of its unit-rate sequence."""
+        need = rate * self.probe_s
+        unit = self._units[path]
+        if unit is None or unit.arrival_s[-1] < need:
+            # Drawn again, longer: every run so far saw other requests, so forget them.
+            n = max(4096, int(2 * need) + 64)
+            unit = self._units[path] = self.workload.with_rate(1.0).generate(num_requests=n, seed=self.seed + path)
+            self._runs.clear()
+            self._caps.clear()
+        batch = unit.at_rate(rate)
+        return batch.head(int(np.searchsorted(batch.arrival_s, self.probe_s)))
+
     # -- one virtual-time run -------------------------------------------------------------
     def run(self, params: EngineParams, rate: float) -> RunStats:
-        """Serve the request sequence at `rate` req/s.  Raises EngineStartupError."""
+        """Serve each path's requests at `rate` req/s; the worse p99s of the paths.  A path that
+        misses the SLO ends the probe (the others cannot make it pass).  Raises EngineStartupError."""
+        batches = [self.requests(rate, k) for k in range(self.paths)]
         key = (params, round(rate, 6))
         if key in self._runs:
             return self._runs[key]
         from kvpilot.twin.engine import Engine
         from kvpilot.twin.offline import drive, observed_p99
 
-        engine = Engine(self.target.engine_config(params))
-        self.simulations += 1
-        batch = self._unit.at_rate(rate)
-        warm = float(batch.arrival_s[len(batch) // 10]) if len(batch) else 0.0  # the first tenth warms up
-        trace = drive(engine, batch, stop_on_miss=self.slo, measure_from_s=warm)
-        ttft, itl = observed_p99(trace, warm)
-        stats = RunStats(ttft, itl, len(trace.done), trace.stopped, engine.scheduler.num_preemptions_total,
-                         trace.usage_max)
-        self._runs[key] = stats
-        return stats
+        worst: RunStats | None = None
+        for batch in batches:
+            engine = Engine(self.target.engine_config(params))
+            self.simulations += 1
+            trace = drive(engine, batch, window_s=self.probe_s, stop_on_miss=self.slo,
+                          measure_from_s=self.warmup_s)
+            ttft, itl = observed_p99(trace, self.warmup_s, confidence=CONFIDENCE)
+            stats = RunStats(ttft, itl, len(trace.done), trace.stopped, engine.scheduler.num_preemptions_total,
+                             trace.usage_max)
+            worst = stats if worst is None else RunStats(
+                max(worst.ttft_p99, ttft), max(worst.itl_p99, itl), min(worst.completed, stats.completed),
+                worst.stopped_early or stats.stopped_early, max(worst.preemptions, stats.preemptions),
+                max(worst.kv_usage_peak, stats.kv_usage_peak))
+            if ttft > self.slo.ttft_seconds or itl > self.slo.itl_seconds:
+                break
+        assert worst is not None
+        self._runs[key] = worst
+        return worst
 
     # -- capacity -------------------------------------------------------------------------
     def capacity(self, params: EngineParams) -> CapacityResult | StartupFailed:

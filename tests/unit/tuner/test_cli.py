@@ -16,7 +16,7 @@ def test_offline_tune_prints_a_table_writes_study_and_report_and_ends_with_the_e
     db = tmp_path / "study.db"
     report = tmp_path / "report.html"
     argv = ["tune", "--offline", "--model", "Llama-3.1-8B", "--gpu", "H100-80GB", "--trials", "3", "-q",
-            "--workload", "prompt=256,output=32", "--probe-requests", "60", "--slo", "ttft=0.5,itl=0.05",
+            "--workload", "prompt=256,output=32", "--probe-seconds", "20", "--slo", "ttft=0.5,itl=0.05",
             "--storage", f"sqlite:///{db}", "--report", str(report)]
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -39,8 +39,8 @@ def test_offline_tune_prints_a_table_writes_study_and_report_and_ends_with_the_e
     [
         (["--slo", "ttft=fast"], "--slo: ttft=fast is not a number of seconds"),
         (["--workload", "prompt=12,colour=blue"], "unknown key 'colour'; allowed: rate, cv, prompt"),
-        (["--workload", "prompt=12,requests=60"], "--probe-requests N"),
-        (["--probe-requests", "5"], "--probe-requests: must be >= 20"),
+        (["--workload", "prompt=12,requests=60"], "--probe-seconds S"),
+        (["--probe-seconds", "5"], "--probe-seconds: must be between 10 and 3600"),
         (["--gpu", "TPU-v5"], "unknown GPU 'TPU-v5'"),
         (["--tokens", "4096:256"], "maxNumBatchedTokens"),
         (["--trials", "0"], "--trials must be >= 1"),

@@ -57,6 +57,7 @@ def test_count_limit_and_prefixes() -> None:
     [
         ("uniform:rate=1", "start with a preset .* or an arrival process"),
         ("poisson:rate=1,requests=5", "--num-requests N"),
+        ("chat:requests=160", "steady state"),
         ("chat:preset=rag", "write the preset first"),
         ("poisson:rate=-1", "positive"),
         ("poisson:rate=1,foo=2", "unknown key"),
