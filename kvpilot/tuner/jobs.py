@@ -13,7 +13,15 @@ from optuna.trial import FrozenTrial
 
 from kvpilot.tuner.core.objective import SLO, Goal, Measurement, Outcome, infeasible, score
 from kvpilot.tuner.core.space import EngineParams, SearchSpace
-from kvpilot.tuner.core.study import ATTR_RAISED_FROM, ATTR_SOURCE, TunerStudy, study_name
+from kvpilot.tuner.core.study import (
+    ATTR_MESSAGE,
+    ATTR_RAISED_FROM,
+    ATTR_REASON,
+    ATTR_SOURCE,
+    TunerStudy,
+    study_name,
+)
+from kvpilot.tuner.identity import StudyMismatch, digest, identity
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +54,12 @@ def space_from_args(args: argparse.Namespace) -> SearchSpace:
         raise UsageError(str(exc).replace("spec.tuning.space.", "space ")) from None
 
 
-def engine_yaml(params: EngineParams, comment: str) -> str:
-    """The engine block, ready to paste under an InferenceService's spec."""
-    body = yaml.safe_dump({"engine": params.as_spec()}, sort_keys=False)
+def engine_yaml(params: EngineParams, comment: str, assumed: dict[str, Any] | None = None) -> str:
+    """The engine block as it sits in an InferenceService (`spec:` then `engine:`), ready to paste or
+    merge: the tuned fields, then what the study assumed (e.g. maxModelLen, tensorParallelSize),
+    which the recommendation holds only together with."""
+    engine = {**params.as_spec(), **(assumed or {})}
+    body = yaml.safe_dump({"spec": {"engine": engine}}, sort_keys=False)
     return f"# {comment}\n{body}"
 
 
@@ -87,11 +98,60 @@ def _source(t: FrozenTrial) -> str:
 
 
 def sqlite_url(storage: str) -> str:
-    """Make the directory of a sqlite file exist (Optuna does not)."""
-    prefix = "sqlite:///"
-    if storage.startswith(prefix):
-        Path(storage[len(prefix):]).expanduser().parent.mkdir(parents=True, exist_ok=True)
-    return storage
+    """The storage URL, checked (a clear error for a path, an unknown scheme or a missing driver);
+    the directory of a SQLite file is made (Optuna does not)."""
+    from kvpilot.tuner.storage import StorageError, check_storage_url
+
+    try:
+        return check_storage_url(storage)
+    except StorageError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def open_study(*, storage: str, name: str, inputs: dict[str, Any], **kw: Any) -> TunerStudy:
+    """Open (or resume) a study, refusing one that was made for other inputs (kvpilot.tuner.identity)."""
+    import optuna
+
+    from kvpilot.tuner.identity import bind
+
+    try:
+        existing = optuna.load_study(study_name=name, storage=storage)
+    except KeyError:
+        existing = None
+    try:
+        if existing is not None:
+            bind(existing, inputs)  # checked before TunerStudy touches the study
+        st = TunerStudy(storage=storage, name=name, **kw)
+        bind(st.study, inputs)
+    except StudyMismatch as exc:
+        raise UsageError(str(exc)) from None
+    return st
+
+
+def report_path(flag: str | None, study: str) -> Path | None:
+    """--report: None (the default) is out/<study>.html, so runs of other studies keep their reports."""
+    from kvpilot.tuner.report import check_report_path
+
+    if flag == "":
+        return None
+    path = Path(flag) if flag is not None else Path("out") / f"{study}.html"
+    try:
+        return check_report_path(path)
+    except ValueError as exc:
+        raise UsageError(f"--report: {exc}") from None
+
+
+def no_answer(st: TunerStudy) -> str:
+    """Why no config was recommended: the start-up failure when every trial failed to start (its
+    message says what to change, e.g. --tensor-parallel-size), else the SLO was out of reach."""
+    done = [t for t in st.trials() if t.value is not None]
+    failed = [t for t in done if t.user_attrs.get(ATTR_REASON) == "StartupFailed"]
+    if done and len(failed) == len(done):
+        message = str(failed[0].user_attrs.get(ATTR_MESSAGE) or "").strip()
+        return (f"no config could start on the twin ({len(failed)} of {len(done)} trials failed at start-up): "
+                f"{message}")
+    note = f" ({len(failed)} of {len(done)} trials failed at start-up)" if failed else ""
+    return f"no config met the SLO on the twin{note}: relax the SLO, or try a larger GPU"
 
 
 # --- offline ----------------------------------------------------------------------------
@@ -138,9 +198,16 @@ def tune_offline(args: argparse.Namespace) -> int:
         m = Measurement(ttft_p99=s.ttft_p99, itl_p99=s.itl_p99, request_rate=args.rate)
         return score(goal, m, slo)
 
-    name = args.study_name or study_name("offline", f"{target.model}.{target.gpu}.{workload.name}", space, goal)
-    st = TunerStudy(storage=sqlite_url(args.storage), name=name, goal=goal, space=space, slo=slo,
-                    seed=args.seed, n_trials=args.trials)
+    inputs = identity(model=target.model, gpu=target.gpu, maxModelLen=target.max_model_len,
+                      tensorParallelSize=target.tensor_parallel_size, workload=workload,
+                      slo={"ttftSeconds": slo.ttft_seconds, "itlSeconds": slo.itl_seconds},
+                      goal=goal.value, rate=args.rate if goal is Goal.LATENCY else None, seed=args.seed,
+                      space=space.as_spec())
+    name = args.study_name or (
+        f"{study_name('offline', f'{target.model}.{target.gpu}.{workload.name}', space, goal)}.{digest(inputs)}")
+    report = report_path(args.report, name)
+    st = open_study(storage=sqlite_url(args.storage), name=name, inputs=inputs, goal=goal, space=space,
+                    slo=slo, seed=args.seed, n_trials=args.trials)
     st.enqueue(defaults, "vllmDefaults")
     already = st.finished_count()
     print(f"kvpilot tune --offline: {target.model} on {target.gpu}, workload {workload.name} "
@@ -168,7 +235,7 @@ def tune_offline(args: argparse.Namespace) -> int:
     print(table)
     best = st.best_engine()
     if best is None:
-        print("\nno config met the SLO on the twin: relax the SLO, or try a larger GPU", file=sys.stderr)
+        print(f"\n{no_answer(st)}", file=sys.stderr)
         return 1
     params, value = best
     dflt = next((t for t in st.trials() if t.user_attrs.get("source") == "vllmDefaults"), None)
@@ -176,12 +243,25 @@ def tune_offline(args: argparse.Namespace) -> int:
     comment = f"kvpilot tune --offline: {value:.3f} {unit}"
     if dflt is not None and dflt.value is not None and goal is Goal.CAPACITY:
         comment += f" (vLLM defaults: {dflt.value:.3f})"
-    yml = engine_yaml(params, comment)
-    if args.report:
+    yml = engine_yaml(params, comment, {"maxModelLen": target.max_model_len,
+                                        "tensorParallelSize": target.tensor_parallel_size})
+    if report is not None:
         from kvpilot.tuner.report import write_report
 
-        out = write_report(st, Path(args.report), f"kvpilot tune: {target.model} on {target.gpu}, {workload.name}",
-                           yml, table)
+        value_is = ("requests per second the twin serves within the SLO (higher is better)" if goal is Goal.CAPACITY
+                    else f"the worse of p99 TTFT / SLO and p99 ITL / SLO at {args.rate:g} req/s (lower is better)")
+        facts = [
+            ("Model and GPU", f"{target.model} on {target.gpu}, tensor parallel size {target.tensor_parallel_size}, "
+                              f"max model length {target.max_model_len}"),
+            ("Workload", f"{workload.name}: {workload.prompt.as_text()} prompt / {workload.output.as_text()} output "
+                         f"tokens, arrival cv {workload.cv:g}, {workload.num_requests} requests per trial"),
+            ("SLO", f"p99 TTFT <= {slo.ttft_seconds:g} s, p99 ITL <= {slo.itl_seconds:g} s"),
+            ("Goal", goal.value),
+            ("Value", value_is),
+            ("Study", f"{name} in {args.storage}"),
+        ]
+        out = write_report(st, report, f"kvpilot tune: {target.model} on {target.gpu}, {workload.name}",
+                           yml, table, facts=facts)
         print(f"\nreport: {out}", file=sys.stderr)
     print()
     print(yml, end="")
