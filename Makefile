@@ -21,6 +21,7 @@ tools:
 ## The main job: tune the engine offline on the twin (SQLite study, report, recommended engine block).
 tune: setup
 	$(VENV)/bin/kvpilot tune --offline
+	@echo "kvpilot is in $(VENV)/bin: run '. $(VENV)/bin/activate' to put it on your PATH" >&2
 
 ## Everything CI runs: lint, types, the import-layering contract, and the whole test suite.
 test: setup tools lint

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from kvpilot import __version__
 from kvpilot.api.models import API_VERSION, KIND, InferenceService
 
 MANAGED_BY = "kvpilot"
@@ -23,7 +24,8 @@ ANNOTATION_ENGINE = "kvpilot.dev/engine"
 HTTP_PORT = 8000
 HTTP_PORT_NAME = "http"
 
-DEFAULT_TWIN_IMAGE = "ghcr.io/kvpilot/kvpilot:latest"
+# The chart's image (repository and appVersion): the operator's own release runs the twin.
+DEFAULT_TWIN_IMAGE = f"ghcr.io/kvpilot/kvpilot:{__version__}"
 
 
 @dataclass(frozen=True, slots=True)
