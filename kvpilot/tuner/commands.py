@@ -78,6 +78,9 @@ def register(subparsers: Any) -> None:
     live.add_argument("--warm-start", action="store_true",
                       help="first search the twin (--model/--gpu) under the measured workload; try its best 3 first")
     live.add_argument("--warm-start-trials", type=int, default=20, help="twin trials of the warm start")
+    live.add_argument("--signals-timeout", type=float, default=600.0, metavar="S",
+                      help="give up when Prometheus has shown no usable signal for S seconds since the start "
+                           "(a wrong URL, no scrape, no traffic); 0 waits forever (default %(default)s)")
     live.add_argument("--keep-running", action="store_true", help="leave the engine running at the end")
     live.add_argument("engine_command", nargs=argparse.REMAINDER, help="after --: the engine command")
     p.set_defaults(handler=_tune)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -278,6 +280,7 @@ def tune_local(args: argparse.Namespace) -> int:
     from kvpilot.tuner.adapters.prometheus import PrometheusSignals
     from kvpilot.tuner.core.loop import LiveSettings, LiveTuner
     from kvpilot.tuner.observe import LogObserver
+    from kvpilot.tuner.watchdog import FirstSignalsWatchdog, SignalsNeverCame
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if not args.engine_command:
@@ -290,15 +293,22 @@ def tune_local(args: argparse.Namespace) -> int:
         command, port, start = parse_engine_command(args.engine_command)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    name = args.study_name or study_name("local", f"port{port}", space, Goal.LATENCY)
-    st = TunerStudy(storage=sqlite_url(args.storage), name=name, goal=Goal.LATENCY, space=space, slo=slo,
-                    seed=args.seed, n_trials=args.trials)
+    inputs = identity(engine=command, slo={"ttftSeconds": slo.ttft_seconds, "itlSeconds": slo.itl_seconds},
+                      objective=args.objective, selector=args.selector, goal=Goal.LATENCY.value, seed=args.seed,
+                      space=space.as_spec())
+    name = args.study_name or f"{study_name('local', f'port{port}', space, Goal.LATENCY)}.{digest(inputs)}"
+    report = report_path(args.report, name)
+    st = open_study(storage=sqlite_url(args.storage), name=name, inputs=inputs, goal=Goal.LATENCY, space=space,
+                    slo=slo, seed=args.seed, n_trials=args.trials)
     st.enqueue(start, "current")
     st.enqueue(EngineParams.vllm_defaults(), "vllmDefaults")
     settings = LiveSettings(warmup_s=args.warmup, window_s=args.window, poll_s=args.poll,
                             fast_burn_window_s=args.fast_burn_window, pause_poll_s=args.poll,
                             max_trials=args.trials)
-    signals = PrometheusSignals(args.prometheus, selector=args.selector, slo=slo, objective=args.objective)
+    signals = FirstSignalsWatchdog(
+        PrometheusSignals(args.prometheus, selector=args.selector, slo=slo, objective=args.objective),
+        args.signals_timeout,
+        f"check --prometheus {args.prometheus}, that it scrapes the engine on port {port}, and that it has traffic")
     # Engines run on two backend ports behind the forwarder on the public port; Prometheus may
     # scrape either the public port (the engine in force) or both backend ports.
     slots = (port + 1, port + 2)
@@ -306,19 +316,47 @@ def tune_local(args: argparse.Namespace) -> int:
         a, b = parse_range(args.slots.replace(",", ":"), "--slots", int)
         slots = (a, b)
     applier = LocalApplier(command, port=port, start=start, slots=slots)
-    applier.start()
+    # SIGTERM (a service manager, `kill`, a CI timeout) ends the run as Ctrl-C does: through the
+    # `finally` below, so the engine this run started does not outlive it on its port.
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
+        applier.start()
         tuner = LiveTuner(st, applier, signals, settings, observer=LogObserver())
         if args.warm_start and st.finished_count() == 0:
             _warm_start_local(args, st, tuner, signals, space, slo, start)
         best = tuner.run()
+    except SignalsNeverCame as exc:
+        raise UsageError(str(exc)) from None
     finally:
         if not args.keep_running:
             applier.stop()
-    print(trials_table(st))
+        signal.signal(signal.SIGTERM, previous)
+    table = trials_table(st)
+    print(table)
+    yml = engine_yaml(best, "kvpilot tune --local")
+    if report is not None:
+        from kvpilot.tuner.report import write_report
+
+        facts = [
+            ("Engine", shlex.join(command)),
+            ("Workload", f"the live traffic Prometheus at {args.prometheus} saw"
+                         + (f" ({args.selector})" if args.selector else "")),
+            ("SLO", f"p99 TTFT <= {slo.ttft_seconds:g} s, p99 ITL <= {slo.itl_seconds:g} s, "
+                    f"objective {args.objective:g}"),
+            ("Goal", Goal.LATENCY.value),
+            ("Value", f"the worse of p99 TTFT / SLO and p99 ITL / SLO over a {args.window:g} s window "
+                      "(lower is better)"),
+            ("Study", f"{name} in {args.storage}"),
+        ]
+        out = write_report(st, report, f"kvpilot tune --local: port {port}", yml, table, facts=facts)
+        print(f"\nreport: {out}", file=sys.stderr)
     print()
-    print(engine_yaml(best, "kvpilot tune --local"), end="")
+    print(yml, end="")
     return 0
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _warm_start_local(args: argparse.Namespace, st: TunerStudy, tuner: Any, signals: Any, space: SearchSpace,
