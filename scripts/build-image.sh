@@ -53,6 +53,8 @@ if [ ! -s "$tarball" ]; then
   tar -C "$rootfs" -cf "$tarball.partial" .
   mv "$tarball.partial" "$tarball"
   rm -rf "$rootfs"
+  # Earlier months' bases are superseded.
+  find "$CACHE" -maxdepth 1 -name "$SUITE-minbase-*.tar" ! -name "$key.tar" -delete
   trap - EXIT
 fi
 if ! podman image exists "$base"; then
