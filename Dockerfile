@@ -23,17 +23,20 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1
 
 WORKDIR /src
-RUN python -m venv /opt/kvpilot
+RUN python3 -m venv /opt/kvpilot
 
 COPY pyproject.toml README.md ./
 COPY kvpilot ./kvpilot
 
-# psycopg2 is the driver SQLAlchemy uses for the tuner's `postgresql://` Optuna storage
+# The postgresql extra is the driver SQLAlchemy uses for the tuner's `postgresql://` Optuna storage
 # (the chart's tuner.storage.type=postgresql); SQLite needs nothing beyond the standard library.
+# Report plotting (the `report` extra, matplotlib) stays out: neither the operator nor the tuner plots.
+# pip and setuptools go at the end: nothing installs at run time, and they are 20 MB of the venv.
 RUN /opt/kvpilot/bin/pip wheel --no-deps --wheel-dir /wheels . \
- && /opt/kvpilot/bin/pip install --only-binary=:all: /wheels/kvpilot-*.whl "psycopg2-binary>=2.9,<3" \
+ && /opt/kvpilot/bin/pip install --only-binary=:all: "$(ls /wheels/kvpilot-*.whl)[postgresql]" \
  && /opt/kvpilot/bin/kvpilot --version \
- && /opt/kvpilot/bin/python -c "import psycopg2, optuna, kopf"
+ && /opt/kvpilot/bin/python -c "import psycopg, optuna, kopf" \
+ && /opt/kvpilot/bin/pip uninstall -q -y pip setuptools
 
 # ---------------------------------------------------------------------------------------------
 # final: the slim base plus the virtual environment; no compilers, no pip cache, no sources.
@@ -48,13 +51,12 @@ LABEL org.opencontainers.image.title="kvpilot" \
 # The same path as in the builder: a venv's scripts hard-code their interpreter path.
 COPY --from=builder /opt/kvpilot /opt/kvpilot
 
-# HOME and MPLCONFIGDIR point at /tmp because the chart mounts the root filesystem read-only
-# and gives the pod an emptyDir at /tmp (matplotlib and kopf want a writable home).
+# HOME points at /tmp because the chart mounts the root filesystem read-only and gives the pod an
+# emptyDir at /tmp (kopf wants a writable home).
 ENV PATH=/opt/kvpilot/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
-    HOME=/tmp \
-    MPLCONFIGDIR=/tmp/matplotlib
+    HOME=/tmp
 
 # A fixed numeric UID/GID (the distroless "nonroot" id): Kubernetes can only prove
 # runAsNonRoot for a numeric USER. The chart sets the same id in its securityContext.

@@ -5,14 +5,14 @@ PYTHON  ?= python3
 PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip -q --disable-pip-version-check
 
-.PHONY: setup tools tune test test-unit test-lowest lint crd clean
+.PHONY: setup tools tune test test-unit test-lowest lint crd image clean
 
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	$(PIP) install -e '.[test,dev]'
+	$(PIP) install -e '.[test,dev,report]'
 	touch $@
 
 tools:
@@ -21,6 +21,7 @@ tools:
 ## The main job: tune the engine offline on the twin (SQLite study, report, recommended engine block).
 tune: setup
 	$(VENV)/bin/kvpilot tune --offline
+	@echo "kvpilot is in $(VENV)/bin: run '. $(VENV)/bin/activate' to put it on your PATH" >&2
 
 ## Everything CI runs: lint, types, the import-layering contract, the lowest declared dependency
 ## versions, and the whole test suite.
@@ -39,6 +40,10 @@ lint: setup
 	$(VENV)/bin/ruff check kvpilot tests benchmarks
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
+
+## The image, built with podman on a debootstrap base (no registry needed); prints its and its venv's size.
+image:
+	./scripts/build-image.sh
 
 ## Regenerate what is generated (CRD, its copy in the chart, the chart's dashboard); tests diff them.
 crd: setup

@@ -19,40 +19,11 @@ from typing import Any
 
 import aiohttp
 
+from kvpilot.api.rest import RETRIABLE_STATUSES, ApiError, resource_path
+
+__all__ = ["RETRIABLE_STATUSES", "ApiError", "KubeClient", "resource_path"]
+
 logger = logging.getLogger("kvpilot.operator.kube")
-
-# 401 too: a service-account token rotates; kopf logs in again when its own watches get 401,
-# which hands this client the new credentials (set_credentials) before the retries run out.
-RETRIABLE_STATUSES = frozenset({401, 409, 429, 500, 502, 503, 504})
-
-
-class ApiError(Exception):
-    """A Kubernetes API error: HTTP status, the Status reason and message."""
-
-    def __init__(self, status: int, reason: str, message: str, *, method: str = "", path: str = "") -> None:
-        super().__init__(f"{method} {path}: {status} {reason}: {message}".strip())
-        self.status = status
-        self.reason = reason
-        self.message = message
-
-    @property
-    def retriable(self) -> bool:
-        return self.status in RETRIABLE_STATUSES or self.status == 0
-
-    @property
-    def not_found(self) -> bool:
-        return self.status == 404
-
-
-def resource_path(api_version: str, plural: str, namespace: str | None, name: str | None = None,
-                  subresource: str | None = None) -> str:
-    base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
-    path = f"{base}/namespaces/{namespace}/{plural}" if namespace else f"{base}/{plural}"
-    if name:
-        path += f"/{name}"
-    if subresource:
-        path += f"/{subresource}"
-    return path
 
 
 class KubeClient:

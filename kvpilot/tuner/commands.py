@@ -65,8 +65,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--storage", default="sqlite:///out/kvpilot-tune.db",
                    help="Optuna storage URL (default %(default)s)")
     p.add_argument("--study-name", help="default: derived from the target and a hash of the search space")
-    p.add_argument("--report", default="out/kvpilot-tune-report.html",
-                   help="report file, .html or .png ('' for none; default %(default)s)")
+    p.add_argument("--report", default=None,
+                   help="report file: .html, or .png/.pdf/.svg for the plots alone (default out/STUDY.html, "
+                        "one per study; '' for none)")
     p.add_argument("--tokens", metavar="MIN:MAX", help="maxNumBatchedTokens range (default 256:16384)")
     p.add_argument("--util", metavar="MIN:MAX", help="gpuMemoryUtilization range (default 0.70:0.95)")
     p.add_argument("--seqs", metavar="MIN:MAX", help="maxNumSeqs range (default 64:1024)")
@@ -86,6 +87,9 @@ def register(subparsers: Any) -> None:
     live.add_argument("--warm-start", action="store_true",
                       help="first search the twin (--model/--gpu) under the measured workload; try its best 3 first")
     live.add_argument("--warm-start-trials", type=int, default=20, help="twin trials of the warm start")
+    live.add_argument("--signals-timeout", type=float, default=600.0, metavar="S",
+                      help="give up when Prometheus has shown no usable signal for S seconds since the start "
+                           "(a wrong URL, no scrape, no traffic); 0 waits forever (default %(default)s)")
     live.add_argument("--keep-running", action="store_true", help="leave the engine running at the end")
     live.add_argument("engine_command", nargs=argparse.REMAINDER, help="after --: the engine command")
     p.set_defaults(handler=_tune)
@@ -140,5 +144,12 @@ def _tune(args: argparse.Namespace) -> int:
 def _tuner(args: argparse.Namespace) -> int:
     _setup_logging(verbose=True)
     from kvpilot.tuner.incluster import run_tuner
+    from kvpilot.tuner.kubeapi import KubeCredentialsError
+    from kvpilot.tuner.storage import StorageError, check_storage_url
 
-    return run_tuner(args)
+    try:
+        check_storage_url(args.storage)
+        return run_tuner(args)
+    except (KubeCredentialsError, StorageError) as exc:
+        print(f"kvpilot tuner: {exc}", file=sys.stderr)
+        return 2

@@ -141,28 +141,17 @@ class Worker:
         enqueue_warm_start(study, picks)
 
 
-def _load_client() -> Any:
-    """In a pod: the service account; elsewhere: $KUBECONFIG / ~/.kube/config."""
-    from kubernetes import client, config
-
-    try:
-        config.load_incluster_config()
-        return client.ApiClient()
-    except config.ConfigException:
-        return config.new_client_from_config()
-
-
 def run_tuner(args: Namespace) -> int:
     import optuna
-    from kubernetes import client
     from prometheus_client import start_http_server
 
     from kvpilot.api.vocabulary import GROUP, PLURAL, VERSION
+    from kvpilot.tuner.kubeapi import KubeAPI, resource_path
     from kvpilot.tuner.observe import TunerMetrics
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    api_client = _load_client()
-    custom = client.CustomObjectsApi(api_client)
+    api_client = KubeAPI.from_environment()
+    listing_path = resource_path(f"{GROUP}/{VERSION}", PLURAL, args.namespace or None)
     metrics = TunerMetrics()
     if args.metrics_port:
         start_http_server(args.metrics_port)
@@ -181,11 +170,7 @@ def run_tuner(args: Namespace) -> int:
     while not stopping.is_set():
         items: list[dict[str, Any]] | None
         try:
-            if args.namespace:
-                listing = custom.list_namespaced_custom_object(GROUP, VERSION, args.namespace, PLURAL)
-            else:
-                listing = custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)
-            items = list(cast(dict[str, Any], listing)["items"])
+            items = list(cast(dict[str, Any], api_client.get(listing_path))["items"])
         except Exception as exc:
             log.warning("listing InferenceServices failed: %s", exc)
             items = None

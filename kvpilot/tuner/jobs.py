@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,7 +15,15 @@ from optuna.trial import FrozenTrial
 
 from kvpilot.tuner.core.objective import SLO, Goal, Measurement, Outcome, infeasible, score
 from kvpilot.tuner.core.space import EngineParams, SearchSpace
-from kvpilot.tuner.core.study import ATTR_RAISED_FROM, ATTR_SOURCE, TunerStudy, study_name
+from kvpilot.tuner.core.study import (
+    ATTR_MESSAGE,
+    ATTR_RAISED_FROM,
+    ATTR_REASON,
+    ATTR_SOURCE,
+    TunerStudy,
+    study_name,
+)
+from kvpilot.tuner.identity import StudyMismatch, digest, identity
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +56,12 @@ def space_from_args(args: argparse.Namespace) -> SearchSpace:
         raise UsageError(str(exc).replace("spec.tuning.space.", "space ")) from None
 
 
-def engine_yaml(params: EngineParams, comment: str) -> str:
-    """The engine block, ready to paste under an InferenceService's spec."""
-    body = yaml.safe_dump({"engine": params.as_spec()}, sort_keys=False)
+def engine_yaml(params: EngineParams, comment: str, assumed: dict[str, Any] | None = None) -> str:
+    """The engine block as it sits in an InferenceService (`spec:` then `engine:`), ready to paste or
+    merge: the tuned fields, then what the study assumed (e.g. maxModelLen, tensorParallelSize),
+    which the recommendation holds only together with."""
+    engine = {**params.as_spec(), **(assumed or {})}
+    body = yaml.safe_dump({"spec": {"engine": engine}}, sort_keys=False)
     return f"# {comment}\n{body}"
 
 
@@ -87,11 +100,60 @@ def _source(t: FrozenTrial) -> str:
 
 
 def sqlite_url(storage: str) -> str:
-    """Make the directory of a sqlite file exist (Optuna does not)."""
-    prefix = "sqlite:///"
-    if storage.startswith(prefix):
-        Path(storage[len(prefix):]).expanduser().parent.mkdir(parents=True, exist_ok=True)
-    return storage
+    """The storage URL, checked (a clear error for a path, an unknown scheme or a missing driver);
+    the directory of a SQLite file is made (Optuna does not)."""
+    from kvpilot.tuner.storage import StorageError, check_storage_url
+
+    try:
+        return check_storage_url(storage)
+    except StorageError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def open_study(*, storage: str, name: str, inputs: dict[str, Any], **kw: Any) -> TunerStudy:
+    """Open (or resume) a study, refusing one that was made for other inputs (kvpilot.tuner.identity)."""
+    import optuna
+
+    from kvpilot.tuner.identity import bind
+
+    try:
+        existing = optuna.load_study(study_name=name, storage=storage)
+    except KeyError:
+        existing = None
+    try:
+        if existing is not None:
+            bind(existing, inputs)  # checked before TunerStudy touches the study
+        st = TunerStudy(storage=storage, name=name, **kw)
+        bind(st.study, inputs)
+    except StudyMismatch as exc:
+        raise UsageError(str(exc)) from None
+    return st
+
+
+def report_path(flag: str | None, study: str) -> Path | None:
+    """--report: None (the default) is out/<study>.html, so runs of other studies keep their reports."""
+    from kvpilot.tuner.report import check_report_path
+
+    if flag == "":
+        return None
+    path = Path(flag) if flag is not None else Path("out") / f"{study}.html"
+    try:
+        return check_report_path(path)
+    except ValueError as exc:
+        raise UsageError(f"--report: {exc}") from None
+
+
+def no_answer(st: TunerStudy) -> str:
+    """Why no config was recommended: the start-up failure when every trial failed to start (its
+    message says what to change, e.g. --tensor-parallel-size), else the SLO was out of reach."""
+    done = [t for t in st.trials() if t.value is not None]
+    failed = [t for t in done if t.user_attrs.get(ATTR_REASON) == "StartupFailed"]
+    if done and len(failed) == len(done):
+        message = str(failed[0].user_attrs.get(ATTR_MESSAGE) or "").strip()
+        return (f"no config could start on the twin ({len(failed)} of {len(done)} trials failed at start-up): "
+                f"{message}")
+    note = f" ({len(failed)} of {len(done)} trials failed at start-up)" if failed else ""
+    return f"no config met the SLO on the twin{note}: relax the SLO, or try a larger GPU"
 
 
 # --- offline ----------------------------------------------------------------------------
@@ -144,9 +206,16 @@ def tune_offline(args: argparse.Namespace) -> int:
         m = Measurement(ttft_p99=s.ttft_p99, itl_p99=s.itl_p99, request_rate=args.rate)
         return score(goal, m, slo)
 
-    name = args.study_name or study_name("offline", f"{target.model}.{target.gpu}.{workload.name}", space, goal)
-    st = TunerStudy(storage=sqlite_url(args.storage), name=name, goal=goal, space=space, slo=slo,
-                    seed=args.seed, n_trials=args.trials)
+    inputs = identity(model=target.model, gpu=target.gpu, maxModelLen=target.max_model_len,
+                      tensorParallelSize=target.tensor_parallel_size, workload=workload,
+                      slo={"ttftSeconds": slo.ttft_seconds, "itlSeconds": slo.itl_seconds},
+                      goal=goal.value, rate=args.rate if goal is Goal.LATENCY else None, seed=args.seed,
+                      probeSeconds=args.probe_seconds, space=space.as_spec())
+    name = args.study_name or (
+        f"{study_name('offline', f'{target.model}.{target.gpu}.{workload.name}', space, goal)}.{digest(inputs)}")
+    report = report_path(args.report, name)
+    st = open_study(storage=sqlite_url(args.storage), name=name, inputs=inputs, goal=goal, space=space,
+                    slo=slo, seed=args.seed, n_trials=args.trials)
     st.enqueue(defaults, "vllmDefaults")
     already = st.finished_count()
     print(f"kvpilot tune --offline: {target.model} on {target.gpu}, workload {workload.name} "
@@ -178,7 +247,7 @@ def tune_offline(args: argparse.Namespace) -> int:
               f"{args.probe_seconds / 5:g} s not measured, on two request sequences)")
     best = st.best_engine()
     if best is None:
-        print("\nno config met the SLO on the twin: relax the SLO, or try a larger GPU", file=sys.stderr)
+        print(f"\n{no_answer(st)}", file=sys.stderr)
         return 1
     params, value = best
     dflt = next((t for t in st.trials() if t.user_attrs.get("source") == "vllmDefaults"), None)
@@ -186,12 +255,25 @@ def tune_offline(args: argparse.Namespace) -> int:
     comment = f"kvpilot tune --offline: {value:.3f} {unit}"
     if dflt is not None and dflt.value is not None and goal is Goal.CAPACITY:
         comment += f" (vLLM defaults: {dflt.value:.3f})"
-    yml = engine_yaml(params, comment)
-    if args.report:
+    yml = engine_yaml(params, comment, {"maxModelLen": target.max_model_len,
+                                        "tensorParallelSize": target.tensor_parallel_size})
+    if report is not None:
         from kvpilot.tuner.report import write_report
 
-        out = write_report(st, Path(args.report), f"kvpilot tune: {target.model} on {target.gpu}, {workload.name}",
-                           yml, table)
+        value_is = ("requests per second the twin serves within the SLO (higher is better)" if goal is Goal.CAPACITY
+                    else f"the worse of p99 TTFT / SLO and p99 ITL / SLO at {args.rate:g} req/s (lower is better)")
+        facts = [
+            ("Model and GPU", f"{target.model} on {target.gpu}, tensor parallel size {target.tensor_parallel_size}, "
+                              f"max model length {target.max_model_len}"),
+            ("Workload", f"{workload.name}: {workload.prompt.as_text()} prompt / {workload.output.as_text()} output "
+                         f"tokens, arrival cv {workload.cv:g}, {workload.num_requests} requests per trial"),
+            ("SLO", f"p99 TTFT <= {slo.ttft_seconds:g} s, p99 ITL <= {slo.itl_seconds:g} s"),
+            ("Goal", goal.value),
+            ("Value", value_is),
+            ("Study", f"{name} in {args.storage}"),
+        ]
+        out = write_report(st, report, f"kvpilot tune: {target.model} on {target.gpu}, {workload.name}",
+                           yml, table, facts=facts)
         print(f"\nreport: {out}", file=sys.stderr)
     print()
     print(yml, end="")
@@ -208,6 +290,7 @@ def tune_local(args: argparse.Namespace) -> int:
     from kvpilot.tuner.adapters.prometheus import PrometheusSignals
     from kvpilot.tuner.core.loop import LiveSettings, LiveTuner
     from kvpilot.tuner.observe import LogObserver
+    from kvpilot.tuner.watchdog import FirstSignalsWatchdog, SignalsNeverCame
     from kvpilot.twin.hardware import resolve_gpu, serve_defaults
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -222,15 +305,23 @@ def tune_local(args: argparse.Namespace) -> int:
         command, port, start = parse_engine_command(args.engine_command, defaults)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    name = args.study_name or study_name("local", f"port{port}", space, Goal.LATENCY)
-    st = TunerStudy(storage=sqlite_url(args.storage), name=name, goal=Goal.LATENCY, space=space, slo=slo,
-                    seed=args.seed, n_trials=args.trials)
+    inputs = identity(engine=command, gpu=args.gpu,
+                      slo={"ttftSeconds": slo.ttft_seconds, "itlSeconds": slo.itl_seconds},
+                      objective=args.objective, selector=args.selector, goal=Goal.LATENCY.value, seed=args.seed,
+                      space=space.as_spec())
+    name = args.study_name or f"{study_name('local', f'port{port}', space, Goal.LATENCY)}.{digest(inputs)}"
+    report = report_path(args.report, name)
+    st = open_study(storage=sqlite_url(args.storage), name=name, inputs=inputs, goal=Goal.LATENCY, space=space,
+                    slo=slo, seed=args.seed, n_trials=args.trials)
     st.enqueue(start, "current")
     st.enqueue(EngineParams.vllm_defaults(defaults), "vllmDefaults")
     settings = LiveSettings(warmup_s=args.warmup, window_s=args.window, poll_s=args.poll,
                             fast_burn_window_s=args.fast_burn_window, pause_poll_s=args.poll,
                             max_trials=args.trials)
-    signals = PrometheusSignals(args.prometheus, selector=args.selector, slo=slo, objective=args.objective)
+    signals = FirstSignalsWatchdog(
+        PrometheusSignals(args.prometheus, selector=args.selector, slo=slo, objective=args.objective),
+        args.signals_timeout,
+        f"check --prometheus {args.prometheus}, that it scrapes the engine on port {port}, and that it has traffic")
     # Engines run on two backend ports behind the forwarder on the public port; Prometheus may
     # scrape either the public port (the engine in force) or both backend ports.
     slots = (port + 1, port + 2)
@@ -238,19 +329,47 @@ def tune_local(args: argparse.Namespace) -> int:
         a, b = parse_range(args.slots.replace(",", ":"), "--slots", int)
         slots = (a, b)
     applier = LocalApplier(command, port=port, start=start, slots=slots)
-    applier.start()
+    # SIGTERM (a service manager, `kill`, a CI timeout) ends the run as Ctrl-C does: through the
+    # `finally` below, so the engine this run started does not outlive it on its port.
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
+        applier.start()
         tuner = LiveTuner(st, applier, signals, settings, observer=LogObserver())
         if args.warm_start and st.finished_count() == 0:
             _warm_start_local(args, st, tuner, signals, space, slo, start)
         best = tuner.run()
+    except SignalsNeverCame as exc:
+        raise UsageError(str(exc)) from None
     finally:
         if not args.keep_running:
             applier.stop()
-    print(trials_table(st))
+        signal.signal(signal.SIGTERM, previous)
+    table = trials_table(st)
+    print(table)
+    yml = engine_yaml(best, "kvpilot tune --local")
+    if report is not None:
+        from kvpilot.tuner.report import write_report
+
+        facts = [
+            ("Engine", shlex.join(command)),
+            ("Workload", f"the live traffic Prometheus at {args.prometheus} saw"
+                         + (f" ({args.selector})" if args.selector else "")),
+            ("SLO", f"p99 TTFT <= {slo.ttft_seconds:g} s, p99 ITL <= {slo.itl_seconds:g} s, "
+                    f"objective {args.objective:g}"),
+            ("Goal", Goal.LATENCY.value),
+            ("Value", f"the worse of p99 TTFT / SLO and p99 ITL / SLO over a {args.window:g} s window "
+                      "(lower is better)"),
+            ("Study", f"{name} in {args.storage}"),
+        ]
+        out = write_report(st, report, f"kvpilot tune --local: port {port}", yml, table, facts=facts)
+        print(f"\nreport: {out}", file=sys.stderr)
     print()
-    print(engine_yaml(best, "kvpilot tune --local"), end="")
+    print(yml, end="")
     return 0
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _warm_start_local(args: argparse.Namespace, st: TunerStudy, tuner: Any, signals: Any, space: SearchSpace,

@@ -1,7 +1,9 @@
-"""The study report: optimisation history, parameter importances, the TTFT/ITL trade-off.
+"""The study report: what was asked (model, workload, SLO, what "value" means), the trials, the
+recommendation, and three plots: optimisation history, parameter importances, the TTFT/ITL trade-off.
 
-Matplotlib (Agg) PNGs; `.html` embeds them in one self-contained page, `.png` writes one figure
-with all three panels.
+`.html` is one self-contained page with the plots embedded as PNGs; `.png`, `.pdf` and `.svg` write one
+figure with all three panels.  The plots need matplotlib, the `report` extra
+(`pip install 'kvpilot[report]'`); without it the HTML page has everything but the plots.
 """
 
 from __future__ import annotations
@@ -104,9 +106,34 @@ def _png(draw: Any, st: TunerStudy, size: tuple[float, float] = (6.0, 4.0)) -> b
     return buf.getvalue()
 
 
-def write_report(st: TunerStudy, path: Path, title: str, engine_yaml: str, table: str) -> Path:
+FIGURE_SUFFIXES = (".png", ".pdf", ".svg")
+SUFFIXES = (".html", *FIGURE_SUFFIXES)
+INSTALL_HINT = "pip install 'kvpilot[report]'"
+
+
+def has_matplotlib() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def check_report_path(path: Path) -> Path:
+    """The path, if kvpilot can write a report of its kind; ValueError naming what it can."""
+    suffix = path.suffix.lower()
+    if suffix not in SUFFIXES:
+        raise ValueError(f"{str(path)!r}: the report is written as {', '.join(SUFFIXES)}; "
+                         f"got {suffix or 'no suffix'}")
+    if suffix in FIGURE_SUFFIXES and not has_matplotlib():
+        raise ValueError(f"a {suffix} report is a plot, which needs matplotlib: {INSTALL_HINT} "
+                         "(or write .html, which has the tables without it)")
+    return path
+
+
+def write_report(st: TunerStudy, path: Path, title: str, engine_yaml: str, table: str,
+                 facts: list[tuple[str, str]] | tuple[()] = ()) -> Path:
+    check_report_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix.lower() == ".png":
+    if path.suffix.lower() in FIGURE_SUFFIXES:
         import matplotlib
 
         matplotlib.use("Agg")
@@ -120,13 +147,17 @@ def write_report(st: TunerStudy, path: Path, title: str, engine_yaml: str, table
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return path
-    imgs = [base64.b64encode(_png(d, st)).decode() for d in (_history, _importances, _tradeoff)]
-    body = "\n".join(f'<img alt="" src="data:image/png;base64,{b}">' for b in imgs)
+    if has_matplotlib():
+        imgs = [base64.b64encode(_png(d, st)).decode() for d in (_history, _importances, _tradeoff)]
+        body = "\n".join(f'<img alt="" src="data:image/png;base64,{b}">' for b in imgs)
+    else:
+        body = f"<p>Plots need matplotlib: <code>{html.escape(INSTALL_HINT)}</code>.</p>"
+    rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in facts)
     path.write_text(
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
         "<style>body{font-family:sans-serif;margin:2em}img{max-width:32%;margin:.3em}"
-        "pre{background:#f4f4f4;padding:1em}</style></head><body>"
-        f"<h1>{html.escape(title)}</h1>{body}"
+        "pre{background:#f4f4f4;padding:1em}th{text-align:left;padding-right:1em}</style></head><body>"
+        f"<h1>{html.escape(title)}</h1><table>{rows}</table>{body}"
         f"<h2>Trials</h2><pre>{html.escape(table)}</pre>"
         f"<h2>Recommended engine</h2><pre>{html.escape(engine_yaml)}</pre></body></html>"
     )

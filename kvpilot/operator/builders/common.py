@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from kvpilot import __version__
 from kvpilot.api.models import InferenceService
 from kvpilot.api.vocabulary import (
     ANNOTATION_CONFIG_HASH,
@@ -26,7 +27,8 @@ __all__ = ["ANNOTATION_CONFIG_HASH", "ANNOTATION_ENGINE", "LABEL_COMPONENT", "LA
 HTTP_PORT = 8000
 HTTP_PORT_NAME = "http"
 
-DEFAULT_TWIN_IMAGE = "ghcr.io/kvpilot/kvpilot:latest"
+# The chart's image (repository and appVersion): the operator's own release runs the twin.
+DEFAULT_TWIN_IMAGE = f"ghcr.io/kvpilot/kvpilot:{__version__}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,7 @@ from kvpilot.tuner.core.loop import ApplyFailed, Observer
 from kvpilot.tuner.core.objective import Outcome
 from kvpilot.tuner.core.space import EngineParams
 from kvpilot.tuner.core.study import Incumbent
+from kvpilot.tuner.kubeapi import ApiError, KubeAPI, resource_path
 
 log = logging.getLogger(__name__)
 
@@ -70,17 +71,15 @@ def rollout_state(obj: dict[str, Any], generation: int) -> tuple[str, str]:
 
 
 class KubernetesApplier:
-    def __init__(self, api_client: Any, namespace: str, name: str, *, timeout_s: float = 3600.0,
+    def __init__(self, api: KubeAPI, namespace: str, name: str, *, timeout_s: float = 3600.0,
                  poll_s: float = 2.0) -> None:
-        from kubernetes import client
-
-        self.api = client.CustomObjectsApi(api_client)
+        self.api = api
         self.namespace, self.name = namespace, name
+        self.path = resource_path(f"{GROUP}/{VERSION}", PLURAL, namespace, name)
         self.timeout_s, self.poll_s = timeout_s, poll_s
 
     def get(self) -> dict[str, Any]:
-        return cast(dict[str, Any], self.api.get_namespaced_custom_object(
-            GROUP, VERSION, self.namespace, PLURAL, self.name))
+        return cast(dict[str, Any], self.api.get(self.path))
 
     def current(self) -> EngineParams:
         """The tuned fields in force: the spec's, with the API's defaults for those it leaves out."""
@@ -96,16 +95,12 @@ class KubernetesApplier:
                 "spec": {"engine": params.as_spec()}}
 
     def apply(self, params: EngineParams, trial: int | None) -> None:
-        from kubernetes.client.exceptions import ApiException
-
         try:
-            obj = cast(dict[str, Any], self.api.patch_namespaced_custom_object(
-                GROUP, VERSION, self.namespace, PLURAL, self.name, self.body(params, trial),
-                field_manager=FIELD_MANAGER, force=True, _content_type="application/apply-patch+yaml",
-            ))
-        except ApiException as exc:
+            obj = cast(dict[str, Any], self.api.apply(self.path, self.body(params, trial),
+                                                      field_manager=FIELD_MANAGER, force=True))
+        except ApiError as exc:
             if exc.status == 422:  # the API (or its admission) refused the config
-                raise ApplyFailed("Invalid", f"{exc.reason}: {exc.body}"[:300]) from None
+                raise ApplyFailed("Invalid", f"{exc.reason}: {exc.message}"[:300]) from None
             raise
         generation = int(obj["metadata"].get("generation") or 0)
         deadline = time.monotonic() + self.timeout_s
@@ -123,41 +118,37 @@ class KubernetesApplier:
 class KubeStatusObserver(Observer):
     """status.tuning on the InferenceService, and one Event per trial."""
 
-    def __init__(self, api_client: Any, namespace: str, name: str, study: str) -> None:
-        from kubernetes import client
-
-        self.custom = client.CustomObjectsApi(api_client)
-        self.core = client.CoreV1Api(api_client)
+    def __init__(self, api: KubeAPI, namespace: str, name: str, study: str) -> None:
+        self.api = api
+        self.path = resource_path(f"{GROUP}/{VERSION}", PLURAL, namespace, name)
         self.namespace, self.name, self.study = namespace, name, study
         self.trial: int | None = None
 
     def _status(self, patch: dict[str, Any]) -> None:
         try:
-            self.custom.patch_namespaced_custom_object_status(
-                GROUP, VERSION, self.namespace, PLURAL, self.name,
-                {"status": {"tuning": {"study": self.study, **patch}}},
-            )
+            self.api.merge_patch(self.path + "/status", {"status": {"tuning": {"study": self.study, **patch}}},
+                                 field_manager=FIELD_MANAGER)
         except Exception as exc:  # status is best effort: never stop tuning for it
             log.warning("could not write status.tuning of %s/%s: %s", self.namespace, self.name, exc)
 
     def _event(self, type_: str, reason: str, message: str) -> None:
-        from kubernetes import client
-
-        obj = cast(dict[str, Any], self.custom.get_namespaced_custom_object(
-            GROUP, VERSION, self.namespace, PLURAL, self.name))
-        now = datetime.datetime.now(datetime.UTC)
-        ev = client.CoreV1Event(
-            metadata=client.V1ObjectMeta(name=f"{self.name}.{uuid.uuid4().hex[:12]}", namespace=self.namespace),
-            involved_object=client.V1ObjectReference(
-                api_version=API_VERSION, kind=KIND, name=self.name, namespace=self.namespace,
-                uid=obj["metadata"].get("uid"),
-            ),
-            reason=reason, message=message[:1024], type=type_, count=1,
-            first_timestamp=now, last_timestamp=now, reporting_component=FIELD_MANAGER,
-            source=client.V1EventSource(component=FIELD_MANAGER),
-        )
         try:
-            self.core.create_namespaced_event(self.namespace, ev)
+            obj = cast(dict[str, Any], self.api.get(self.path))
+        except ApiError as exc:
+            log.warning("could not post an Event for %s/%s: %s", self.namespace, self.name, exc)
+            return
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        ev = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"name": f"{self.name}.{uuid.uuid4().hex[:12]}", "namespace": self.namespace},
+            "involvedObject": {"apiVersion": API_VERSION, "kind": KIND, "name": self.name,
+                               "namespace": self.namespace, "uid": obj["metadata"].get("uid")},
+            "reason": reason, "message": message[:1024], "type": type_, "count": 1,
+            "firstTimestamp": now, "lastTimestamp": now, "reportingComponent": FIELD_MANAGER,
+            "source": {"component": FIELD_MANAGER},
+        }
+        try:
+            self.api.create(resource_path("v1", "events", self.namespace), ev, field_manager=FIELD_MANAGER)
         except Exception as exc:
             log.warning("could not post an Event for %s/%s: %s", self.namespace, self.name, exc)
 

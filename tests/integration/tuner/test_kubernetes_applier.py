@@ -62,10 +62,12 @@ def operator(api: KMockAPI, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 @pytest.fixture(scope="module")
 def client(api: KMockAPI, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from kubernetes import config
+    from kvpilot.tuner.kubeapi import KubeAPI
 
     path = api.write_kubeconfig(Path(tmp_path_factory.mktemp("kube")) / "kubeconfig", namespace=NS)
-    return config.new_client_from_config(config_file=str(path))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KUBECONFIG", str(path))
+        return KubeAPI.from_environment()
 
 
 def dep_path(name: str) -> str:

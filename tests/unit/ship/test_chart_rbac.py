@@ -413,8 +413,6 @@ def test_every_call_of_the_real_tuner_is_granted(tmp_path: Path) -> None:
     pytest.importorskip(
         "kvpilot.tuner.adapters.kubernetes", reason="the tuner's kubernetes adapter is not there yet"
     )
-    from kubernetes import config as kube_config
-
     from kvpilot.api.vocabulary import TuningPhase
     from kvpilot.tuner.adapters.kubernetes import KubernetesApplier, KubeStatusObserver
     from kvpilot.tuner.core.loop import ApplyFailed
@@ -458,9 +456,13 @@ def test_every_call_of_the_real_tuner_is_granted(tmp_path: Path) -> None:
         scan_calls = api.calls[before_scan:]
         assert proc.returncode == 0, (tmp_path / "tuner.log").read_text()[-3000:]
 
-        # One trial's worth of the adapter's calls, in-process through the real kubernetes client.
+        # One trial's worth of the adapter's calls, in-process through the tuner's own client.
+        from kvpilot.tuner.kubeapi import KubeAPI
+
         before_trial = len(api.calls)
-        client = kube_config.new_client_from_config(config_file=str(kubeconfig))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("KUBECONFIG", str(kubeconfig))
+            client = KubeAPI.from_environment()
         try:
             applier = KubernetesApplier(client, "team-a", name, timeout_s=0.5, poll_s=0.1)
             observer = KubeStatusObserver(client, "team-a", name, study="e2e")

@@ -22,8 +22,9 @@ def test_offline_tune_prints_a_table_writes_study_and_report_and_ends_with_the_e
     out = capsys.readouterr().out
     assert "tokens" in out and "WithinSLO" in out
     block = out[out.index("# kvpilot tune --offline"):]
-    engine = yaml.safe_load(block)["engine"]
-    assert set(engine) == {"maxNumBatchedTokens", "gpuMemoryUtilization", "maxNumSeqs"}
+    engine = yaml.safe_load(block)["spec"]["engine"]
+    assert set(engine) == {"maxNumBatchedTokens", "gpuMemoryUtilization", "maxNumSeqs", "maxModelLen",
+                           "tensorParallelSize"}
     assert engine["maxNumBatchedTokens"] >= engine["maxNumSeqs"]
     assert db.exists() and report.read_text().count("data:image/png;base64") == 3
     # A rerun resumes the study: 3 trials are done, nothing new runs.

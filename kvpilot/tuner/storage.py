@@ -1,0 +1,45 @@
+"""Checking an Optuna storage URL before a study opens it, so that bad input is one clear line.
+
+Optuna's RDB storage is SQLAlchemy: a bare path, a misspelt scheme or a missing database driver
+would otherwise surface as a SQLAlchemy traceback from deep inside `create_study`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Drivers kvpilot knows how to get: the extra that installs each.
+_EXTRAS = {"psycopg": "kvpilot[postgresql]", "psycopg2": "kvpilot[postgresql]"}
+
+
+class StorageError(ValueError):
+    """An unusable storage URL: says what was given and what is allowed."""
+
+
+def check_storage_url(url: str, flag: str = "--storage") -> str:
+    """The URL, if SQLAlchemy can parse it and its database driver is installed; else StorageError."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    if "://" not in url:
+        hint = f" (for a SQLite file: sqlite:///{url})" if url else ""
+        raise StorageError(f"{flag}: expected a database URL such as sqlite:///out/study.db or "
+                           f"postgresql://user:pass@host/db, got {url!r}{hint}")
+    try:
+        parsed = make_url(url)
+        dialect = parsed.get_dialect()
+    except (ArgumentError, NoSuchModuleError, ValueError) as exc:
+        raise StorageError(f"{flag}: {url!r} is not a database URL SQLAlchemy knows "
+                           f"(sqlite:///PATH, postgresql://..., mysql+pymysql://...): {exc}") from None
+    try:
+        dialect.import_dbapi()
+    except ImportError as exc:
+        module = (exc.name or "").split(".")[0]
+        extra = _EXTRAS.get(module)
+        how = f"pip install '{extra}'" if extra else f"install the {module or parsed.drivername} package"
+        raise StorageError(f"{flag}: the {parsed.get_backend_name()} driver ({module or parsed.drivername}) "
+                           f"is not installed: {how}") from None
+    if parsed.get_backend_name() == "sqlite" and parsed.database and parsed.database != ":memory:":
+        # Optuna does not make the directory of a SQLite file.
+        Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    return url

@@ -1,0 +1,122 @@
+"""`kvpilot tune --local` as a user runs it, a real process with a real `kvpilot twin serve` engine:
+SIGTERM stops the engine with it, a Prometheus that never shows the engine ends the run with a reason,
+and a finished run writes its report."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpilot.tuner.adapters.local import free_port
+from tests.integration.tuner.test_live_local import BackgroundLoad
+from tests.support.prometheus import PrometheusServer, require_prometheus
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[3]
+ENGINE = [sys.executable, "-m", "kvpilot.cli", "twin", "serve", "--model", "Qwen2.5-0.5B", "--gpu", "H100-80GB",
+          "--max-model-len", "4096", "--shutdown-timeout", "2", "--max-num-batched-tokens", "512",
+          "--gpu-memory-utilization", "0.8", "--max-num-seqs", "16"]
+
+
+def answers(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+        return True
+    return False
+
+
+def healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def wait_until(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def tune_local(tmp_path: Path, port: int, slots: tuple[int, int], *extra: str) -> Iterator[subprocess.Popen[str]]:
+    log = (tmp_path / "tune.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvpilot.cli", "tune", "--local", "--storage", f"sqlite:///{tmp_path}/s.db",
+         "--slots", f"{slots[0]},{slots[1]}", *extra, "--", *ENGINE, "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=log, text=True, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+        # Whatever the outcome, no engine this test started outlives it.
+        for pid in re.findall(r"started engine pid (\d+)", (tmp_path / "tune.log").read_text()):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(int(pid), signal.SIGKILL)
+
+
+def test_sigterm_stops_the_engine_it_started(tmp_path: Path) -> None:
+    port, slots, dead = free_port(), (free_port(), free_port()), free_port()
+    with tune_local(tmp_path, port, slots, "--prometheus", f"http://127.0.0.1:{dead}", "--poll", "0.2",
+                    "--report", "") as proc:
+        wait_until(lambda: healthy(port), 90, "the engine behind the forwarder")
+        assert answers(slots[0])
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        assert proc.returncode != 0
+        assert not answers(slots[0]), "the engine outlived `kvpilot tune --local` on its port"
+        assert not answers(port)
+        assert "Traceback" not in (tmp_path / "tune.log").read_text()
+
+
+def test_a_prometheus_that_never_answers_ends_the_run_with_the_reason(tmp_path: Path) -> None:
+    port, slots, dead = free_port(), (free_port(), free_port()), free_port()
+    with tune_local(tmp_path, port, slots, "--prometheus", f"http://127.0.0.1:{dead}", "--poll", "0.2",
+                    "--signals-timeout", "2", "--report", "") as proc:
+        proc.wait(120)
+        err = (tmp_path / "tune.log").read_text()
+        assert proc.returncode == 2, err[-2000:]
+        assert f"Prometheus at http://127.0.0.1:{dead}" in err and "check --prometheus" in err
+        assert "Traceback" not in err
+        assert not answers(slots[0])
+
+
+def test_a_finished_run_writes_its_report(tmp_path: Path) -> None:
+    require_prometheus()
+    port, slots = free_port(), (free_port(), free_port())
+    prom = PrometheusServer(targets=[f"127.0.0.1:{p}" for p in slots], job="twin")
+    prom.start()
+    load = BackgroundLoad(f"http://127.0.0.1:{port}")
+    try:
+        with tune_local(tmp_path, port, slots, "--prometheus", prom.url, "--selector", 'job="twin"',
+                        "--slo", "ttft=0.25,itl=0.1", "--trials", "1", "--warmup", "1", "--window", "3",
+                        "--poll", "0.5", "--fast-burn-window", "3", "--report", "out/local.html") as proc:
+            wait_until(lambda: healthy(port), 90, "the engine behind the forwarder")
+            load.start()
+            out, _ = proc.communicate(timeout=240)
+            err = (tmp_path / "tune.log").read_text()
+            assert proc.returncode == 0, err[-3000:]
+    finally:
+        load.stop()
+        prom.stop()
+    assert "maxNumBatchedTokens" in out
+    text = (tmp_path / "out" / "local.html").read_text()
+    assert "p99 TTFT &lt;= 0.25 s, p99 ITL &lt;= 0.1 s" in text
+    assert "the worse of p99 TTFT / SLO and p99 ITL / SLO over a 3 s window" in text
