@@ -260,13 +260,15 @@ def tune_offline(args: argparse.Namespace) -> int:
     if report is not None:
         from kvpilot.tuner.report import write_report
 
-        value_is = ("requests per second the twin serves within the SLO (higher is better)" if goal is Goal.CAPACITY
+        value_is = (f"capacity: the highest arrival rate (req/s) sustained in steady state with both p99s within "
+                    f"the SLO ({args.probe_seconds:g} s of arrivals per rate, the first {args.probe_seconds / 5:g} s "
+                    "not measured, two request sequences; higher is better)" if goal is Goal.CAPACITY
                     else f"the worse of p99 TTFT / SLO and p99 ITL / SLO at {args.rate:g} req/s (lower is better)")
         facts = [
             ("Model and GPU", f"{target.model} on {target.gpu}, tensor parallel size {target.tensor_parallel_size}, "
                               f"max model length {target.max_model_len}"),
-            ("Workload", f"{workload.name}: {workload.prompt.as_text()} prompt / {workload.output.as_text()} output "
-                         f"tokens, arrival cv {workload.cv:g}, {workload.num_requests} requests per trial"),
+            ("Workload", f"{workload.name}: {workload.prompt} prompt / {workload.output} output "
+                         f"tokens, {workload.arrival} arrivals (cv {workload.cv:g})"),
             ("SLO", f"p99 TTFT <= {slo.ttft_seconds:g} s, p99 ITL <= {slo.itl_seconds:g} s"),
             ("Goal", goal.value),
             ("Value", value_is),
