@@ -169,8 +169,8 @@ def test_the_runtime_venv_holds_what_runs_and_no_more(image: str, pytestconfig: 
 
 
 def test_an_offline_tune_runs_in_the_image_without_the_report_extra(image: str) -> None:
-    proc = podman_run("tune", "--offline", "-q", "--trials", "2", "--workload", "prompt=128,output=16,requests=20",
-                      "--storage", "sqlite:////tmp/s.db", "--report", "/tmp/r.html", timeout=300)
+    proc = podman_run("tune", "--offline", "-q", "--trials", "2", "--workload", "prompt=128,output=16",
+                      "--probe-seconds", "20", "--storage", "sqlite:////tmp/s.db", "--report", "/tmp/r.html", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "maxNumBatchedTokens" in proc.stdout
     assert "report: /tmp/r.html" in proc.stderr

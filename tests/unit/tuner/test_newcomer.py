@@ -19,7 +19,7 @@ from kvpilot.tuner.identity import StudyMismatch, bind, differences, digest, ide
 
 ROOT = Path(__file__).resolve().parents[3]
 SMALL = ["--model", "Llama-3.1-8B", "--gpu", "H100-80GB", "--trials", "2", "-q",
-         "--workload", "prompt=256,output=32,requests=40"]
+         "--workload", "prompt=256,output=32", "--probe-seconds", "20"]
 
 
 def _tune(tmp_path: Path, *args: str) -> list[str]:
@@ -60,7 +60,8 @@ def test_an_unrecorded_study_with_trials_is_not_trusted() -> None:
     ["--slo", "ttft=0.001,itl=0.05"],
     ["--tensor-parallel-size", "2"],
     ["--max-model-len", "4096"],
-    ["--workload", "prompt=300,output=32,requests=40"],
+    ["--workload", "prompt=300,output=32"],
+    ["--probe-seconds", "30"],
     ["--seed", "1"],
 ])
 def test_a_changed_question_starts_a_new_study(tmp_path: Path, change: list[str],
@@ -182,8 +183,8 @@ def test_the_report_states_the_question_and_each_study_keeps_its_own(
     assert sum("p99 TTFT &lt;= 0.8 s, p99 ITL &lt;= 0.08 s" in t for t in texts) == 1
     assert sum("p99 TTFT &lt;= 0.5 s, p99 ITL &lt;= 0.05 s" in t for t in texts) == 1
     for text in texts:
-        assert "<th>Workload</th><td>custom: 256 prompt / 32 output tokens" in text
-        assert "requests per second the twin serves within the SLO" in text
+        assert "<th>Workload</th><td>custom:prompt=256,output=32: 256 prompt / 32 output tokens" in text
+        assert "capacity: the highest arrival rate (req/s) sustained in steady state" in text
 
 
 def test_a_pdf_report_is_a_pdf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
