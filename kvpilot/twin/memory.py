@@ -6,10 +6,18 @@ vLLM (V1 worker, `determine_available_memory` + `kv_cache_utils`):
     available  = requested - weights - activation peak - non-torch   (or --kv-cache-memory-bytes)
     blocks     = available // (2 x block_size x kv_heads/rank x head_dim x kv dtype bytes x layers)
 
-The activation peak is that of a profiling forward pass of `max_num_batched_tokens` tokens (and
-a sampler pass over `max_num_seqs` rows of logits), so a larger token budget leaves fewer blocks.
+The activation peak is the larger of a profiling forward pass of `max_num_batched_tokens` tokens
+and the sampler's warm-up over `max_num_seqs` rows of full-vocabulary fp32 logits, so a larger token
+budget (or, for large vocabularies, more sequences) leaves fewer blocks.  Since vLLM 0.21 the
+CUDA-graph memory estimate also comes out of the budget.  At tensor parallelism above 1 the NCCL
+communicators and custom all-reduce buffers exist before vLLM measures free memory, so they count
+against the free-memory check, not the budget.
 Start-up fails, with vLLM's wording, when the GPU has less free memory than requested, when
 nothing is left for the cache, or when the cache cannot hold one `max_model_len` sequence.
+
+The constants that are not model shapes live in `MemoryProfile`; `DEFAULT_PROFILE` holds values
+fitted to published vLLM start-up logs (`benchmarks/twin_memory.py` prints the fit and its errors
+on `benchmarks/data/vllm_startup_logs.jsonl`).
 """
 
 from __future__ import annotations
@@ -20,10 +28,44 @@ from kvpilot.api import vllm
 from kvpilot.twin.hardware import GiB, GpuSpec
 from kvpilot.twin.models import ModelSpec
 
-# Memory outside PyTorch's allocator that vLLM's profiler sees grow during start-up: cuBLAS
-# workspaces and CUDA graphs, plus NCCL buffers when tensor parallel.  Typical of vLLM logs.
-NON_TORCH_BYTES = int(0.25 * GiB)
-NCCL_BYTES = int(0.35 * GiB)
+# Fitted by benchmarks/twin_memory.py; the comments say what each term is, the data says how big.
+# Memory outside PyTorch's allocator that grows during the profiling run (cuBLAS workspaces...).
+NON_TORCH_BYTES = int(0.13 * GiB)
+# More of it per rank when tensor parallel: NCCL buffers set up by the profiling run's collectives.
+NCCL_BYTES = int(0.41 * GiB)
+# NCCL communicators and custom all-reduce buffers allocated before vLLM snapshots free memory.
+TP_STARTUP_BYTES = int(0.93 * GiB)
+# The sampler warm-up holds about this many fp32 [rows x vocab] tensors at its peak: logits,
+# probabilities, sorted values and int64 indices of the top-k/top-p sort, logprobs.
+SAMPLER_FP32_COPIES = 9.7
+# vLLM's CUDA-graph memory estimate (default capture sizes), per decoder layer.
+CUDA_GRAPH_BYTES_PER_LAYER = int(0.52 * GiB / 36)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryProfile:
+    """The terms of vLLM's start-up accounting that are not model shapes, in bytes per rank."""
+
+    non_torch_bytes: int = NON_TORCH_BYTES
+    tp_non_torch_bytes: int = NCCL_BYTES
+    tp_startup_bytes: int = TP_STARTUP_BYTES
+    sampler_fp32_copies: float = SAMPLER_FP32_COPIES
+    cuda_graph_bytes_per_layer: int = CUDA_GRAPH_BYTES_PER_LAYER
+    # vLLM >= 0.21 takes its CUDA-graph estimate out of the KV budget (before, graphs were
+    # captured after sizing, into the headroom above the budget).
+    cuda_graph_in_budget: bool = True
+
+    def non_torch(self, tp: int) -> int:
+        return self.non_torch_bytes + (self.tp_non_torch_bytes if tp > 1 else 0)
+
+    def held_at_startup(self, tp: int) -> int:
+        return self.tp_startup_bytes if tp > 1 else 0
+
+    def cuda_graph(self, model: ModelSpec) -> int:
+        return self.cuda_graph_bytes_per_layer * model.num_hidden_layers if self.cuda_graph_in_budget else 0
+
+
+DEFAULT_PROFILE = MemoryProfile()
 
 
 class EngineStartupError(Exception):
@@ -76,16 +118,25 @@ def weight_bytes_per_rank(model: ModelSpec, tp: int) -> int:
     return b * (model.num_hidden_layers * per_layer + emb + head + h)
 
 
-def activation_peak_bytes(model: ModelSpec, tp: int, num_tokens: int, num_seqs: int) -> int:
-    """Peak PyTorch memory of vLLM's profiling run: the larger of the forward pass of
-    `num_tokens` tokens (MLP intermediate dominates) and the sampler over `num_seqs` rows."""
-    b = model.dtype_bytes
-    i = model.intermediate_size // tp
+def sampler_peak_bytes(model: ModelSpec, num_tokens: int, num_seqs: int,
+                       fp32_copies: float = SAMPLER_FP32_COPIES) -> int:
+    """The sampler warm-up of the profiling run: one row of fp32 logits per sequence, gathered over
+    the whole vocabulary on every rank (so tensor parallelism does not shrink it)."""
+    return int(min(num_seqs, num_tokens) * model.vocab_size * 4 * fp32_copies)
+
+
+def forward_peak_bytes(model: ModelSpec, tp: int, num_tokens: int) -> int:
+    """The profiling forward pass of `num_tokens` tokens; the MLP intermediate dominates."""
     # gate_up output (2i), activation output (i), residual + hidden + qkv/attention scratch.
-    forward = num_tokens * b * (3 * i + 4 * model.hidden_size)
-    # fp32 logits gathered over the whole vocab, and the sampler's softmax/probabilities copies.
-    sampler = min(num_seqs, num_tokens) * model.vocab_size * 4 * 3
-    return max(forward, sampler)
+    return num_tokens * model.dtype_bytes * (3 * (model.intermediate_size // tp) + 4 * model.hidden_size)
+
+
+def activation_peak_bytes(model: ModelSpec, tp: int, num_tokens: int, num_seqs: int,
+                          sampler_fp32_copies: float = SAMPLER_FP32_COPIES) -> int:
+    """Peak PyTorch memory of vLLM's profiling run: the larger of the forward pass and the sampler
+    warm-up; the forward pass's intermediates are freed before the sampler runs."""
+    return max(forward_peak_bytes(model, tp, num_tokens),
+               sampler_peak_bytes(model, num_tokens, num_seqs, sampler_fp32_copies))
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +150,7 @@ class MemoryPlan:
     block_bytes: int  # one block, all layers, one rank
     num_gpu_blocks: int
     block_size: int
+    cuda_graph_bytes: int = 0  # the CUDA-graph estimate taken out of the budget
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -114,6 +166,7 @@ class MemoryPlan:
             "weights_gib": round(self.weights_bytes / GiB, 3),
             "activation_peak_gib": round(self.activation_peak_bytes / GiB, 3),
             "non_torch_gib": round(self.non_torch_bytes / GiB, 3),
+            "cuda_graph_gib": round(self.cuda_graph_bytes / GiB, 3),
             "kv_cache_gib": round(self.kv_cache_bytes / GiB, 3),
             "num_gpu_blocks": self.num_gpu_blocks,
             "kv_cache_tokens": self.kv_cache_tokens,
@@ -132,14 +185,19 @@ def plan_memory(
     kv_cache_dtype: str = "auto",
     gpu_memory_utilization: float | None = vllm.DEFAULT_GPU_MEMORY_UTILIZATION,
     kv_cache_memory_bytes: int | None = None,
+    profile: MemoryProfile = DEFAULT_PROFILE,
 ) -> MemoryPlan:
     """Size the KV cache as vLLM does, or raise EngineStartupError with vLLM's message."""
     tp = tensor_parallel_size
     total = gpu.total_memory_bytes
-    free_at_start = total - gpu.cuda_context_bytes
+    free_at_start = total - gpu.cuda_context_bytes - profile.held_at_startup(tp)
     weights = weight_bytes_per_rank(model, tp)
-    activation = activation_peak_bytes(model, tp, max_num_batched_tokens, max_num_seqs)
-    non_torch = NON_TORCH_BYTES + (NCCL_BYTES if tp > 1 else 0)
+    activation = activation_peak_bytes(model, tp, max_num_batched_tokens, max_num_seqs,
+                                       profile.sampler_fp32_copies)
+    non_torch = profile.non_torch(tp)
+    cuda_graph = profile.cuda_graph(model)
+    # What the budget loses besides the cache; vLLM counts the graph estimate with the peak.
+    fixed = weights + activation + non_torch + cuda_graph
     block_bytes = block_size * model.kv_bytes_per_token(tp, kv_dtype_bytes(kv_cache_dtype, model))
 
     if weights > free_at_start:
@@ -150,16 +208,15 @@ def plan_memory(
             kind="gpu_short", needed=weights, available=free_at_start,
         )
     if kv_cache_memory_bytes is not None:
-        requested = weights + activation + non_torch + kv_cache_memory_bytes
+        requested = fixed + kv_cache_memory_bytes
         available = kv_cache_memory_bytes
         if requested > free_at_start:
             raise EngineStartupError(
                 f"CUDA out of memory. Tried to allocate {kv_cache_memory_bytes / GiB:.2f} GiB for the KV cache. "
                 f"GPU 0 has a total capacity of {total / GiB:.2f} GiB of which "
-                f"{(free_at_start - weights - activation - non_torch) / GiB:.2f} GiB is free. "
+                f"{(free_at_start - fixed) / GiB:.2f} GiB is free. "
                 "Decrease --kv-cache-memory-bytes.",
-                kind="gpu_short", needed=kv_cache_memory_bytes,
-                available=free_at_start - weights - activation - non_torch,
+                kind="gpu_short", needed=kv_cache_memory_bytes, available=free_at_start - fixed,
             )
     else:
         util = vllm.DEFAULT_GPU_MEMORY_UTILIZATION if gpu_memory_utilization is None else gpu_memory_utilization
@@ -171,14 +228,18 @@ def plan_memory(
                 "memory utilization or reduce GPU memory used by other processes.",
                 kind="gpu_short", needed=requested, available=free_at_start,
             )
-        available = requested - weights - activation - non_torch
+        available = requested - fixed
     if available <= 0:
+        # The graph estimate is reported inside the non-torch figure: like it, it does not grow
+        # with the token budget, which is how the tuner reads these numbers.
         raise EngineStartupError(
             "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
             f"initializing the engine. (requested {requested / GiB:.2f} GiB; model weights take "
             f"{weights / GiB:.2f} GiB; PyTorch activation peak memory takes {activation / GiB:.2f} GiB; "
-            f"non-torch memory takes {non_torch / GiB:.2f} GiB)",
-            kind="no_cache", requested=requested, weights=weights, activation=activation, non_torch=non_torch,
+            f"non-torch memory takes {(non_torch + cuda_graph) / GiB:.2f} GiB, of which CUDA graphs "
+            f"{cuda_graph / GiB:.2f} GiB)",
+            kind="no_cache", requested=requested, weights=weights, activation=activation,
+            non_torch=non_torch + cuda_graph,
         )
     num_blocks = available // block_bytes
     tokens = num_blocks * block_size
@@ -192,4 +253,5 @@ def plan_memory(
             "`max_model_len` when initializing the engine.",
             kind="kv_short", needed=needed, available=available,
         )
-    return MemoryPlan(total, requested, weights, activation, non_torch, available, block_bytes, num_blocks, block_size)
+    return MemoryPlan(total, requested, weights, activation, non_torch, available, block_bytes, num_blocks, block_size,
+                      cuda_graph)

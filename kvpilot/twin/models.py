@@ -1,6 +1,6 @@
 """Transformer shapes for the engine twin: read from a Hugging Face `config.json`, or a preset.
 
-Only dense decoder-only models (Llama, Mistral, Qwen2 families) are described; the twin needs
+Only dense decoder-only models (Llama, Mistral, Qwen2 and Qwen3 families) are described; the twin needs
 the shapes that decide weight memory, KV-cache bytes per token and FLOPs per token.
 """
 
@@ -131,6 +131,11 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         ModelSpec("Qwen2.5-14B", 5120, 13824, 48, 40, 8, 128, 152064, 32768),
         ModelSpec("Qwen2.5-32B", 5120, 27648, 64, 40, 8, 128, 152064, 32768),
         ModelSpec("Qwen2.5-72B", 8192, 29568, 80, 64, 8, 128, 152064, 32768),
+        # Qwen3 dense: head_dim 128 is set explicitly (not hidden / heads) in their config.json.
+        ModelSpec("Qwen3-0.6B", 1024, 3072, 28, 16, 8, 128, 151936, 40960, tie_word_embeddings=True),
+        ModelSpec("Qwen3-8B", 4096, 12288, 36, 32, 8, 128, 151936, 40960),
+        ModelSpec("Qwen3-14B", 5120, 17408, 40, 40, 8, 128, 151936, 40960),
+        ModelSpec("Qwen3-32B", 5120, 25600, 64, 64, 8, 128, 151936, 40960),
     )
 }
 

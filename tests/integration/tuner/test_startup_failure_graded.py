@@ -36,7 +36,7 @@ def _startup_failure(params: EngineParams, tmp_path: Path) -> ApplyFailed:
 
 @pytest.mark.integration
 def test_a_live_startup_failure_is_graded_by_its_memory_shortfall(tmp_path: Path) -> None:
-    near = _startup_failure(EngineParams(512, 0.85, 64), tmp_path / "near")  # KV cache short of one sequence
+    near = _startup_failure(EngineParams(512, 0.86, 64), tmp_path / "near")  # KV cache short of one sequence
     far = _startup_failure(EngineParams(8192, 0.75, 64), tmp_path / "far")  # no KV cache at all
     assert near.reason == far.reason == "OutOfMemory"
     assert "KV cache is needed" in near.message, near.message  # the root cause, not the last line

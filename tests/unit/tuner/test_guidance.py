@@ -82,7 +82,7 @@ def test_the_twins_start_up_errors_give_the_gpu_and_the_fixed_memory() -> None:
     assert none_left.total == pytest.approx(resolve_gpu("H100-80GB").total_memory_bytes, rel=1e-3)
     assert none_left.fixed is not None and 60 * GiB < none_left.fixed < 70 * GiB  # 70B / 2 ranks in bf16
     assert none_left.activation is not None and none_left.activation > 0
-    short = _failure(EngineParams(512, 0.85, 64))  # a KV cache, but short of one 8192-token sequence
+    short = _failure(EngineParams(512, 0.86, 64))  # a KV cache, but short of one 8192-token sequence
     assert short.missing is not None and short.missing > 0
     assert short.one_sequence == pytest.approx(8192 * 80 * 2 * 4 * 128 * 2, rel=0.01)  # tokens x layers x K,V x kv heads/rank x dim x bf16
 
