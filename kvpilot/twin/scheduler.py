@@ -49,7 +49,7 @@ class Request:
         "request_id", "prompt_tokens", "max_tokens", "arrival_time", "num_computed", "num_tokens",
         "num_output", "num_blocks", "status", "prefix_key", "prefix_blocks", "shared", "register_ok",
         "num_preemptions", "sched", "finish_reason", "step_scheduled", "step_first_token",
-        "step_last_token", "user", "own_key",
+        "step_last_token", "user", "own_key", "step_chained",
     )
 
     def __init__(self, request_id: str, prompt_tokens: int, max_tokens: int, arrival_time: float,
@@ -75,6 +75,7 @@ class Request:
         self.step_scheduled = -1
         self.step_first_token = -1
         self.step_last_token = -1
+        self.step_chained = -1  # latest step that decoded the token sampled the step before
         self.user: object = None  # free slot for the driver (offline runner bookkeeping)
         self.own_key = ""  # cache key of its own blocks, unique per scheduler (set by Scheduler.add)
 
@@ -107,7 +108,8 @@ class Scheduler:
     def __init__(self, *, num_gpu_blocks: int, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
                  long_prefill_token_threshold: int = 0, long_prefill_token_threshold_adaptive: bool = False,
                  enable_prefix_caching: bool = True,
-                 reserve_full_isl: bool = True, watermark: float = 0.0, prefill_schedule_interval: int = 1) -> None:
+                 reserve_full_isl: bool = True, watermark: float = 0.0, prefill_schedule_interval: int = 1,
+                 async_scheduling: bool = False) -> None:
         self.num_gpu_blocks = num_gpu_blocks
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -118,6 +120,15 @@ class Scheduler:
         self.reserve_full_isl = reserve_full_isl
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.prefill_schedule_interval = max(1, prefill_schedule_interval)
+        self.async_scheduling = async_scheduling
+        # Async scheduling: requests whose last token came out of the previous step; vLLM learns
+        # it only after scheduling the next step, so they hold their slot and blocks until then.
+        self._finishing: list[Request] = []
+        # --prefill-schedule-interval (vLLM's DP engine core): steps since the engine last went
+        # idle (a "wave"), and whether the last unthrottled step left waiting requests behind.
+        self._wave_step = 0
+        self._prefill_capacity_bound = False
+        self._k = 0  # the step being scheduled
         self.usable_blocks = max(0, num_gpu_blocks - 1)  # one null block
         # vLLM's free block queue, least recently freed first.  A key is either a cached block,
         # (prefix key, block index), standing for one block, or an int naming a run of blocks
@@ -155,6 +166,15 @@ class Scheduler:
             self.queue[next(self._run_ids)] = n
             self.num_free += n
 
+    def _free_front(self, n: int) -> None:
+        """Put n blocks without a hash at the FRONT of the free queue: vLLM reuses them first
+        (and, with prefix caching off, every freed block is one of them)."""
+        if n > 0:
+            key = next(self._run_ids)
+            self.queue[key] = n
+            self.queue.move_to_end(key, last=False)
+            self.num_free += n
+
     def _take(self, n: int) -> None:
         """Take n blocks from the head of the free queue, evicting the cached blocks taken."""
         self.num_free -= n
@@ -173,16 +193,26 @@ class Scheduler:
     def _block_key(self, req: Request, i: int) -> tuple[str | None, int]:
         return (req.prefix_key, i) if i < req.prefix_blocks else (req.own_key, i)
 
-    def _release(self, req: Request, keep: bool = False) -> None:
+    def _release(self, req: Request, keep: bool = False, in_flight: bool = False) -> None:
         """Give the request's blocks back, tail first as vLLM frees them, so eviction eats a
         request's blocks from their end and the leading ones, which later lookups hit, last.
+        As vLLM's block pool does, blocks that carry a hash (full blocks of computed tokens,
+        with prefix caching on) go to the back of the free queue and the others (the partial
+        last block, blocks allocated ahead) to the front, to be reused first.
         `keep` (a preempted request, prefix caching on): its computed full blocks stay cached
         under the request's own key for its recompute."""
         shared, nb, pb = req.shared, req.num_blocks, req.prefix_blocks
         q, cache = self.queue, self.cache
+        if not self.enable_prefix_caching:
+            self._free_front(nb)
+            req.num_blocks = 0
+            return
+        # A token still in flight (async scheduling): vLLM has hashed only the blocks of the
+        # tokens it has seen.
+        computed = req.num_computed - in_flight
+        full = max(min(nb, computed // self.block_size), shared)
+        self._free_front(nb - full)
         if keep:
-            full = max(min(nb, req.num_computed // self.block_size), shared)
-            self._free_run(nb - full)  # the partial last block and blocks allocated ahead
             own_from = max(shared, min(pb, full))
             own = req.own_key
             for j in range(full - 1, own_from - 1, -1):
@@ -195,7 +225,7 @@ class Scheduler:
                     self.num_free += 1
             self._free_run(own_from - shared)  # private copies of prefix blocks another request cached
         else:
-            self._free_run(nb - shared)
+            self._free_run(full - shared)
         for i in range(shared - 1, -1, -1):
             k = self._block_key(req, i)
             c = cache[k] - 1
@@ -265,7 +295,10 @@ class Scheduler:
         return req
 
     def _preempt(self, req: Request) -> None:
-        self._release(req, keep=self.enable_prefix_caching)
+        # Async scheduling: a decode of the previous step whose input token (sampled the step
+        # before) vLLM has not yet seen.
+        in_flight = self.async_scheduling and req.step_chained == self._k - 1
+        self._release(req, keep=self.enable_prefix_caching, in_flight=in_flight)
         req.num_computed = 0
         req.status = WAITING
         req.num_preemptions += 1
@@ -309,9 +342,17 @@ class Scheduler:
         preemption victims come from the tail of the running list, never from the part
         already scheduled.
         """
+        self._k = k
         budget = self.max_num_batched_tokens
         bs = self.block_size
         running, waiting = self.running, self.waiting
+        # --prefill-schedule-interval N, as vLLM's data-parallel engine core applies it: on
+        # steps off the N-step cadence (counted from when the engine last went idle), hold back
+        # prefills -- running prefill chunks and new admissions -- while some request decodes,
+        # unless the last admitting step left requests waiting (prefill capacity bound).
+        interval = self.prefill_schedule_interval
+        defer = (interval > 1 and self._wave_step % interval != 0 and not self._prefill_capacity_bound
+                 and any(r.sched < 0 for r in running))
         thr = self.long_prefill_token_threshold
         eligible = len(running) + len(waiting)
         cap = thr > 0 and eligible > 1
@@ -339,6 +380,11 @@ class Scheduler:
             n = num_tokens - computed
             if n == 1:
                 # A decode (or the last token of a prompt): the common case, kept short.
+                if req.num_output >= req.max_tokens:
+                    # Async scheduling: its last token is in flight; vLLM skips it (it keeps its
+                    # slot and blocks until the output is processed after this schedule).
+                    i += 1
+                    continue
                 if num_tokens > req.num_blocks * bs:
                     pre, ok = self._grow(req, num_tokens)
                     if pre:
@@ -358,6 +404,7 @@ class Scheduler:
                 last = req.step_last_token
                 if last == prev:  # k >= 1, so prev >= 0: a request with no token yet never matches
                     steady += 1
+                    req.step_chained = k
                 elif last < 0:
                     req.step_first_token = k
                 else:
@@ -366,6 +413,9 @@ class Scheduler:
                 if out >= req.max_tokens:
                     finished.append(req)
                 i += 1
+                continue
+            if defer and req.sched > 0:
+                i += 1  # a prefill chunk held back by --prefill-schedule-interval
                 continue
             if cap and n > thr:
                 n = thr
@@ -390,9 +440,8 @@ class Scheduler:
                 steady += _sample(req, k, finished, gaps)
             i += 1
 
-        # New requests only in a step that preempted nothing, and (--prefill-schedule-interval)
-        # only every N-th step.
-        if not preempted and (self.prefill_schedule_interval == 1 or k % self.prefill_schedule_interval == 0):
+        # New requests only in a step that preempted nothing.
+        if not preempted:
             max_seqs = self.max_num_seqs
             wm = self.watermark_blocks
             while waiting and budget > 0 and len(running) < max_seqs:
@@ -403,6 +452,8 @@ class Scheduler:
                 computed = hits * bs
                 num_tokens = req.num_tokens
                 n = num_tokens - computed
+                if defer and n > 1:
+                    break
                 if cap and n > thr:
                     n = thr
                 if n > budget:
@@ -456,15 +507,45 @@ class Scheduler:
                     req.sched = -n
                     steady += _sample(req, k, finished, gaps)
 
-        if finished:
-            for req in finished:
-                self._release(req)
-                req.status = FINISHED
-                req.finish_reason = "length"
-                del self.requests[req.request_id]
-            self.running = [r for r in running if r.status == RUNNING]
+            if not defer:
+                self._prefill_capacity_bound = bool(waiting)
+
+        for req in finished:
+            req.finish_reason = "length"
+        if self.async_scheduling:
+            # vLLM processes the previous step's output only now, after this schedule().
+            finished_now, self._finishing = self._finishing, finished
+        else:
+            finished_now = finished
+        if finished_now:
+            self._retire(finished_now)
+        self._wave_step = self._wave_step + 1 if (self.running or self.waiting) else 0
         return (scheduled, finished, self.max_num_batched_tokens - budget, preempted, pairs, decode_kv, sampled,
                 steady, gaps)
+
+    def _retire(self, finished: list[Request]) -> None:
+        """Free finished requests' slots and blocks (vLLM's update_from_output)."""
+        for req in finished:
+            if req.status == WAITING:  # preempted while its last token was in flight
+                self.waiting.remove(req)
+            elif req.status == RUNNING:
+                self._release(req)
+            else:  # aborted meanwhile
+                continue
+            req.status = FINISHED
+            del self.requests[req.request_id]
+        self.running = [r for r in self.running if r.status == RUNNING]
+
+    def only_finishing(self) -> bool:
+        """Async scheduling: every request left has its last token in flight (nothing to schedule)."""
+        return bool(self._finishing) and not self.waiting and len(self.running) == len(self._finishing)
+
+    def flush(self) -> None:
+        """Process the last step's output without scheduling another (an engine going idle)."""
+        finishing, self._finishing = self._finishing, []
+        self._retire(finishing)
+        if not (self.running or self.waiting):
+            self._wave_step = 0
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the block accounting is inconsistent (for tests)."""
