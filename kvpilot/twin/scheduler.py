@@ -10,8 +10,7 @@ One `schedule()` per engine step, as vLLM does it (see ../shared/notes/toolchain
    the tokens scheduled; when none are left the LAST running request is preempted (its blocks
    freed, its progress dropped: it recomputes later) and the allocation retried.  If the victim
    is the request itself it is not scheduled this step.
-2. Only if nothing was preempted this step (and, with `prefill_schedule_interval` N > 1, only
-   every N-th step): WAITING requests, first come first served, while
+2. Only if nothing was preempted this step: WAITING requests, first come first served, while
    budget remains and fewer than `max_num_seqs` run.  A prompt is chunked into what is left of
    the budget; with `reserve_full_isl` (vLLM's default) a request is admitted only if its whole
    prompt fits in the free blocks; `watermark` keeps a fraction of the blocks free, but only
@@ -21,9 +20,22 @@ One `schedule()` per engine step, as vLLM does it (see ../shared/notes/toolchain
 Every request whose tokens are all computed after the step samples one token.  A partial
 prefill samples nothing.  The pool keeps one block back (vLLM's null block).
 
-Free blocks wait in one queue, least recently freed first, as vLLM's free block queue: a
-request's blocks are freed tail first, and new blocks are taken from the head, evicting what a
-cached block held.  Prefix caching: a request may name a shared prefix (`prefix_key`,
+Asynchronous scheduling (vLLM's `AsyncScheduler`, its default on GPUs): step N+1 is scheduled
+while step N runs, and N's output is processed only after that.  A request whose last token
+comes out of step N therefore keeps its slot and blocks through the next `schedule()` (which
+skips it) and is freed after it.  Synchronous scheduling (the CPU build, `--no-async-scheduling`)
+frees it before the next step.
+
+`prefill_schedule_interval` N > 1 is applied as vLLM's data-parallel engine core (MoE models)
+applies it; vLLM's plain engine core ignores the flag.  Steps count from when the engine last
+went busy; off the N-step cadence, while some running request decodes and the last admitting
+step left nobody waiting, prefills are held back: running prefill chunks are skipped and
+waiting requests that need more than one token are not admitted.
+
+Free blocks wait in one queue, as vLLM's free block queue: a request's blocks are freed tail
+first, those with a hash (full blocks of computed tokens, prefix caching on) to the back and the
+others (a partial last block, blocks allocated ahead; every block with prefix caching off) to
+the front, and new blocks are taken from the head, evicting what a cached block held.  Prefix caching: a request may name a shared prefix (`prefix_key`,
 `prefix_tokens`); the full blocks of that prefix are cached once computed and reused by later
 requests with the same key while they have not been evicted.  As in vLLM, a preempted request's
 computed full blocks stay cached too, so when it is admitted again it recomputes only what was
