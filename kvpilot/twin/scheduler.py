@@ -61,7 +61,7 @@ class Request:
         "request_id", "prompt_tokens", "max_tokens", "arrival_time", "num_computed", "num_tokens",
         "num_output", "num_blocks", "status", "prefix_key", "prefix_blocks", "shared", "register_ok",
         "num_preemptions", "sched", "finish_reason", "step_scheduled", "step_first_token",
-        "step_last_token", "user", "own_key", "step_chained",
+        "step_last_token", "user", "own_key", "step_chained", "held",
     )
 
     def __init__(self, request_id: str, prompt_tokens: int, max_tokens: int, arrival_time: float,
@@ -88,6 +88,8 @@ class Request:
         self.step_first_token = -1
         self.step_last_token = -1
         self.step_chained = -1  # latest step that decoded the token sampled the step before
+        # Shared blocks it holds through a second copy of a cached block (block index -> key).
+        self.held: dict[int, tuple] | None = None
         self.user: object = None  # free slot for the driver (offline runner bookkeeping)
         self.own_key = ""  # cache key of its own blocks, unique per scheduler (set by Scheduler.add)
 
@@ -145,13 +147,18 @@ class Scheduler:
         # vLLM's free block queue, least recently freed first.  A key is either a cached block,
         # (prefix key, block index), standing for one block, or an int naming a run of blocks
         # whose content nobody can hit; the value is how many blocks the entry stands for.
-        self.queue: OrderedDict[tuple[str | None, int] | int, int] = OrderedDict()
+        self.queue: OrderedDict[tuple | int, int] = OrderedDict()
         self._run_ids = count()
         self._own_ids = count()
         self.num_free = 0  # blocks in the queue
         self._free_run(self.usable_blocks)
         # Cached blocks -> reference count (0: unreferenced, in the queue, evictable).
-        self.cache: dict[tuple[str | None, int], int] = {}
+        self.cache: dict[tuple, int] = {}
+        # Prefix blocks cached more than once, as vLLM keeps them when two requests computed the
+        # same block: (prefix key, index) -> the keys of its copies, oldest first (a lookup hits
+        # the oldest).  A second copy's key is (prefix key, index, serial).
+        self.copies: dict[tuple, list[tuple]] = {}
+        self._copy_ids = count()
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
@@ -201,9 +208,52 @@ class Scheduler:
             n -= c
             if head.__class__ is tuple:
                 del self.cache[head]
+                if self.copies:
+                    self._drop_copy(head)
 
-    def _block_key(self, req: Request, i: int) -> tuple[str | None, int]:
-        return (req.prefix_key, i) if i < req.prefix_blocks else (req.own_key, i)
+    def _block_key(self, req: Request, i: int) -> tuple:
+        if i >= req.prefix_blocks:
+            return (req.own_key, i)
+        held = req.held
+        return held[i] if held and i in held else (req.prefix_key, i)
+
+    def _lookup(self, b: tuple) -> tuple | None:
+        """The cached copy of prefix block b a lookup hits (the oldest), or None."""
+        copies = self.copies.get(b) if self.copies else None
+        if copies:
+            return copies[0]
+        return b if b in self.cache else None
+
+    def _add_copy(self, b: tuple) -> tuple:
+        """Cache a newly computed prefix block b, referenced once; a second copy when b is
+        already cached (vLLM keeps both: either serves later hits)."""
+        cache = self.cache
+        copies = self.copies.get(b)
+        if b not in cache:
+            key = b
+            if copies is not None:
+                copies.append(b)
+        else:
+            key = (b[0], b[1], next(self._copy_ids))
+            if copies is None:
+                copies = self.copies[b] = [b]
+            copies.append(key)
+        cache[key] = 1
+        return key
+
+    def _drop_copy(self, key: tuple) -> None:
+        b = key[:2]
+        copies = self.copies.get(b)
+        if copies is not None:
+            copies.remove(key)
+            if not copies:
+                del self.copies[b]
+
+    def _hold(self, req: Request, i: int, key: tuple) -> None:
+        if len(key) == 3:
+            if req.held is None:
+                req.held = {}
+            req.held[i] = key
 
     def _release(self, req: Request, keep: bool = False, in_flight: bool = False) -> None:
         """Give the request's blocks back, tail first as vLLM frees them, so eviction eats a
@@ -247,6 +297,7 @@ class Scheduler:
                 self.num_free += 1
         req.num_blocks = 0
         req.shared = 0
+        req.held = None
 
     def _prefix_hits(self, req: Request) -> tuple[int, int]:
         """(leading blocks of the request in the cache, how many of them are unreferenced now):
@@ -256,10 +307,10 @@ class Scheduler:
         pb = min(req.prefix_blocks, limit)
         hits = idle = 0
         while hits < pb:
-            c = cache.get((key, hits))
-            if c is None:
+            k = self._lookup((key, hits))
+            if k is None:
                 return hits, idle
-            if c == 0:
+            if cache[k] == 0:
                 idle += 1
             hits += 1
         if req.num_preemptions and hits == req.prefix_blocks:
@@ -276,14 +327,11 @@ class Scheduler:
     def _register(self, req: Request, upto_tokens: int) -> None:
         """Put the request's newly full prefix blocks into the cache."""
         full = min(req.prefix_blocks, upto_tokens // self.block_size)
-        cache, key = self.cache, req.prefix_key
+        key = req.prefix_key
         while req.shared < full:
-            k = (key, req.shared)
-            if k in cache:  # another request computed it meanwhile: ours stays private
-                req.register_ok = False
-                return
-            cache[k] = 1
-            req.shared += 1
+            i = req.shared
+            self._hold(req, i, self._add_copy((key, i)))
+            req.shared = i + 1
 
     # -- requests ---------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -483,8 +531,14 @@ class Scheduler:
                 waiting.popleft()
                 if hits:
                     cache, q = self.cache, self.queue
+                    pb = req.prefix_blocks
                     for j in range(hits):
-                        kk = self._block_key(req, j)
+                        kk: tuple = (req.own_key, j)
+                        if j < pb:
+                            found = self._lookup((req.prefix_key, j))
+                            assert found is not None  # _prefix_hits found it
+                            kk = found
+                            self._hold(req, j, kk)
                         c = cache[kk]
                         if c == 0:
                             del q[kk]
@@ -583,3 +637,7 @@ class Scheduler:
                 assert self.queue[k] == 1
         for qk in self.queue:
             assert isinstance(qk, int) or qk in self.cache, qk
+        for b, keys in self.copies.items():
+            assert keys and all(k in self.cache and k[:2] == b for k in keys), (b, keys)
+        dups = [k for k in self.cache if len(k) == 3]
+        assert all(k in self.copies.get(k[:2], ()) for k in dups), dups

@@ -75,3 +75,21 @@ def test_freed_blocks_without_a_hash_are_reused_first_with_prefix_caching() -> N
     s.step(2)
     assert all((key, j) in s.cache for key in "pq" for j in range(4))
     s.check_invariants()
+
+
+def test_a_prefix_block_computed_twice_is_cached_twice_and_either_copy_serves_hits() -> None:
+    # vLLM caches every computed full block under its hash, even when another block with the
+    # same hash is cached already; when one copy is evicted, the other still serves hits.
+    s = sched(num_gpu_blocks=4, max_num_batched_tokens=64, max_num_seqs=2, long_prefill_token_threshold=16,
+              enable_prefix_caching=True)
+    a, b = Request("a", 33, 1, 0.0, "p", 2), Request("b", 33, 1, 0.0, "p", 2)
+    s.add(a)
+    s.add(b)
+    s.step(1)  # a computes block 0; b hits it and computes block 1
+    s.step(2)  # a computes its own copy of block 1 (b's stays cached); b is preempted for a block
+    assert b.num_preemptions == 1 and len(s.copies[("p", 1)]) == 2
+    s.step(3)  # a's last token takes b's copy of block 1 from the free queue: a's copy remains
+    s.check_invariants()
+    scheduled, *_ = s.step(4)
+    assert [(r.request_id, r.sched) for r in scheduled] == [("b", -1)]  # both prefix blocks hit
+    s.check_invariants()
