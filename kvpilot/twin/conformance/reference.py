@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
+import tempfile
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -50,9 +50,11 @@ class VllmScheduler:
         python, model = require_vllm_env()
         env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", VLLM_LOGGING_LEVEL="ERROR",
                    PYTHONPATH="")
+        # vLLM logs a few lines per scheduler built; kept aside, shown if the worker fails.
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (lives as long as the worker)
         self.proc = subprocess.Popen(
             [str(python), str(WORKER), "--model", str(model)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=sys.stderr, text=True, env=env,
+            stderr=self.log, text=True, env=env,
         )
         first = self._read()
         if not first.get("ready"):
@@ -64,7 +66,9 @@ class VllmScheduler:
         line = self.proc.stdout.readline()
         if not line:
             code = self.proc.wait()
-            raise RuntimeError(f"vLLM scheduler worker exited with status {code} (its stderr is above)")
+            self.log.seek(0)
+            tail = self.log.read()[-4000:]
+            raise RuntimeError(f"vLLM scheduler worker exited with status {code}:\n{tail}")
         reply: dict[str, Any] = json.loads(line)
         return reply
 
@@ -87,6 +91,7 @@ class VllmScheduler:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.log.close()
 
     def __enter__(self) -> VllmScheduler:
         return self
