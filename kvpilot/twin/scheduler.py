@@ -440,9 +440,10 @@ class Scheduler:
             n = num_tokens - computed
             if n == 1:
                 # A decode (or the last token of a prompt): the common case, kept short.
-                if req.num_output >= req.max_tokens:
+                if req.num_output >= req.max_tokens or (defer and req.sched > 0):
                     # Async scheduling: its last token is in flight; vLLM skips it (it keeps its
-                    # slot and blocks until the output is processed after this schedule).
+                    # slot and blocks until the output is processed after this schedule).  Or
+                    # the last token of a prompt, held back by --prefill-schedule-interval.
                     i += 1
                     continue
                 if num_tokens > req.num_blocks * bs:
