@@ -490,6 +490,10 @@ class Scheduler:
                     nrun = len(running)
                 if not ok:
                     break
+            elif prefix and req.prefix_key is not None and req.shared < req.prefix_blocks:
+                # vLLM caches the blocks this step fills even when it needs no new block: a
+                # request admitted later in this very step hits them.
+                self._register(req, total)
             req.sched = n
             append(req)
             budget -= n
