@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ ISVC = {
         "replicas": 1,
         "engine": {"kind": "vllm", "maxNumBatchedTokens": 256, "maxNumSeqs": 8, "maxModelLen": 2048,
                    "blockSize": 32, "longPrefillTokenThreshold": 64, "gpuMemoryUtilization": 0.5},
-        "rollout": {"shutdownTimeoutSeconds": 20},
+        "rollout": {"shutdownTimeoutSeconds": 60},
     },
 }
 
@@ -206,3 +207,58 @@ def test_the_twin_exposes_the_metric_families_kvpilot_reads_as_real_vllm_does(vl
     assert not missing, f"real vLLM has {missing}, the twin does not"
     for name in sorted(real):
         assert mine[name] == real[name], f"{name}: twin {mine[name]} vs real vLLM {real[name]}"
+
+
+def drain_outcome(base_url: str, model: str, proc: subprocess.Popen[bytes], prompt: Any) -> dict[str, Any]:
+    """SIGTERM while a stream is in flight: what the stream gets, what a new request and /health get
+    meanwhile, and the exit code."""
+    body = {"model": model, "prompt": prompt, "max_tokens": DRAIN_TOKENS, "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(base_url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    out: dict[str, Any] = {}
+    with urllib.request.urlopen(req, timeout=120) as stream:
+        first = stream.readline()
+        assert first.startswith(b"data: "), first
+        proc.send_signal(signal.SIGTERM)  # what the kubelet sends the container's first process
+        try:
+            get(base_url + "/health", timeout=5.0)
+            out["health"] = 200
+        except urllib.error.HTTPError as e:
+            out["health"] = e.code
+        try:
+            post_json(base_url + "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 2}, timeout=10)
+            out["new_request"] = 200
+        except urllib.error.HTTPError as e:
+            out["new_request"] = e.code
+        except TimeoutError:
+            out["new_request"] = "no answer"
+        rest = stream.read().decode()
+    events = [line[len("data: "):] for line in rest.splitlines() if line.startswith("data: ")]
+    chunks = [json.loads(e) for e in events if e != "[DONE]"]
+    out["stream_done"] = bool(events) and events[-1] == "[DONE]"
+    out["finish_reason"] = next((c["choices"][0].get("finish_reason") for c in reversed(chunks)
+                                 if c.get("choices") and c["choices"][0].get("finish_reason")), None)
+    out["exit_code"] = proc.wait(timeout=120)
+    return out
+
+
+DRAIN_TOKENS = 600
+
+
+def test_sigterm_drain_as_real_vllm_does_it(vllm_server: VllmServer) -> None:
+    # Last in this module: it ends the shared vLLM server.  Both run with the rendered
+    # --shutdown-timeout (60 s), more than a 600-token stream needs here.
+    real = drain_outcome(vllm_server.base_url, "tiny", vllm_server.proc, [1, 2, 3, 4, 5])
+    timeout = flag_value(vllm_server.args, "--shutdown-timeout")
+    with twin_server(*FAST_TWIN_ARGS, "--served-model-name", "tiny", "--shutdown-timeout", timeout) as twin:
+        mine = drain_outcome(twin.base_url, "tiny", twin.proc, [1, 2, 3, 4, 5])
+    # The in-flight stream finishes in full and both exit cleanly; a new request is refused.
+    assert real["stream_done"] and real["finish_reason"] == "length" and real["exit_code"] == 0, real
+    assert {k: mine[k] for k in ("stream_done", "finish_reason", "exit_code")} == \
+        {k: real[k] for k in ("stream_done", "finish_reason", "exit_code")}
+    # Deliberate difference (docs/architecture.md): real vLLM 0.32 keeps /health at 200 while it
+    # drains, and what a new request gets depends on timing (served while the engine still
+    # drains, no answer once it has stopped); the twin refuses it with 503 and fails /health at
+    # once, so a Service stops routing to a draining pod without waiting for the process to go.
+    assert real["health"] == 200 and real["new_request"] in (200, 500, "no answer"), real
+    assert (mine["new_request"], mine["health"]) == (503, 503), mine
