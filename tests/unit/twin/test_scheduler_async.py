@@ -51,7 +51,7 @@ def test_async_reports_the_finish_at_the_step_of_the_last_token() -> None:
 def test_engine_goes_idle_after_the_last_token_in_both_modes() -> None:
     model = resolve_model("Qwen2.5-0.5B")
     for async_scheduling in (False, True):
-        e = Engine(EngineConfig(model=model, gpu=resolve_gpu("L4"), max_num_batched_tokens=64, max_num_seqs=4,
+        e = Engine(EngineConfig.resolve(model, resolve_gpu("L4"), max_num_batched_tokens=64, max_num_seqs=4,
                                 async_scheduling=async_scheduling))
         e.add_request("a", 100, 3)
         steps = 0
