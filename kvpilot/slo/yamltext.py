@@ -7,7 +7,11 @@ from typing import Any
 import yaml
 
 
-class _Dumper(yaml.SafeDumper):
+# libyaml's emitter where PyYAML has it: the pure-Python one takes seconds for a large bundle.
+_Base: Any = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
+
+class _Dumper(_Base):  # type: ignore[misc]
     pass
 
 
