@@ -15,6 +15,7 @@ from pydantic_core import ErrorDetails
 
 from kvpilot.api.documents import DocumentError, brief
 from kvpilot.api.documents import load_documents as load_documents
+from kvpilot.api.kube import PATTERN_MESSAGES
 from kvpilot.api.models import API_VERSION, KIND, InferenceService
 
 # Past this many problems in one document, the rest are counted, not listed: a document with
@@ -89,6 +90,10 @@ def _message(error: ErrorDetails) -> str:
         return "unknown field" + (f"; allowed here: {', '.join(allowed)}" if allowed else "")
     if kind == "missing":
         return "required field is missing"
+    if kind == "string_pattern_mismatch":
+        pattern = (error.get("ctx") or {}).get("pattern")
+        if pattern in PATTERN_MESSAGES:
+            return f"{PATTERN_MESSAGES[pattern]} (got {brief(error.get('input'))})"
     message = str(error["msg"])
     if kind.endswith("_type") or kind.endswith("_parsing") or kind in ("literal_error", "string_pattern_mismatch"):
         message += f" (got {brief(error.get('input'))})"

@@ -278,11 +278,21 @@ def burn_rate(hist: Histogram, threshold: float, objective: float, selector: Sel
     return f"({error_ratio(hist, threshold, selector, window)}) / {num(budget)}"
 
 
+# The smallest error budget kvpilot accepts (the API's objective is at most 0.999999): below it
+# the budget cannot be measured from request counts and burn rates divide by almost nothing.
+MIN_ERROR_BUDGET = 1e-6
+
+
 def error_budget(objective: float) -> float:
     if not 0.0 < objective < 1.0:
         raise ValueError(f"objective {objective} must be strictly between 0 and 1 (e.g. 0.99)")
     # Round away float noise: 1 - 0.999 is 0.0010000000000000009.
-    return round(1.0 - objective, 12)
+    budget = round(1.0 - objective, 12)
+    if budget < MIN_ERROR_BUDGET:
+        raise ValueError(
+            f"objective {objective} leaves an error budget below one in a million; use at most 0.999999"
+        )
+    return budget
 
 
 def check_bucket_edge(hist: str, threshold: float) -> float:
