@@ -6,7 +6,6 @@ from typing import Any
 
 import yaml
 
-
 # libyaml's emitter where PyYAML has it: the pure-Python one takes seconds for a large bundle.
 _Base: Any = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
