@@ -130,10 +130,7 @@ def read_source(name: str, stdin: IO[bytes] | None = None) -> bytes:
 
 def _check_shape(text: str) -> None:
     """Walk the parser events once, in linear time, and refuse what would be costly to build."""
-    if _BaseParser is not None:
-        parser = _BaseParser(text)
-    else:  # pragma: no cover
-        parser = yaml.SafeLoader(text)
+    parser = _BaseParser(text) if _BaseParser is not None else yaml.SafeLoader(text)
     document = -1
     # One entry per open collection: [expanded values so far, its anchor].
     stack: list[list[Any]] = []
