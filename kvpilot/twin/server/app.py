@@ -40,12 +40,20 @@ from kvpilot.api import vllm
 from kvpilot.twin import text as tokens
 from kvpilot.twin.metrics import CONTENT_TYPE, VllmMetrics
 from kvpilot.twin.server import protocol as proto
+from kvpilot.twin.server.connection import Runner, keepalive_timeout
 from kvpilot.twin.server.jsonlog import LOGGER_NAME
 
 log = logging.getLogger(LOGGER_NAME)
 
 # Prompts of long-context models run to megabytes of JSON; aiohttp's default cap is 1 MiB.
 MAX_BODY_BYTES = 64 * 1024 * 1024
+# Bodies larger than this are decoded and counted in a worker thread, so the event loop (the engine
+# loop, /health, every stream) keeps running while a client sends megabytes; at most
+# PARSE_SLOTS of them at once, which bounds the memory they take.
+INLINE_PARSE_BYTES = 64 * 1024
+PARSE_SLOTS = 2
+# A client has this long to send its body once its headers are in (a slow upload is cut off).
+BODY_TIMEOUT_S = 60.0
 # How far behind the simulated timeline the engine loop may fall and still catch up.
 CATCH_UP_S = 0.05
 # After the drain, how long handlers get to write their final chunk before the sockets close.
@@ -292,6 +300,11 @@ def _json_error(exc: proto.OpenAIError) -> web.Response:
     return web.json_response(exc.body(), status=exc.status)
 
 
+def _one_line(value: Any, limit: int = 200) -> str:
+    text = " ".join(str(value).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class TwinServer:
     """The aiohttp application around one engine."""
 
@@ -303,6 +316,7 @@ class TwinServer:
         self.draining = False
         self.created = int(time.time())
         self._handlers: set[asyncio.Task[Any]] = set()
+        self._parse_slots = asyncio.Semaphore(PARSE_SLOTS)
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
@@ -323,8 +337,9 @@ class TwinServer:
         self.engine_loop.start()
         # handler_cancellation: a client that goes away cancels its handler, which aborts the
         # request in the engine (vLLM does the same on disconnect).
-        self._runner = web.AppRunner(self.app, handle_signals=False, handler_cancellation=True,
-                                     access_log=None, shutdown_timeout=_FLUSH_SECONDS)
+        self._runner = Runner(self.app, handle_signals=False, handler_cancellation=True,
+                              access_log=None, shutdown_timeout=_FLUSH_SECONDS,
+                              keepalive_timeout=keepalive_timeout())
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         try:
@@ -383,17 +398,20 @@ class TwinServer:
             return await handler(request)
         except proto.OpenAIError as exc:
             log.debug("request rejected", extra={"fields": {
-                "path": request.path, "status": exc.status, "param": exc.param, "error": exc.message}})
+                "path": request.path, "status": exc.status, "param": exc.param, "error": exc.message[:500]}})
             return _json_error(exc)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
             return _json_error(proto.OpenAIError(exc.reason, status=exc.status))
+        except web.RequestPayloadError as exc:  # a body that does not decompress, a broken chunk
+            cause = exc.__cause__ or exc
+            return _json_error(proto.OpenAIError(f"The request body cannot be read: {_one_line(cause)}"))
         except (asyncio.CancelledError, ConnectionResetError):
             raise
-        except Exception as exc:  # never a traceback to the client; the log gets it
+        except Exception as exc:  # never a traceback to the client; the log gets it (as JSON)
             log.exception("unhandled error", extra={"fields": {"path": request.path}})
-            return _json_error(proto.OpenAIError(f"Internal error: {exc!r}", status=500))
+            return _json_error(proto.OpenAIError(f"Internal error: {type(exc).__name__}", status=500))
 
     # ------------------------------------------------------------------ simple routes
 
@@ -429,11 +447,27 @@ class TwinServer:
         if self.engine_loop.dead is not None:
             raise proto.OpenAIError("The engine is dead; the server must be restarted.", status=503)
 
+    def _parse(self, raw: bytes, kind: proto.Kind) -> proto.GenerationRequest:
+        body = proto.decode_json_object(raw)
+        return proto.parse_generation_request(body, kind, served_model_name=self.info.served_model_names,
+                                              max_model_len=self.info.max_model_len)
+
+    async def _read_request(self, request: web.Request, kind: proto.Kind) -> proto.GenerationRequest:
+        try:
+            raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+        except TimeoutError:
+            raise proto.OpenAIError(f"The request body did not arrive within {BODY_TIMEOUT_S:g} s.",
+                                    status=408) from None
+        if len(raw) <= INLINE_PARSE_BYTES:
+            return self._parse(raw, kind)
+        # Decoding and counting megabytes takes CPU seconds: a worker thread does it in chunks,
+        # between which the event loop gets the interpreter back.
+        async with self._parse_slots:
+            return await asyncio.to_thread(self._parse, raw, kind)
+
     async def _generate(self, request: web.Request, kind: proto.Kind) -> web.StreamResponse:
         self._refuse_if_unavailable()
-        body = proto.decode_json_object(await request.read())
-        req = proto.parse_generation_request(body, kind, served_model_name=self.info.served_model_names,
-                                             max_model_len=self.info.max_model_len)
+        req = await self._read_request(request, kind)
         self._refuse_if_unavailable()  # reading the body awaited; a SIGTERM may have come meanwhile
         task = asyncio.current_task()
         assert task is not None
