@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator
 _PIECE = re.compile(r"[^\W_]+|[^\w\s]|_")
 # BPE vocabularies hold most short words whole and split longer ones into ~4-6 character pieces.
 _CHARS_PER_TOKEN = 6
-_LONG_RUN = re.compile(r"[^\W_]{%d,}" % (_CHARS_PER_TOKEN + 1))
+_LONG_RUN = re.compile(rf"[^\W_]{{{_CHARS_PER_TOKEN + 1},}}")
 _NOT_ALNUM = re.compile(r"[\W_]")
 # Text is counted this many characters at a time: each regex call holds the GIL, and a server that
 # counts a megabytes-long prompt in a worker thread must let its event loop run in between.
