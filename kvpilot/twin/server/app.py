@@ -45,8 +45,9 @@ from kvpilot.twin.server.jsonlog import LOGGER_NAME
 
 log = logging.getLogger(LOGGER_NAME)
 
-# Prompts of long-context models run to megabytes of JSON; aiohttp's default cap is 1 MiB.
-MAX_BODY_BYTES = 64 * 1024 * 1024
+# Prompts of long-context models run to megabytes of JSON (a million-token prompt is ~6 MB of text
+# or ~7 MB of token ids); aiohttp's default cap is 1 MiB.  Bodies are counted after decompression.
+MAX_BODY_BYTES = 32 * 1024 * 1024
 # Bodies larger than this are decoded and counted in a worker thread, so the event loop (the engine
 # loop, /health, every stream) keeps running while a client sends megabytes; at most
 # PARSE_SLOTS of them at once, which bounds the memory they take.
@@ -452,9 +453,24 @@ class TwinServer:
         return proto.parse_generation_request(body, kind, served_model_name=self.info.served_model_names,
                                               max_model_len=self.info.max_model_len)
 
+    @staticmethod
+    async def _read_body(request: web.Request) -> bytes:
+        """The (decompressed) body, refused with 413 as soon as it passes MAX_BODY_BYTES: chunks
+        joined once, so a compressed bomb costs at most twice the limit, never a growing copy."""
+        if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+            raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES, actual_size=request.content_length)
+        chunks: list[bytes] = []
+        size = 0
+        while chunk := await request.content.readany():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES, actual_size=size)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def _read_request(self, request: web.Request, kind: proto.Kind) -> proto.GenerationRequest:
         try:
-            raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+            raw = await asyncio.wait_for(self._read_body(request), BODY_TIMEOUT_S)
         except TimeoutError:
             raise proto.OpenAIError(f"The request body did not arrive within {BODY_TIMEOUT_S:g} s.",
                                     status=408) from None

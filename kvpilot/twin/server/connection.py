@@ -53,12 +53,25 @@ def _brief(value: Any, limit: int = 200) -> str:
 
 
 class _Handler(RequestHandler):
+    _last_payload: Any = None  # the body reader of the latest request parsed on this connection
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._messages:
+            self._last_payload = self._messages[-1][1]
+
     def eof_received(self) -> bool | None:
         waiter = self._waiter
         idle = waiter is not None and not waiter.done() and not self._messages
         if idle:
             return None  # nothing asked (or half a request head): let the transport close
         # A request is queued or running: keep the socket open to write its answer, then close.
+        # A body still missing bytes will never get them: its reader fails now (a 400), rather
+        # than wait for the body timeout.
+        incomplete = web.RequestPayloadError("the client closed its side before sending the whole body")
+        payload = self._last_payload
+        if payload is not None and not payload.is_eof():
+            payload.set_exception(incomplete)
         self.close()
         return True
 
