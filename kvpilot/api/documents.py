@@ -36,7 +36,7 @@ MAX_NODES = 100_000
 _BaseLoader: Any
 _BaseParser: Any
 try:  # libyaml
-    from yaml.cyaml import CParser as _BaseParser
+    from yaml.cyaml import CParser as _BaseParser  # type: ignore[attr-defined]
     from yaml.cyaml import CSafeLoader as _BaseLoader
 except ImportError:  # pragma: no cover - PyYAML built without libyaml
     _BaseLoader, _BaseParser = yaml.SafeLoader, None
@@ -242,7 +242,7 @@ class _Loader(_BaseLoader):
                         f"duplicate key {brief(key_node.value)} (first at {_where(first)})",
                         key_node.start_mark,
                     )
-        return super().construct_mapping(node, deep)  # type: ignore[misc]
+        return super().construct_mapping(node, deep)
 
 
 def load_documents(data: bytes | str) -> Iterator[Any]:

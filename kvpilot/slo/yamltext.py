@@ -10,7 +10,7 @@ import yaml
 _Base: Any = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 
-class _Dumper(_Base):  # type: ignore[misc]
+class _Dumper(_Base):
     pass
 
 

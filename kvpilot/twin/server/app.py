@@ -28,9 +28,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import multiprocessing
+import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -48,9 +52,10 @@ log = logging.getLogger(LOGGER_NAME)
 # Prompts of long-context models run to megabytes of JSON (a million-token prompt is ~6 MB of text
 # or ~7 MB of token ids); aiohttp's default cap is 1 MiB.  Bodies are counted after decompression.
 MAX_BODY_BYTES = 32 * 1024 * 1024
-# Bodies larger than this are decoded and counted in a worker thread, so the event loop (the engine
-# loop, /health, every stream) keeps running while a client sends megabytes; at most
-# PARSE_SLOTS of them at once, which bounds the memory they take.
+# Bodies larger than this are decoded and counted in worker processes, so the event loop (the engine
+# loop, /health, every stream) keeps running while clients send megabytes: in a thread the parse
+# would still hold the GIL for most of its CPU-seconds.  At most PARSE_SLOTS at once, which also
+# bounds the memory they take.
 INLINE_PARSE_BYTES = 64 * 1024
 PARSE_SLOTS = 2
 # A client has this long to send its body once its headers are in (a slow upload is cut off).
@@ -297,6 +302,25 @@ class EngineLoop:
             "e2e_s": round(now - tr.arrival, 6)}})
 
 
+def _lower_priority() -> None:
+    # Parsing a hostile body must not take CPU from serving: on a busy machine the event loop's
+    # process (streams, /health) goes first.
+    with contextlib.suppress(OSError):
+        os.nice(10)
+
+
+def parse_body(raw: bytes, kind: proto.Kind, served_model_names: tuple[str, ...],
+               max_model_len: int) -> proto.GenerationRequest | tuple[str, int, str | None]:
+    """Decode and validate a request body: the request, or (message, status, param) of its error
+    (a tuple, as an exception with keyword arguments does not cross a process boundary whole)."""
+    try:
+        body = proto.decode_json_object(raw)
+        return proto.parse_generation_request(body, kind, served_model_name=served_model_names,
+                                              max_model_len=max_model_len)
+    except proto.OpenAIError as exc:
+        return exc.message, exc.status, exc.param
+
+
 def _json_error(exc: proto.OpenAIError) -> web.Response:
     return web.json_response(exc.body(), status=exc.status)
 
@@ -318,6 +342,7 @@ class TwinServer:
         self.created = int(time.time())
         self._handlers: set[asyncio.Task[Any]] = set()
         self._parse_slots = asyncio.Semaphore(PARSE_SLOTS)
+        self._parse_pool: ProcessPoolExecutor | None = None
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
@@ -379,6 +404,8 @@ class TwinServer:
             await asyncio.wait(set(self._handlers), timeout=_FLUSH_SECONDS)
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._parse_pool is not None:
+            self._parse_pool.shutdown(wait=False, cancel_futures=True)
         await self.engine_loop.stop()
         loop = self.engine_loop
         log.info("shutdown complete", extra={"fields": {
@@ -449,9 +476,31 @@ class TwinServer:
             raise proto.OpenAIError("The engine is dead; the server must be restarted.", status=503)
 
     def _parse(self, raw: bytes, kind: proto.Kind) -> proto.GenerationRequest:
-        body = proto.decode_json_object(raw)
-        return proto.parse_generation_request(body, kind, served_model_name=self.info.served_model_names,
-                                              max_model_len=self.info.max_model_len)
+        return self._parsed(parse_body(raw, kind, self.info.served_model_names, self.info.max_model_len))
+
+    @staticmethod
+    def _parsed(result: proto.GenerationRequest | tuple[str, int, str | None]) -> proto.GenerationRequest:
+        if isinstance(result, tuple):
+            message, status, param = result
+            raise proto.OpenAIError(message, status=status, param=param)
+        return result
+
+    async def _parse_elsewhere(self, raw: bytes, kind: proto.Kind) -> proto.GenerationRequest:
+        if self._parse_pool is None:
+            # spawn: a clean interpreter that imports only the protocol module (no fork of a
+            # process with threads and an event loop).
+            self._parse_pool = ProcessPoolExecutor(PARSE_SLOTS, mp_context=multiprocessing.get_context("spawn"),
+                                                   initializer=_lower_priority)
+        loop = asyncio.get_running_loop()
+        try:
+            result = await loop.run_in_executor(self._parse_pool, parse_body, raw, kind,
+                                                self.info.served_model_names, self.info.max_model_len)
+        except BrokenProcessPool:  # a worker died (killed, out of memory): start afresh next time
+            self._parse_pool.shutdown(wait=False, cancel_futures=True)
+            self._parse_pool = None
+            raise proto.OpenAIError("The request could not be parsed: a parser process died; retry.",
+                                    status=503) from None
+        return self._parsed(result)
 
     @staticmethod
     async def _read_body(request: web.Request) -> bytes:
@@ -476,10 +525,9 @@ class TwinServer:
                                     status=408) from None
         if len(raw) <= INLINE_PARSE_BYTES:
             return self._parse(raw, kind)
-        # Decoding and counting megabytes takes CPU seconds: a worker thread does it in chunks,
-        # between which the event loop gets the interpreter back.
+        # Decoding and counting megabytes takes CPU-seconds: a worker process does it.
         async with self._parse_slots:
-            return await asyncio.to_thread(self._parse, raw, kind)
+            return await self._parse_elsewhere(raw, kind)
 
     async def _generate(self, request: web.Request, kind: proto.Kind) -> web.StreamResponse:
         self._refuse_if_unavailable()

@@ -60,7 +60,7 @@ class _Handler(RequestHandler):
         if self._messages:
             self._last_payload = self._messages[-1][1]
 
-    def eof_received(self) -> bool | None:
+    def eof_received(self) -> bool | None:  # type: ignore[override]  # asyncio's contract: True keeps it open
         waiter = self._waiter
         idle = waiter is not None and not waiter.done() and not self._messages
         if idle:
