@@ -7,11 +7,11 @@ a file holding it).  The harness imports kvpilot once, then forks one child per 
 runs `kvpilot.cli.main(argv)` with stdout and stderr in files and exits with its return code.  The
 kernel measures the child (os.wait4): CPU seconds (user + system, which a loaded machine does not
 inflate the way it inflates wall time) and peak resident memory, of which the part above the
-parent's at the fork is the job's own.  A child is also capped (RLIMIT_CPU, RLIMIT_AS), so a case
+child's own resident size when it started is the job's.  A child is also capped (RLIMIT_CPU, RLIMIT_AS), so a case
 that ran away ends as a failed result rather than taking the machine down.
 
 Each result line: id, returncode (or the signal that ended the child), cpu_s, peak_rss_mb (above
-the parent's), stdout and stderr (their first and last 4 KiB, and their length).
+the child's start), stdout and stderr (their first and last 4 KiB, and their length).
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ import os
 import resource
 import sys
 import tempfile
+import time
 
+SELF_TEST = "--harness-self-test"  # argv: SELF_TEST MB CPU_SECONDS
 CPU_CAP_S = 30  # far past the 2 s goal: only a runaway case reaches it
 MEMORY_CAP_BYTES = 2 << 30  # address space the child may add to what it inherits
 
@@ -55,7 +57,11 @@ def _warm_up() -> None:
     kvpilot.cli.build_parser()
 
 
-def _child(argv: list[str], out_path: str, err_path: str) -> None:
+def _child(argv: list[str], out_path: str, err_path: str, rss_path: str) -> None:
+    # The child's resident size as it starts (fork does not count all the parent's pages in it):
+    # the job's own memory is its peak above this.
+    with open(rss_path, "w") as f:
+        f.write(str(_rss_bytes()))
     resource.setrlimit(resource.RLIMIT_CPU, (CPU_CAP_S, CPU_CAP_S + 5))
     limit = _vm_bytes() + MEMORY_CAP_BYTES
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
@@ -69,6 +75,13 @@ def _child(argv: list[str], out_path: str, err_path: str) -> None:
     try:
         from kvpilot.cli import main
 
+        if argv[:1] == [SELF_TEST]:  # calibration: allocate and spin, so a test can see both measured
+            block = bytearray(int(argv[1]) << 20)
+            block[::4096] = b"x" * len(block[::4096])
+            deadline = time.process_time() + float(argv[2])
+            while time.process_time() < deadline:
+                pass
+            os._exit(0)
         sys.stdin = open(0)  # noqa: SIM115 - the child exits right after
         sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
@@ -106,11 +119,13 @@ def run_job(job: dict, workdir: str) -> dict:
         f.write(data)
     argv = [in_path if a == "{input}" else a for a in job["argv"]]
     out_path, err_path = os.path.join(workdir, "out"), os.path.join(workdir, "err")
-    base_rss = _rss_bytes()
+    rss_path = os.path.join(workdir, "rss")
     pid = os.fork()
     if pid == 0:
-        _child(argv, out_path, err_path)
+        _child(argv, out_path, err_path, rss_path)
     _, status, usage = os.wait4(pid, 0)
+    with open(rss_path) as f:
+        base_rss = int(f.read() or 0)
     out, out_len = _read_head(out_path)
     err, err_len = _read_head(err_path)
     return {

@@ -42,6 +42,19 @@ def results() -> dict[tuple[str, str], dict]:
     return out
 
 
+def test_the_harness_measures_cpu_and_memory() -> None:
+    """A child that allocates 300 MB and spins for 0.5 CPU-seconds is seen doing both."""
+    from tests.fuzz.harness import SELF_TEST
+
+    job = {"id": "self-test", "argv": [SELF_TEST, "300", "0.5"], "input": ""}
+    proc = subprocess.run([sys.executable, "-m", "tests.fuzz.harness"], input=json.dumps([job]),
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    result = json.loads(proc.stdout)
+    assert result["returncode"] == 0
+    assert 290 <= result["peak_rss_mb"] <= 400
+    assert result["cpu_s"] >= 0.5
+
+
 def test_the_corpus_is_large_enough() -> None:
     assert len(CASES) >= 60
     assert len({c.id for c in CASES}) == len(CASES)
