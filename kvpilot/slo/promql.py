@@ -14,6 +14,7 @@ both during the deprecation window, and summing them would count every token twi
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -40,14 +41,22 @@ MatchOp = Literal["=", "!=", "=~", "!~"]
 _OPS: tuple[str, ...] = ("=", "!=", "=~", "!~")
 
 
+# Characters `quote` must escape (or refuse); a value without any is quoted as it is.
+_NEEDS_ESCAPE = re.compile("[\\\\\"\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+
+
+@functools.lru_cache(maxsize=4096)
 def quote(value: str) -> str:
     """A PromQL double-quoted string literal holding exactly `value`.
 
     PromQL strings use Go's escapes.  Backslash and double quote are escaped; control
     characters (newline, tab, NUL, DEL...) are written as escapes so the query stays one line
     and the lexer never sees a raw control byte.  Everything else, braces and non-ASCII
-    letters included, is safe inside the quotes.
+    letters included, is safe inside the quotes.  (Cached: a rule file quotes the same
+    namespace and name hundreds of times.)
     """
+    if _NEEDS_ESCAPE.search(value) is None:
+        return f'"{value}"'
     out: list[str] = ['"']
     for ch in value:
         if ch == "\\":
@@ -76,6 +85,7 @@ def regex_literal(value: str) -> str:
     return re.sub(r"([\\.+*?()|\[\]{}^$])", r"\\\1", value)
 
 
+@functools.lru_cache(maxsize=256)
 def _duration_ms(window: str) -> int:
     """Milliseconds in a Prometheus duration, or ValueError saying what Prometheus would say."""
     match = _DURATION.match(window) if isinstance(window, str) and window else None
