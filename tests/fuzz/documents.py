@@ -81,6 +81,10 @@ CASES: list[Case] = [
          "at most 256 items"),
     Case("thousand-documents", _many_docs(1000), "valid", commands=("validate",)),
     Case("two-hundred-documents", _many_docs(200), "valid"),
+    Case("one-megabyte-of-annotations", (
+        "apiVersion: kvpilot.dev/v1alpha1\nkind: InferenceService\nmetadata:\n  name: svc\n  annotations:\n"
+        + "".join(f"    example.com/a{i}: {'v' * 1000}\n" for i in range(1000))
+        + "spec: {model: m, replicas: 2}\n").encode(), "valid"),
     Case("hundreds-of-unknown-fields", _spec("  model: m\n" + "".join(f"  f{i}: {i}\n" for i in range(300))),
          "more problems"),
     Case("thousand-documents-one-bad", _many_docs(999) + b"---\n" + _spec("  model: m\n  replicas: '3'\n"),
