@@ -31,6 +31,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -302,6 +303,16 @@ class EngineLoop:
             "e2e_s": round(now - tr.arrival, 6)}})
 
 
+# Large bodies are spooled here: memory-backed where the machine has /dev/shm.
+_SPOOL_DIR = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def _lower_priority() -> None:
     # Parsing a hostile body must not take CPU from serving: on a busy machine the event loop's
     # process (streams, /health) goes first.
@@ -309,10 +320,14 @@ def _lower_priority() -> None:
         os.nice(10)
 
 
-def parse_body(raw: bytes, kind: proto.Kind, served_model_names: tuple[str, ...],
+def parse_body(raw: bytes | str, kind: proto.Kind, served_model_names: tuple[str, ...],
                max_model_len: int) -> proto.GenerationRequest | tuple[str, int, str | None]:
-    """Decode and validate a request body: the request, or (message, status, param) of its error
-    (a tuple, as an exception with keyword arguments does not cross a process boundary whole)."""
+    """Decode and validate a request body (its bytes, or the path of the file it was spooled to):
+    the request, or (message, status, param) of its error (a tuple, as an exception with keyword
+    arguments does not cross a process boundary whole)."""
+    if isinstance(raw, str):
+        with open(raw, "rb") as f:
+            raw = f.read()
     try:
         body = proto.decode_json_object(raw)
         return proto.parse_generation_request(body, kind, served_model_name=served_model_names,
@@ -485,7 +500,7 @@ class TwinServer:
             raise proto.OpenAIError(message, status=status, param=param)
         return result
 
-    async def _parse_elsewhere(self, raw: bytes, kind: proto.Kind) -> proto.GenerationRequest:
+    async def _parse_elsewhere(self, raw: str, kind: proto.Kind) -> proto.GenerationRequest:
         if self._parse_pool is None:
             # spawn: a clean interpreter that imports only the protocol module (no fork of a
             # process with threads and an event loop).
@@ -503,19 +518,40 @@ class TwinServer:
         return self._parsed(result)
 
     @staticmethod
-    async def _read_body(request: web.Request) -> bytes:
-        """The (decompressed) body, refused with 413 as soon as it passes MAX_BODY_BYTES: chunks
-        joined once, so a compressed bomb costs at most twice the limit, never a growing copy."""
+    async def _read_body(request: web.Request) -> bytes | str:
+        """The (decompressed) body, refused with 413 as soon as it passes MAX_BODY_BYTES.
+
+        A small body comes back as bytes; a large one is spooled, chunk by chunk as it arrives, to
+        a file whose path comes back: the worker that parses it reads it from there, so this
+        process never joins, pickles or pipes megabytes (each a stretch of holding the GIL)."""
         if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
             raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES, actual_size=request.content_length)
         chunks: list[bytes] = []
         size = 0
-        while chunk := await request.content.readany():
-            size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES, actual_size=size)
-            chunks.append(chunk)
-        return b"".join(chunks)
+        spool: tuple[int, str] | None = None
+        try:
+            while chunk := await request.content.readany():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES, actual_size=size)
+                if spool is None:
+                    chunks.append(chunk)
+                    if size > INLINE_PARSE_BYTES:
+                        spool = tempfile.mkstemp(prefix="kvpilot-twin-body-", dir=_SPOOL_DIR)
+                        _write_all(spool[0], b"".join(chunks))
+                        chunks.clear()
+                else:
+                    _write_all(spool[0], chunk)
+        except BaseException:
+            if spool is not None:
+                os.close(spool[0])
+                with contextlib.suppress(OSError):
+                    os.unlink(spool[1])
+            raise
+        if spool is None:
+            return b"".join(chunks)
+        os.close(spool[0])
+        return spool[1]
 
     async def _read_request(self, request: web.Request, kind: proto.Kind) -> proto.GenerationRequest:
         try:
@@ -523,11 +559,15 @@ class TwinServer:
         except TimeoutError:
             raise proto.OpenAIError(f"The request body did not arrive within {BODY_TIMEOUT_S:g} s.",
                                     status=408) from None
-        if len(raw) <= INLINE_PARSE_BYTES:
+        if isinstance(raw, bytes):
             return self._parse(raw, kind)
         # Decoding and counting megabytes takes CPU-seconds: a worker process does it.
-        async with self._parse_slots:
-            return await self._parse_elsewhere(raw, kind)
+        try:
+            async with self._parse_slots:
+                return await self._parse_elsewhere(raw, kind)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(raw)
 
     async def _generate(self, request: web.Request, kind: proto.Kind) -> web.StreamResponse:
         self._refuse_if_unavailable()
