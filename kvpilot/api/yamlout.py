@@ -19,10 +19,13 @@ from typing import Any
 
 import yaml
 
-# Plain scalars that cannot be read as anything but a string, nor as YAML syntax: no leading
-# indicator, no `: ` or ` #`, no trailing `:`, no leading/trailing space.  The resolver check below rules out
-# `true`, `null`, `1.5`, `2001-12-14` and the like.
-_PLAIN = re.compile(r"^[A-Za-z_/.$][A-Za-z0-9_./$()\-:]*( [A-Za-z0-9_./$()\-:]+)*$")
+# A plain scalar must not start with an indicator or a space, contain `: ` or ` #`, end with `:` or
+# a space, or hold a character outside YAML's printable set (or one YAML reads as a line break);
+# the resolver check below then rules out `true`, `null`, `1.5`, `2001-12-14` and the like.
+_PLAIN_FIRST_UNSAFE = frozenset("-?:,[]{}#&*!|>'\"%@` \t")
+_PLAIN_UNSAFE = re.compile("[^\x20-\x7e\xa0-\u2027\u202a-\ud7ff\ue000-\ufefe\uff00-\ufffd\U00010000-\U0010ffff]")
+# An implicit key may not be longer than this (YAML's simple-key limit is 1024 characters).
+_MAX_KEY = 1000
 _RESOLVER = yaml.resolver.Resolver()
 _YAML_UNSAFE = re.compile("[\x7f-\x9f\u2028\u2029\ud800-\udfff\ufffe\uffff]")
 
@@ -33,12 +36,30 @@ class _Unsupported(Exception):
 
 @functools.lru_cache(maxsize=65536)
 def _string(value: str) -> str:
-    if (_PLAIN.match(value) and ": " not in value and not value.endswith(":")
+    if (value and value[0] not in _PLAIN_FIRST_UNSAFE and value[-1] not in " :"
+            and ": " not in value and " #" not in value and _PLAIN_UNSAFE.search(value) is None
             and _RESOLVER.resolve(yaml.ScalarNode, value, (True, False)) == "tag:yaml.org,2002:str"):
         return value
     # JSON's escapes are YAML's; what YAML would read as a line break (U+0085, U+2028...) or refuse
     # as non-printable is escaped too.
     return _YAML_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(value, ensure_ascii=False))
+
+
+# What a literal block (`|`) may hold: printable text whose first line does not start with a space
+# (the block's indentation is read from it), without carriage returns or YAML's other line breaks.
+_BLOCK_UNSAFE = re.compile("[^\t\n\x20-\x7e\xa0-\u2027\u202a-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def _block(value: str, indent: str) -> str | None:
+    """`value` as a literal block scalar (multi-line PromQL reads best so), or None if it cannot be one."""
+    if "\n" not in value or value[:1] in (" ", "\t", "\n") or _BLOCK_UNSAFE.search(value):
+        return None
+    body = value.rstrip("\n")
+    trailing = len(value) - len(body)
+    chomp = "-" if trailing == 0 else "" if trailing == 1 else "+"
+    lines = body.split("\n") + [""] * (trailing - 1 if trailing > 1 else 0)
+    pad = indent + "  "
+    return f"|{chomp}\n" + "".join(f"{pad}{line}\n" if line else "\n" for line in lines)
 
 
 def _scalar(value: Any) -> str:
@@ -65,32 +86,40 @@ def _scalar(value: Any) -> str:
     raise _Unsupported(type(value).__name__)
 
 
-def _emit(value: Any, indent: str, out: list[str]) -> None:
-    """Append the block lines of a mapping or a non-empty list (each ends with a newline)."""
+def _emit(value: Any, indent: str, out: list[str], blocks: bool = False) -> None:
+    """Append the block lines of a mapping or a non-empty list (each ends with a newline).
+    With `blocks`, multi-line strings in mappings are written as literal blocks."""
     if isinstance(value, dict):
         for key, item in value.items():
-            if not isinstance(key, str):
-                raise _Unsupported("non-string key")
+            if type(key) is not str or len(key) > _MAX_KEY:
+                raise _Unsupported("a key PyYAML must write")
             head = f"{indent}{_string(key)}:"
-            if isinstance(item, dict) and item:
+            kind = type(item)
+            if kind is str and not (blocks and "\n" in item):  # the common case, first
+                out.append(f"{head} {_string(item)}\n")
+            elif kind is int:
+                out.append(f"{head} {item}\n")
+            elif isinstance(item, dict) and item:
                 out.append(head + "\n")
-                _emit(item, indent + "  ", out)
+                _emit(item, indent + "  ", out, blocks)
             elif isinstance(item, list) and item:
                 out.append(head + "\n")
-                _emit(item, indent, out)
+                _emit(item, indent, out, blocks)
+            elif blocks and isinstance(item, str) and (block := _block(item, indent)) is not None:
+                out.append(f"{head} {block}")
             else:
                 out.append(f"{head} {_inline(item)}\n")
         return
     for item in value:
         if isinstance(item, dict) and item:
             sub: list[str] = []
-            _emit(item, indent + "  ", sub)
+            _emit(item, indent + "  ", sub, blocks)
             first = sub[0]
             out.append(f"{indent}- {first[len(indent) + 2:]}")
             out.extend(sub[1:])
         elif isinstance(item, list) and item:
             sub = []
-            _emit(item, indent + "  ", sub)
+            _emit(item, indent + "  ", sub, blocks)
             out.append(f"{indent}- {sub[0][len(indent) + 2:]}")
             out.extend(sub[1:])
         else:
@@ -105,16 +134,21 @@ def _inline(value: Any) -> str:
     return _scalar(value)
 
 
-def dump_all(documents: list[Any]) -> str:
+def dump(document: Any, *, blocks: bool = False) -> str:
+    """One document as YAML (no `---`)."""
+    return dump_all([document], blocks=blocks)
+
+
+def dump_all(documents: list[Any], *, blocks: bool = False) -> str:
     """Documents as a multi-document YAML stream (`---` between them), as yaml.safe_dump_all would
-    give them in meaning."""
+    give them in meaning.  With `blocks`, multi-line strings are literal blocks."""
     try:
         parts: list[str] = []
         for i, doc in enumerate(documents):
             if i:
                 parts.append("---\n")
             if isinstance(doc, dict | list) and doc:
-                _emit(doc, "", parts)
+                _emit(doc, "", parts, blocks)
             else:
                 parts.append(_inline(doc) + "\n")
         return "".join(parts)

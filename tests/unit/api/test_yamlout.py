@@ -19,10 +19,21 @@ values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
 
 
 @settings(max_examples=400, deadline=None, derandomize=True, database=None)
-@given(docs=st.lists(values, min_size=1, max_size=3))
-def test_round_trip(docs):
-    text = yamlout.dump_all(docs)
+@given(docs=st.lists(values, min_size=1, max_size=3), blocks=st.booleans())
+def test_round_trip(docs, blocks):
+    text = yamlout.dump_all(docs, blocks=blocks)
     assert list(yaml.load_all(text, Loader=yaml.SafeLoader)) == docs
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(text=st.text(alphabet=st.sampled_from(list("ab {}\"'#:-|>\n\t\u2028\x85é")), max_size=30))
+def test_multiline_strings_round_trip_as_blocks(text):
+    doc = {"expr": text, "nested": [{"expr": text}]}
+    assert yaml.safe_load(yamlout.dump(doc, blocks=True)) == doc
+
+
+def test_literal_block_for_multiline_text():
+    assert yamlout.dump({"expr": "a\n  b"}, blocks=True) == "expr: |-\n  a\n    b\n"
 
 
 def test_plain_where_safe_quoted_where_not():
