@@ -47,6 +47,7 @@ from kvpilot.twin.metrics import CONTENT_TYPE, VllmMetrics
 from kvpilot.twin.server import protocol as proto
 from kvpilot.twin.server.connection import Runner, keepalive_timeout
 from kvpilot.twin.server.jsonlog import LOGGER_NAME
+from kvpilot.twin.server.parsing import lower_priority, parse_body
 
 log = logging.getLogger(LOGGER_NAME)
 
@@ -303,37 +304,12 @@ class EngineLoop:
             "e2e_s": round(now - tr.arrival, 6)}})
 
 
-# Large bodies are spooled here: memory-backed where the machine has /dev/shm.
-_SPOOL_DIR = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
 
 
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
-
-
-def _lower_priority() -> None:
-    # Parsing a hostile body must not take CPU from serving: on a busy machine the event loop's
-    # process (streams, /health) goes first.
-    with contextlib.suppress(OSError):
-        os.nice(10)
-
-
-def parse_body(raw: bytes | str, kind: proto.Kind, served_model_names: tuple[str, ...],
-               max_model_len: int) -> proto.GenerationRequest | tuple[str, int, str | None]:
-    """Decode and validate a request body (its bytes, or the path of the file it was spooled to):
-    the request, or (message, status, param) of its error (a tuple, as an exception with keyword
-    arguments does not cross a process boundary whole)."""
-    if isinstance(raw, str):
-        with open(raw, "rb") as f:
-            raw = f.read()
-    try:
-        body = proto.decode_json_object(raw)
-        return proto.parse_generation_request(body, kind, served_model_name=served_model_names,
-                                              max_model_len=max_model_len)
-    except proto.OpenAIError as exc:
-        return exc.message, exc.status, exc.param
 
 
 def _json_error(exc: proto.OpenAIError) -> web.Response:
@@ -500,12 +476,12 @@ class TwinServer:
             raise proto.OpenAIError(message, status=status, param=param)
         return result
 
-    async def _parse_elsewhere(self, raw: str, kind: proto.Kind) -> proto.GenerationRequest:
+    async def _parse_elsewhere(self, raw: bytes | str, kind: proto.Kind) -> proto.GenerationRequest:
         if self._parse_pool is None:
             # spawn: a clean interpreter that imports only the protocol module (no fork of a
             # process with threads and an event loop).
             self._parse_pool = ProcessPoolExecutor(PARSE_SLOTS, mp_context=multiprocessing.get_context("spawn"),
-                                                   initializer=_lower_priority)
+                                                   initializer=lower_priority)
         loop = asyncio.get_running_loop()
         try:
             result = await loop.run_in_executor(self._parse_pool, parse_body, raw, kind,
@@ -522,13 +498,15 @@ class TwinServer:
         """The (decompressed) body, refused with 413 as soon as it passes MAX_BODY_BYTES.
 
         A small body comes back as bytes; a large one is spooled, chunk by chunk as it arrives, to
-        a file whose path comes back: the worker that parses it reads it from there, so this
-        process never joins, pickles or pipes megabytes (each a stretch of holding the GIL)."""
+        a temporary file whose path comes back: the worker that parses it reads it from there, so
+        this process never joins, pickles or pipes megabytes (each a stretch of holding the GIL).
+        Where no temporary file can be written, a large body comes back as bytes too."""
         if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
             raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES, actual_size=request.content_length)
         chunks: list[bytes] = []
         size = 0
         spool: tuple[int, str] | None = None
+        can_spool = True
         try:
             while chunk := await request.content.readany():
                 size += len(chunk)
@@ -536,10 +514,17 @@ class TwinServer:
                     raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES, actual_size=size)
                 if spool is None:
                     chunks.append(chunk)
-                    if size > INLINE_PARSE_BYTES:
-                        spool = tempfile.mkstemp(prefix="kvpilot-twin-body-", dir=_SPOOL_DIR)
-                        _write_all(spool[0], b"".join(chunks))
-                        chunks.clear()
+                    if size > INLINE_PARSE_BYTES and can_spool:
+                        try:  # the temp dir ($TMPDIR, else /tmp)
+                            spool = tempfile.mkstemp(prefix="kvpilot-twin-body-")
+                            _write_all(spool[0], b"".join(chunks))
+                            chunks.clear()
+                        except OSError:  # read-only or full: keep the body in memory instead
+                            if spool is not None:
+                                os.close(spool[0])
+                                with contextlib.suppress(OSError):
+                                    os.unlink(spool[1])
+                            spool, can_spool = None, False
                 else:
                     _write_all(spool[0], chunk)
         except BaseException:
@@ -559,15 +544,16 @@ class TwinServer:
         except TimeoutError:
             raise proto.OpenAIError(f"The request body did not arrive within {BODY_TIMEOUT_S:g} s.",
                                     status=408) from None
-        if isinstance(raw, bytes):
+        if isinstance(raw, bytes) and len(raw) <= INLINE_PARSE_BYTES:
             return self._parse(raw, kind)
         # Decoding and counting megabytes takes CPU-seconds: a worker process does it.
         try:
             async with self._parse_slots:
                 return await self._parse_elsewhere(raw, kind)
         finally:
-            with contextlib.suppress(OSError):
-                os.unlink(raw)
+            if isinstance(raw, str):
+                with contextlib.suppress(OSError):
+                    os.unlink(raw)
 
     async def _generate(self, request: web.Request, kind: proto.Kind) -> web.StreamResponse:
         self._refuse_if_unavailable()

@@ -164,3 +164,13 @@ def test_log_is_json_lines_only(twin: TwinProcess) -> None:
     for line in lines:
         json.loads(line)
     assert "Traceback" not in twin.logs()
+
+
+def test_large_body_without_a_writable_temp_dir(tmp_path) -> None:
+    """Where no temporary file can be written (a read-only container), a large body is parsed from
+    memory instead: the same 400, no 5xx."""
+    case = next(c for c in CASES if c.id == "ten-mb-prompt")
+    env = {"TMPDIR": str(tmp_path / "missing")}
+    with twin_server(*FAST_TWIN_ARGS, log_dir=tmp_path, env=env) as t:
+        status, body = _parse(_exchange(t.port, case))
+        assert status == 400 and "maximum context length" in json.loads(body)["error"]["message"]
