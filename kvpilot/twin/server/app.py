@@ -306,6 +306,17 @@ class EngineLoop:
 
 
 
+def _spool_dir() -> str | None:
+    """Where a large body is spooled: /dev/shm (memory) when it has room for several bodies (a
+    container's default 64 MB does not), else the temp dir, whose disk writes can be throttled."""
+    try:
+        stat = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    room = stat.f_bavail * stat.f_frsize
+    return "/dev/shm" if room >= 4 * MAX_BODY_BYTES and os.access("/dev/shm", os.W_OK) else None
+
+
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -498,7 +509,8 @@ class TwinServer:
         """The (decompressed) body, refused with 413 as soon as it passes MAX_BODY_BYTES.
 
         A small body comes back as bytes; a large one is spooled, chunk by chunk as it arrives, to
-        a temporary file whose path comes back: the worker that parses it reads it from there, so
+        a temporary file (memory-backed where it can be) whose path comes back: the worker that
+        parses it reads it from there, so
         this process never joins, pickles or pipes megabytes (each a stretch of holding the GIL).
         Where no temporary file can be written, a large body comes back as bytes too."""
         if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
@@ -515,8 +527,8 @@ class TwinServer:
                 if spool is None:
                     chunks.append(chunk)
                     if size > INLINE_PARSE_BYTES and can_spool:
-                        try:  # the temp dir ($TMPDIR, else /tmp)
-                            spool = tempfile.mkstemp(prefix="kvpilot-twin-body-")
+                        try:
+                            spool = tempfile.mkstemp(prefix="kvpilot-twin-body-", dir=_spool_dir())
                             _write_all(spool[0], b"".join(chunks))
                             chunks.clear()
                         except OSError:  # read-only or full: keep the body in memory instead
