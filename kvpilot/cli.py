@@ -8,6 +8,7 @@ handlers, so `kvpilot --help` and `kvpilot validate` stay fast.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -49,7 +50,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         # `kvpilot render ... | head` is fine; silence the interpreter's complaint at exit.
         sys.stderr.close()
         return 0
+    except (Exception, RecursionError, MemoryError) as exc:
+        # Every known bad input has its own message; this is the last guard, so that a bug still
+        # reaches the user as one line (and a bug report can ask for the traceback).
+        if os.environ.get("KVPILOT_DEBUG"):
+            raise
+        print(f"kvpilot {args.command}: internal error: {type(exc).__name__}: {_brief_error(exc)} "
+              "(set KVPILOT_DEBUG=1 to see the traceback)", file=sys.stderr)
+        return 70  # EX_SOFTWARE
     return int(result or 0)
+
+
+def _brief_error(exc: BaseException, limit: int = 300) -> str:
+    try:
+        text = " ".join(str(exc).split())
+    except Exception:  # a __str__ that fails too
+        text = ""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 if __name__ == "__main__":

@@ -50,25 +50,24 @@ def _crd(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read(name: str) -> str:
-    if name == "-":
-        return sys.stdin.read()
-    return Path(name).read_text()
-
-
 def _validate(args: argparse.Namespace) -> int:
+    from kvpilot.api.documents import DocumentError, read_source
     from kvpilot.api.validation import validate_text
 
     failed = False
     for name in args.filename:
         source = "<stdin>" if name == "-" else name
         try:
-            text = _read(name)
-        except (OSError, UnicodeDecodeError) as exc:
-            print(f"{source}: cannot read: {exc}", file=sys.stderr)
+            data = read_source(name)
+        except OSError as exc:
+            print(f"{source}: cannot read: {exc.strerror or exc}", file=sys.stderr)
             failed = True
             continue
-        for result in validate_text(text):
+        except DocumentError as exc:
+            print(f"{source}: {exc}")
+            failed = True
+            continue
+        for result in validate_text(data):
             if result.valid:
                 if not args.quiet:
                     print(f"{source}: {result.label}: valid")

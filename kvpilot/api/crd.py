@@ -50,6 +50,30 @@ _CEL_RULES: dict[tuple[str, ...], list[dict[str, str]]] = {
             "fieldPath": ".kvCacheMemoryBytes",
         },
     ],
+    # Quantities: the pattern already holds them to resource.ParseQuantity's grammar; these say what
+    # a pattern cannot (Kubernetes' CEL quantity library, 1.29+), as kube.py does.
+    ("spec", "resources"): [
+        *(
+            {
+                "rule": f"quantity(self.{name}).sign() == 1 && quantity(self.{name}).isInteger() "
+                f"&& quantity(self.{name}).compareTo(quantity('1Pi')) <= 0",
+                "message": f"{name} must be a whole, positive number of bytes, at most 1Pi",
+                "fieldPath": f".{name}",
+            }
+            for name in ("memory", "shmSize")
+        ),
+        {
+            "rule": "!has(self.cpu) || (quantity(self.cpu).compareTo(quantity('1m')) >= 0 "
+            "&& quantity(self.cpu).compareTo(quantity('4096')) <= 0)",
+            "message": "cpu must be between 1m and 4096",
+            "fieldPath": ".cpu",
+        },
+        {
+            "rule": "!self.gpuResource.matches('^([^/]*[.])?kubernetes[.]io/')",
+            "message": "gpuResource must be an extended resource such as nvidia.com/gpu, not one in kubernetes.io",
+            "fieldPath": ".gpuResource",
+        },
+    ],
     ("spec", "rollout"): [
         {
             "rule": "self.progressDeadlineSeconds > self.startupTimeoutSeconds",

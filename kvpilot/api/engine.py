@@ -20,6 +20,8 @@ GiB = 1 << 30
 MAX_BATCHED_TOKENS_LIMIT = 1 << 20
 MAX_NUM_SEQS_LIMIT = 1 << 16
 MAX_MODEL_LEN_LIMIT = 1 << 24
+# --kv-cache-memory-bytes is per GPU; the largest GPUs hold a few hundred GiB.
+MAX_KV_CACHE_MEMORY_BYTES = 1 << 40
 
 
 @dataclass(frozen=True, slots=True)

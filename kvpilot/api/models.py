@@ -15,8 +15,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from kvpilot.api import rules, vllm
-from kvpilot.api.engine import MAX_BATCHED_TOKENS_LIMIT, MAX_MODEL_LEN_LIMIT, MAX_NUM_SEQS_LIMIT
+from kvpilot.api import kube, rules, vllm
+from kvpilot.api.engine import (
+    MAX_BATCHED_TOKENS_LIMIT,
+    MAX_KV_CACHE_MEMORY_BYTES,
+    MAX_MODEL_LEN_LIMIT,
+    MAX_NUM_SEQS_LIMIT,
+)
+from kvpilot.api.slo import MIN_ERROR_BUDGET
 
 
 class _Wire(BaseModel):
@@ -36,6 +42,7 @@ class TwinSpec(_Wire):
     gpu: str = Field(
         "H100-80GB",
         min_length=1,
+        max_length=64,
         description="GPU preset the engine twin simulates (A100-80GB, H100-80GB, H200, L40S, L4, A10G).",
     )
     startup_delay_seconds: float = Field(
@@ -47,7 +54,7 @@ class EngineSpec(_Wire):
     kind: Literal["vllm", "twin"] = Field(
         "vllm", description="vllm runs the vLLM image; twin runs kvpilot's GPU-less engine twin with the same flags."
     )
-    image: str = Field(vllm.DEFAULT_IMAGE, min_length=1, description="vLLM container image (engine.kind vllm).")
+    image: kube.ImageReference = Field(vllm.DEFAULT_IMAGE, description="vLLM container image (engine.kind vllm).")
     max_num_batched_tokens: int = Field(
         2048,
         ge=1,
@@ -66,7 +73,9 @@ class EngineSpec(_Wire):
     kv_cache_memory_bytes: int | None = Field(
         None,
         ge=1,
-        description="--kv-cache-memory-bytes: a fixed KV-cache size; overrides gpuMemoryUtilization, so not both.",
+        le=MAX_KV_CACHE_MEMORY_BYTES,
+        description="--kv-cache-memory-bytes: a fixed KV-cache size per GPU (at most 1 TiB); overrides "
+        "gpuMemoryUtilization, so not both.",
     )
     max_num_seqs: int = Field(
         256, ge=1, le=MAX_NUM_SEQS_LIMIT, description="--max-num-seqs: most sequences running at once. Tuned."
@@ -84,7 +93,7 @@ class EngineSpec(_Wire):
     long_prefill_token_threshold: int = Field(
         0, ge=0, le=MAX_BATCHED_TOKENS_LIMIT, description="--long-prefill-token-threshold: cap on one request's chunk (0 = none)."
     )
-    extra_args: list[str] = Field(
+    extra_args: list[Annotated[str, Field(max_length=4096)]] = Field(
         default_factory=list,
         max_length=256,
         description="More `vllm serve` arguments, passed through after the typed flags; may not repeat a typed flag.",
@@ -106,23 +115,24 @@ class EngineSpec(_Wire):
 
 
 class SecretKeyRef(_Wire):
-    name: str = Field(..., min_length=1, max_length=253, description="Name of a Secret in the same namespace.")
-    key: str = Field("HF_TOKEN", min_length=1, description="Key in that Secret.")
-
-
-_Quantity = Annotated[
-    str, Field(pattern=r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$", max_length=64)
-]
+    name: kube.SecretName = Field(..., description="Name of a Secret in the same namespace (a DNS-1123 subdomain).")
+    key: kube.SecretKey = Field("HF_TOKEN", description="Key in that Secret.")
 
 
 class ResourcesSpec(_Wire):
     gpus: int = Field(1, ge=0, le=64, description="GPUs per replica; at least engine.tensorParallelSize for vllm.")
-    gpu_resource: str = Field(
-        "nvidia.com/gpu", min_length=1, max_length=253, description="Extended resource name of the GPU."
+    gpu_resource: kube.ExtendedResourceName = Field(
+        "nvidia.com/gpu", description="Extended resource name of the GPU (domain/name, e.g. nvidia.com/gpu, amd.com/gpu)."
     )
-    cpu: _Quantity | None = Field(None, description="CPU request and limit per replica (a Kubernetes quantity).")
-    memory: _Quantity = Field("32Gi", description="Memory request and limit per replica (a Kubernetes quantity).")
-    shm_size: _Quantity = Field("8Gi", description="Size of the memory-backed /dev/shm volume.")
+    cpu: kube.CpuQuantity | None = Field(
+        None, description="CPU request and limit per replica (a Kubernetes quantity, 1m to 4096)."
+    )
+    memory: kube.ByteQuantity = Field(
+        "32Gi", description="Memory request and limit per replica (a Kubernetes quantity, whole bytes up to 1Pi)."
+    )
+    shm_size: kube.ByteQuantity = Field(
+        "8Gi", description="Size of the memory-backed /dev/shm volume (whole bytes up to 1Pi)."
+    )
 
 
 class RolloutSpec(_Wire):
@@ -156,9 +166,17 @@ class SLOSpec(_Wire):
     itl_seconds: float = Field(
         0.05, description="Inter-token latency target; must be a bucket edge of vllm:inter_token_latency_seconds."
     )
-    objective: float = Field(0.99, gt=0, lt=1, description="Fraction of requests that must meet both targets.")
+    objective: float = Field(
+        0.99,
+        gt=0,
+        le=1 - MIN_ERROR_BUDGET,
+        description="Fraction of requests that must meet both targets; at most 0.999999 (an error budget of "
+        "at least one in a million).",
+    )
     period: str = Field(
-        "30d", pattern=r"^[1-9][0-9]*[dhw]$", description="SLO period for the error budget, e.g. 30d, 4w, 720h."
+        "30d",
+        pattern=r"^[1-9][0-9]{0,3}[dhw]$",
+        description="SLO period for the error budget, e.g. 30d, 4w, 720h.",
     )
 
     @model_validator(mode="after")

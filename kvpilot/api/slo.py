@@ -9,6 +9,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+# An SLO whose error budget is smaller than this cannot be measured from request counts, and its
+# burn rate (error ratio / budget) divides by what rounds to zero.
+MIN_ERROR_BUDGET = 1e-6
+
 
 @dataclass(frozen=True)
 class SLO:

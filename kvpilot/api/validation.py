@@ -7,16 +7,21 @@ InvalidSpec condition and a future admission webhook all print exactly these mes
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, get_args, get_origin
 
-import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
+from kvpilot.api.documents import DocumentError, brief
+from kvpilot.api.documents import load_documents as load_documents
+from kvpilot.api.kube import PATTERN_MESSAGES
 from kvpilot.api.models import InferenceService
 from kvpilot.api.vocabulary import API_VERSION, KIND
+
+# Past this many problems in one document, the rest are counted, not listed: a document with
+# thousands of wrong values needs its first few fixed, not a screenful.
+MAX_ISSUES = 50
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,11 +58,6 @@ def format_path(loc: tuple[str | int, ...]) -> str:
     return out
 
 
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _model_at(loc: tuple[str | int, ...]) -> type[BaseModel] | None:
     """The model class whose field `loc` names (for listing the allowed fields)."""
     model: Any = InferenceService
@@ -91,17 +91,22 @@ def _message(error: ErrorDetails) -> str:
         return "unknown field" + (f"; allowed here: {', '.join(allowed)}" if allowed else "")
     if kind == "missing":
         return "required field is missing"
+    if kind == "string_pattern_mismatch":
+        pattern = (error.get("ctx") or {}).get("pattern")
+        if pattern in PATTERN_MESSAGES:
+            return f"{PATTERN_MESSAGES[pattern]} (got {brief(error.get('input'))})"
     message = str(error["msg"])
     if kind.endswith("_type") or kind.endswith("_parsing") or kind in ("literal_error", "string_pattern_mismatch"):
-        message += f" (got {_short(error.get('input'))})"
+        message += f" (got {brief(error.get('input'))})"
     return message
 
 
 def issues_from_error(error: ValidationError) -> list[ValidationIssue]:
-    return [
-        ValidationIssue(format_path(tuple(e["loc"])), _message(e))
-        for e in error.errors(include_url=False)
-    ]
+    errors = error.errors(include_url=False)
+    issues = [ValidationIssue(format_path(tuple(e["loc"])), _message(e)) for e in errors[:MAX_ISSUES]]
+    if len(errors) > MAX_ISSUES:
+        issues.append(ValidationIssue("", f"... and {len(errors) - MAX_ISSUES} more problems"))
+    return issues
 
 
 def validate_object(obj: Any) -> list[ValidationIssue]:
@@ -110,17 +115,22 @@ def validate_object(obj: Any) -> list[ValidationIssue]:
         return [ValidationIssue("", f"an InferenceService must be a mapping (got {type(obj).__name__})")]
     head: list[ValidationIssue] = []
     if obj.get("apiVersion") != API_VERSION:
-        head.append(ValidationIssue("apiVersion", f"must be {API_VERSION} (got {_short(obj.get('apiVersion'))})"))
+        head.append(ValidationIssue("apiVersion", f"must be {API_VERSION} (got {brief(obj.get('apiVersion'))})"))
     if obj.get("kind") != KIND:
-        head.append(ValidationIssue("kind", f"must be {KIND} (got {_short(obj.get('kind'))})"))
+        head.append(ValidationIssue("kind", f"must be {KIND} (got {brief(obj.get('kind'))})"))
     if head:
         # Another kind's fields would only bury the real problem under noise.
         return head
     try:
-        InferenceService.model_validate(obj)
+        strict_validate(obj)
     except ValidationError as exc:
         return issues_from_error(exc)
     return []
+
+
+def strict_validate(obj: Any) -> InferenceService:
+    """Validate as the API server would: types as the CRD has them (no "3" for an integer)."""
+    return InferenceService.model_validate(obj, strict=True)
 
 
 def parse_inference_service(obj: Any) -> InferenceService:
@@ -128,7 +138,7 @@ def parse_inference_service(obj: Any) -> InferenceService:
     issues = validate_object(obj)
     if issues:
         raise InvalidInferenceService(issues)
-    return InferenceService.model_validate(obj)
+    return strict_validate(obj)
 
 
 class InvalidInferenceService(ValueError):
@@ -147,28 +157,32 @@ def _name_of(obj: Any) -> str | None:
     return f"{namespace}/{meta['name']}" if isinstance(namespace, str) else meta["name"]
 
 
-def load_documents(text: str) -> Iterator[Any]:
-    """YAML documents of a stream, skipping empty ones (a trailing `---` is common)."""
-    for doc in yaml.safe_load_all(text):
-        if doc is not None:
-            yield doc
+@dataclass(frozen=True, slots=True)
+class ParsedDocument:
+    index: int
+    obj: Any
+    result: DocumentResult
 
 
-def validate_text(text: str) -> list[DocumentResult]:
-    """Validate a multi-document YAML stream; a YAML error becomes one issue with its line and column."""
-    results: list[DocumentResult] = []
+def parse_text(data: bytes | str) -> list[ParsedDocument]:
+    """Every document of a multi-document YAML stream with its validation result.
+
+    A stream that cannot be read (too large, not UTF-8, not YAML, too deep, an alias bomb) ends
+    in one document result whose single issue says where and why; the documents before it keep
+    their own results."""
+    parsed: list[ParsedDocument] = []
     index = 0
     try:
-        for doc in load_documents(text):
-            results.append(DocumentResult(index, _name_of(doc), validate_object(doc)))
+        for doc in load_documents(data):
+            parsed.append(ParsedDocument(index, doc, DocumentResult(index, _name_of(doc), validate_object(doc))))
             index += 1
-    except yaml.YAMLError as exc:
-        where = ""
-        mark = getattr(exc, "problem_mark", None)
-        if mark is not None:
-            where = f" at line {mark.line + 1}, column {mark.column + 1}"
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        results.append(DocumentResult(index, None, [ValidationIssue("", f"not valid YAML{where}: {problem}")]))
-    if not results:
-        results.append(DocumentResult(0, None, [ValidationIssue("", "no YAML document found")]))
-    return results
+    except DocumentError as exc:
+        parsed.append(ParsedDocument(index, None, DocumentResult(index, None, [ValidationIssue("", str(exc))])))
+    if not parsed:
+        parsed.append(ParsedDocument(0, None, DocumentResult(0, None, [ValidationIssue("", "no YAML document found")])))
+    return parsed
+
+
+def validate_text(data: bytes | str) -> list[DocumentResult]:
+    """Validate a multi-document YAML stream; a YAML error becomes one issue with its line and column."""
+    return [p.result for p in parse_text(data)]

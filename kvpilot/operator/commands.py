@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from kvpilot.operator.builders.common import DEFAULT_TWIN_IMAGE
 
@@ -94,19 +93,21 @@ def _operator(args: argparse.Namespace) -> int:
 
 
 def _render(args: argparse.Namespace) -> int:
-    import yaml
-
-    from kvpilot.api.models import InferenceService
-    from kvpilot.api.validation import validate_text
+    from kvpilot.api import yamlout
+    from kvpilot.api.documents import DocumentError, read_source
+    from kvpilot.api.validation import parse_text, strict_validate
     from kvpilot.operator.builders import RenderOptions, render_manifests
 
     try:
-        text = sys.stdin.read() if args.filename == "-" else Path(args.filename).read_text()
+        data = read_source(args.filename)
     except OSError as exc:
         print(f"kvpilot render: cannot read {args.filename}: {exc.strerror or exc}", file=sys.stderr)
         return 1
-    results = validate_text(text)
-    bad = [r for r in results if not r.valid]
+    except DocumentError as exc:
+        print(f"{args.filename}: {exc}", file=sys.stderr)
+        return 1
+    parsed = parse_text(data)
+    bad = [p.result for p in parsed if not p.result.valid]
     if bad:
         for result in bad:
             for issue in result.issues:
@@ -114,10 +115,10 @@ def _render(args: argparse.Namespace) -> int:
         return 1
     options = RenderOptions(twin_image=args.twin_image, service_monitors=not args.no_monitoring,
                             prometheus_rules=not args.no_monitoring)
-    docs = []
-    for doc in yaml.safe_load_all(text):
-        if doc is None:
-            continue
-        docs += render_manifests(InferenceService.model_validate(doc), options)
-    sys.stdout.write(yaml.safe_dump_all(docs, sort_keys=False, default_flow_style=False))
+    # One service at a time: a bundle of a thousand is 27 MB of YAML, never all in memory at once.
+    first = True
+    for p in parsed:
+        text = yamlout.dump_all(render_manifests(strict_validate(p.obj), options))
+        sys.stdout.write(text if first else "---\n" + text)
+        first = False
     return 0

@@ -127,42 +127,30 @@ class UsageError(Exception):
     """Bad input: printed as `error: ...`, exit 2."""
 
 
-def _read(path: str) -> str:
-    try:
-        if path == "-":
-            return sys.stdin.read()
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except OSError as exc:
-        raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from exc
-
-
 def load_services(path: str) -> list[Any]:
     """Every InferenceService in a YAML file, validated; UsageError lists the problems by field.
 
     Other kinds in the same file (a Secret, a Namespace...) are skipped, as `kubectl apply -f`
     bundles often hold them.
     """
-    import yaml
+    from kvpilot.api import KIND, validate_object
+    from kvpilot.api.documents import DocumentError, load_documents, read_source
+    from kvpilot.api.validation import strict_validate
 
-    from kvpilot.api import KIND, InferenceService, validate_object, validate_text
-    from kvpilot.api.validation import load_documents
-
-    text = _read(path)
     try:
-        docs = list(load_documents(text))
-    except yaml.YAMLError:
-        docs = None
-    if docs is None:  # let the API's validator say where the YAML breaks
-        problems = [f"{path}: {issue}" for r in validate_text(text) for issue in r.issues]
-        raise UsageError("invalid YAML:\n  " + "\n  ".join(problems))
+        docs = list(load_documents(read_source(path)))
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except DocumentError as exc:
+        where = f"document {exc.document + 1}: " if exc.document is not None else ""
+        raise UsageError(f"{path}: {where}{exc}") from None
     services = [(i, d) for i, d in enumerate(docs) if not isinstance(d, dict) or d.get("kind", KIND) == KIND]
     if not services:
         raise UsageError(f"{path}: no InferenceService found ({len(docs)} document(s) of other kinds)")
     problems = [f"{path}: document {i + 1}: {issue}" for i, d in services for issue in validate_object(d)]
     if problems:
         raise UsageError("invalid InferenceService:\n  " + "\n  ".join(problems))
-    return [InferenceService.model_validate(d) for _, d in services]
+    return [strict_validate(d) for _, d in services]
 
 
 def _target(args: argparse.Namespace) -> tuple[Any, Any]:

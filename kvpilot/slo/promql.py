@@ -14,36 +14,49 @@ both during the deprecation window, and summing them would count every token twi
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 from kvpilot.api import vllm, vocabulary
+from kvpilot.api.slo import MIN_ERROR_BUDGET
 
 # The series label of the pod label `kvpilot.dev/inferenceservice`.
 ISVC_POD_LABEL = vocabulary.SERIES_LABEL_INFERENCESERVICE
 
 _LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
-# A Prometheus duration: one or more <number><unit>, e.g. 5m, 1h30m, 600s.
-_DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")
+# prometheus/common model.ParseDuration: each unit at most once, largest first (`1h30m`, not `30m1h`
+# nor `5m5m`); the total must fit Go's time.Duration (int64 nanoseconds, about 292 years).
+_DURATION = re.compile(
+    r"^(?:([0-9]+)y)?(?:([0-9]+)w)?(?:([0-9]+)d)?(?:([0-9]+)h)?(?:([0-9]+)m)?(?:([0-9]+)s)?(?:([0-9]+)ms)?$"
+)
+_DURATION_UNITS_MS = (365 * 86_400_000, 7 * 86_400_000, 86_400_000, 3_600_000, 60_000, 1000, 1)
+_MAX_DURATION_NS = (1 << 63) - 1
 # Grafana fills these in before a query reaches Prometheus (dashboards only).
 GRAFANA_RANGES = ("$__rate_interval", "$__interval", "$__range")
-_DURATION_PART = re.compile(r"([0-9]+)(ms|s|m|h|d|w|y)")
-_UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
 
 MatchOp = Literal["=", "!=", "=~", "!~"]
 _OPS: tuple[str, ...] = ("=", "!=", "=~", "!~")
 
 
+# Characters `quote` must escape (or refuse); a value without any is quoted as it is.
+_NEEDS_ESCAPE = re.compile("[\\\\\"\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+
+
+@functools.lru_cache(maxsize=4096)
 def quote(value: str) -> str:
     """A PromQL double-quoted string literal holding exactly `value`.
 
     PromQL strings use Go's escapes.  Backslash and double quote are escaped; control
     characters (newline, tab, NUL, DEL...) are written as escapes so the query stays one line
     and the lexer never sees a raw control byte.  Everything else, braces and non-ASCII
-    letters included, is safe inside the quotes.
+    letters included, is safe inside the quotes.  (Cached: a rule file quotes the same
+    namespace and name hundreds of times.)
     """
+    if _NEEDS_ESCAPE.search(value) is None:
+        return f'"{value}"'
     out: list[str] = ['"']
     for ch in value:
         if ch == "\\":
@@ -67,22 +80,45 @@ def quote(value: str) -> str:
     return "".join(out)
 
 
-def validate_duration(window: str) -> str:
-    """Return `window` if it is a Prometheus range duration (`5m`, `600s`, `1h30m`), else raise ValueError."""
-    if window in GRAFANA_RANGES:
-        return window
-    if not isinstance(window, str) or not _DURATION.match(window):
+@functools.lru_cache(maxsize=256)
+def _duration_ms(window: str) -> int:
+    """Milliseconds in a Prometheus duration, or ValueError saying what Prometheus would say."""
+    match = _DURATION.match(window) if isinstance(window, str) and window else None
+    if match is None:
+        shown = repr(window[:40]) if isinstance(window, str) else type(window).__name__
         raise ValueError(
-            f"window {window!r} is not a Prometheus duration: use a number and a unit "
-            "(ms, s, m, h, d, w, y), e.g. '5m', '600s' or '1h30m'"
+            f"window {shown} is not a Prometheus duration: use numbers with units, largest first and each "
+            "unit once (y, w, d, h, m, s, ms), e.g. '5m', '600s' or '1h30m'"
         )
+    total_ns = 0
+    for digits, unit_ms in zip(match.groups(), _DURATION_UNITS_MS, strict=True):
+        if digits is None:
+            continue
+        # Python ints do not overflow; Go's do, and Prometheus says "out of range" instead.
+        if len(digits) > 30:
+            total_ns = _MAX_DURATION_NS + 1
+        else:
+            total_ns += int(digits) * unit_ms * 1_000_000
+        if total_ns > _MAX_DURATION_NS:
+            raise ValueError(f"window {window[:40]!r} is out of range: Prometheus durations end at about 292 years")
+    return total_ns // 1_000_000
+
+
+def validate_duration(window: str, *, grafana: bool = True) -> str:
+    """Return `window` if Prometheus accepts it as a range (`5m`, `600s`, `1h30m`; positive, at
+    most ~292 years), else raise ValueError.  With `grafana`, Grafana's range variables pass too
+    (they are filled in before the query reaches Prometheus)."""
+    if grafana and window in GRAFANA_RANGES:
+        return window
+    if _duration_ms(window) <= 0:
+        raise ValueError(f"window {window!r} must be longer than 0 (Prometheus refuses an empty range)")
     return window
 
 
 def duration_seconds(window: str) -> float:
     """Seconds in a Prometheus duration string (`1h30m` -> 5400.0)."""
-    validate_duration(window)
-    return float(sum(int(n) * _UNIT_SECONDS[u] for n, u in _DURATION_PART.findall(window)))
+    validate_duration(window, grafana=False)
+    return _duration_ms(window) / 1000.0
 
 
 def seconds_duration(seconds: float) -> str:
@@ -100,8 +136,16 @@ class Matcher:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _LABEL_NAME.match(self.name):
+            shown = repr(self.name[:60]) if isinstance(self.name, str) else type(self.name).__name__
+            raise ValueError(f"label name {shown} is not a Prometheus label name ([a-zA-Z_][a-zA-Z0-9_]*)")
+        if self.name == "__name__":
             raise ValueError(
-                f"label name {self.name!r} is not a Prometheus label name ([a-zA-Z_][a-zA-Z0-9_]*)"
+                "label __name__ is the metric name, which each query sets itself; select series by other labels"
+            )
+        if self.name.startswith("__"):
+            raise ValueError(
+                f"label name {self.name!r} begins with __, which Prometheus reserves for its own use; "
+                "stored series never carry such labels"
             )
         if self.op not in _OPS:
             raise ValueError(f"matcher operator {self.op!r} is not one of {', '.join(_OPS)}")
@@ -276,7 +320,12 @@ def error_budget(objective: float) -> float:
     if not 0.0 < objective < 1.0:
         raise ValueError(f"objective {objective} must be strictly between 0 and 1 (e.g. 0.99)")
     # Round away float noise: 1 - 0.999 is 0.0010000000000000009.
-    return round(1.0 - objective, 12)
+    budget = round(1.0 - objective, 12)
+    if budget < MIN_ERROR_BUDGET:
+        raise ValueError(
+            f"objective {objective} leaves an error budget below one in a million; use at most 0.999999"
+        )
+    return budget
 
 
 def check_bucket_edge(hist: str, threshold: float) -> float:

@@ -100,7 +100,7 @@ def _worst(*values: float | None) -> float | None:
 
 def signal_queries(selector: Selector, slo: SloTarget, window: str = "5m") -> dict[str, str]:
     """The PromQL behind each snapshot field (also what `kvpilot slo query` prints)."""
-    promql.validate_duration(window)
+    promql.validate_duration(window, grafana=False)  # these queries go to Prometheus as they are
     q: dict[str, str] = {
         "samples": promql.observations("ttft", selector, window),
         "itl_samples": promql.observations("itl", selector, window),

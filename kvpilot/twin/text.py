@@ -25,6 +25,11 @@ from collections.abc import Iterable, Iterator
 _PIECE = re.compile(r"[^\W_]+|[^\w\s]|_")
 # BPE vocabularies hold most short words whole and split longer ones into ~4-6 character pieces.
 _CHARS_PER_TOKEN = 6
+_LONG_RUN = re.compile(rf"[^\W_]{{{_CHARS_PER_TOKEN + 1},}}")
+_NOT_ALNUM = re.compile(r"[\W_]")
+# Text is counted this many characters at a time: each regex call holds the GIL, and a server that
+# counts a megabytes-long prompt in a worker thread must let its event loop run in between.
+_CHUNK = 1 << 16
 
 # Tokens the chat template adds around every message (role header, separators) and once for
 # the assistant's reply header.  OpenAI's own estimate for its chat format uses the same figures.
@@ -45,10 +50,26 @@ OUTPUT_WORDS: tuple[str, ...] = (
 def count_text_tokens(text: str) -> int:
     """Tokens in `text` without any special token: one per short word or punctuation mark,
     more for long words (one per started `_CHARS_PER_TOKEN` characters)."""
+    # Each piece is one token plus one per further started group of characters:
+    # max(1, ceil(n / 6)) == 1 + (n - 1) // 6.
     total = 0
-    for piece in _PIECE.findall(text):
-        total += max(1, math.ceil(len(piece) / _CHARS_PER_TOKEN))
+    start, end = 0, len(text)
+    while start < end:
+        stop = min(start + _CHUNK, end)
+        if stop < end and _is_alnum(text[stop - 1]) and _is_alnum(text[stop]):
+            # Never cut a word in two: move the cut to the end of the word.
+            after = _NOT_ALNUM.search(text, stop)
+            stop = after.start() if after is not None else end
+        chunk = text[start:stop]
+        total += len(_PIECE.findall(chunk))
+        for run in _LONG_RUN.findall(chunk):
+            total += (len(run) - 1) // _CHARS_PER_TOKEN
+        start = stop
     return total
+
+
+def _is_alnum(ch: str) -> bool:
+    return _NOT_ALNUM.match(ch) is None and not ch.isspace()
 
 
 def count_prompt_tokens(text: str) -> int:

@@ -28,9 +28,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import multiprocessing
+import os
 import signal
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -40,12 +45,23 @@ from kvpilot.api import vllm
 from kvpilot.twin import text as tokens
 from kvpilot.twin.metrics import CONTENT_TYPE, VllmMetrics
 from kvpilot.twin.server import protocol as proto
+from kvpilot.twin.server.connection import Runner, keepalive_timeout
 from kvpilot.twin.server.jsonlog import LOGGER_NAME
+from kvpilot.twin.server.parsing import lower_priority, parse_body
 
 log = logging.getLogger(LOGGER_NAME)
 
-# Prompts of long-context models run to megabytes of JSON; aiohttp's default cap is 1 MiB.
-MAX_BODY_BYTES = 64 * 1024 * 1024
+# Prompts of long-context models run to megabytes of JSON (a million-token prompt is ~6 MB of text
+# or ~7 MB of token ids); aiohttp's default cap is 1 MiB.  Bodies are counted after decompression.
+MAX_BODY_BYTES = 32 * 1024 * 1024
+# Bodies larger than this are decoded and counted in worker processes, so the event loop (the engine
+# loop, /health, every stream) keeps running while clients send megabytes: in a thread the parse
+# would still hold the GIL for most of its CPU-seconds.  At most PARSE_SLOTS at once, which also
+# bounds the memory they take.
+INLINE_PARSE_BYTES = 64 * 1024
+PARSE_SLOTS = 2
+# A client has this long to send its body once its headers are in (a slow upload is cut off).
+BODY_TIMEOUT_S = 60.0
 # How far behind the simulated timeline the engine loop may fall and still catch up.
 CATCH_UP_S = 0.05
 # After the drain, how long handlers get to write their final chunk before the sockets close.
@@ -288,8 +304,32 @@ class EngineLoop:
             "e2e_s": round(now - tr.arrival, 6)}})
 
 
+
+
+def _spool_dir() -> str | None:
+    """Where a large body is spooled: /dev/shm (memory) when it has room for several bodies (a
+    container's default 64 MB does not), else the temp dir, whose disk writes can be throttled."""
+    try:
+        stat = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    room = stat.f_bavail * stat.f_frsize
+    return "/dev/shm" if room >= 4 * MAX_BODY_BYTES and os.access("/dev/shm", os.W_OK) else None
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def _json_error(exc: proto.OpenAIError) -> web.Response:
     return web.json_response(exc.body(), status=exc.status)
+
+
+def _one_line(value: Any, limit: int = 200) -> str:
+    text = " ".join(str(value).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class TwinServer:
@@ -303,6 +343,8 @@ class TwinServer:
         self.draining = False
         self.created = int(time.time())
         self._handlers: set[asyncio.Task[Any]] = set()
+        self._parse_slots = asyncio.Semaphore(PARSE_SLOTS)
+        self._parse_pool: ProcessPoolExecutor | None = None
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
@@ -323,8 +365,9 @@ class TwinServer:
         self.engine_loop.start()
         # handler_cancellation: a client that goes away cancels its handler, which aborts the
         # request in the engine (vLLM does the same on disconnect).
-        self._runner = web.AppRunner(self.app, handle_signals=False, handler_cancellation=True,
-                                     access_log=None, shutdown_timeout=_FLUSH_SECONDS)
+        self._runner = Runner(self.app, handle_signals=False, handler_cancellation=True,
+                              access_log=None, shutdown_timeout=_FLUSH_SECONDS,
+                              keepalive_timeout=keepalive_timeout())
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         try:
@@ -363,6 +406,8 @@ class TwinServer:
             await asyncio.wait(set(self._handlers), timeout=_FLUSH_SECONDS)
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._parse_pool is not None:
+            self._parse_pool.shutdown(wait=False, cancel_futures=True)
         await self.engine_loop.stop()
         loop = self.engine_loop
         log.info("shutdown complete", extra={"fields": {
@@ -383,17 +428,20 @@ class TwinServer:
             return await handler(request)
         except proto.OpenAIError as exc:
             log.debug("request rejected", extra={"fields": {
-                "path": request.path, "status": exc.status, "param": exc.param, "error": exc.message}})
+                "path": request.path, "status": exc.status, "param": exc.param, "error": exc.message[:500]}})
             return _json_error(exc)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
             return _json_error(proto.OpenAIError(exc.reason, status=exc.status))
+        except web.RequestPayloadError as exc:  # a body that does not decompress, a broken chunk
+            cause = exc.__cause__ or exc
+            return _json_error(proto.OpenAIError(f"The request body cannot be read: {_one_line(cause)}"))
         except (asyncio.CancelledError, ConnectionResetError):
             raise
-        except Exception as exc:  # never a traceback to the client; the log gets it
+        except Exception as exc:  # never a traceback to the client; the log gets it (as JSON)
             log.exception("unhandled error", extra={"fields": {"path": request.path}})
-            return _json_error(proto.OpenAIError(f"Internal error: {exc!r}", status=500))
+            return _json_error(proto.OpenAIError(f"Internal error: {type(exc).__name__}", status=500))
 
     # ------------------------------------------------------------------ simple routes
 
@@ -429,11 +477,99 @@ class TwinServer:
         if self.engine_loop.dead is not None:
             raise proto.OpenAIError("The engine is dead; the server must be restarted.", status=503)
 
+    def _parse(self, raw: bytes, kind: proto.Kind) -> proto.GenerationRequest:
+        return self._parsed(parse_body(raw, kind, self.info.served_model_names, self.info.max_model_len))
+
+    @staticmethod
+    def _parsed(result: proto.GenerationRequest | tuple[str, int, str | None]) -> proto.GenerationRequest:
+        if isinstance(result, tuple):
+            message, status, param = result
+            raise proto.OpenAIError(message, status=status, param=param)
+        return result
+
+    async def _parse_elsewhere(self, raw: bytes | str, kind: proto.Kind) -> proto.GenerationRequest:
+        if self._parse_pool is None:
+            # spawn: a clean interpreter that imports only the protocol module (no fork of a
+            # process with threads and an event loop).
+            self._parse_pool = ProcessPoolExecutor(PARSE_SLOTS, mp_context=multiprocessing.get_context("spawn"),
+                                                   initializer=lower_priority)
+        loop = asyncio.get_running_loop()
+        try:
+            result = await loop.run_in_executor(self._parse_pool, parse_body, raw, kind,
+                                                self.info.served_model_names, self.info.max_model_len)
+        except BrokenProcessPool:  # a worker died (killed, out of memory): start afresh next time
+            self._parse_pool.shutdown(wait=False, cancel_futures=True)
+            self._parse_pool = None
+            raise proto.OpenAIError("The request could not be parsed: a parser process died; retry.",
+                                    status=503) from None
+        return self._parsed(result)
+
+    @staticmethod
+    async def _read_body(request: web.Request) -> bytes | str:
+        """The (decompressed) body, refused with 413 as soon as it passes MAX_BODY_BYTES.
+
+        A small body comes back as bytes; a large one is spooled, chunk by chunk as it arrives, to
+        a temporary file (memory-backed where it can be) whose path comes back: the worker that
+        parses it reads it from there, so
+        this process never joins, pickles or pipes megabytes (each a stretch of holding the GIL).
+        Where no temporary file can be written, a large body comes back as bytes too."""
+        if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+            raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES, actual_size=request.content_length)
+        chunks: list[bytes] = []
+        size = 0
+        spool: tuple[int, str] | None = None
+        can_spool = True
+        try:
+            while chunk := await request.content.readany():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES, actual_size=size)
+                if spool is None:
+                    chunks.append(chunk)
+                    if size > INLINE_PARSE_BYTES and can_spool:
+                        try:
+                            spool = tempfile.mkstemp(prefix="kvpilot-twin-body-", dir=_spool_dir())
+                            _write_all(spool[0], b"".join(chunks))
+                            chunks.clear()
+                        except OSError:  # read-only or full: keep the body in memory instead
+                            if spool is not None:
+                                os.close(spool[0])
+                                with contextlib.suppress(OSError):
+                                    os.unlink(spool[1])
+                            spool, can_spool = None, False
+                else:
+                    _write_all(spool[0], chunk)
+        except BaseException:
+            if spool is not None:
+                os.close(spool[0])
+                with contextlib.suppress(OSError):
+                    os.unlink(spool[1])
+            raise
+        if spool is None:
+            return b"".join(chunks)
+        os.close(spool[0])
+        return spool[1]
+
+    async def _read_request(self, request: web.Request, kind: proto.Kind) -> proto.GenerationRequest:
+        try:
+            raw = await asyncio.wait_for(self._read_body(request), BODY_TIMEOUT_S)
+        except TimeoutError:
+            raise proto.OpenAIError(f"The request body did not arrive within {BODY_TIMEOUT_S:g} s.",
+                                    status=408) from None
+        if isinstance(raw, bytes) and len(raw) <= INLINE_PARSE_BYTES:
+            return self._parse(raw, kind)
+        # Decoding and counting megabytes takes CPU-seconds: a worker process does it.
+        try:
+            async with self._parse_slots:
+                return await self._parse_elsewhere(raw, kind)
+        finally:
+            if isinstance(raw, str):
+                with contextlib.suppress(OSError):
+                    os.unlink(raw)
+
     async def _generate(self, request: web.Request, kind: proto.Kind) -> web.StreamResponse:
         self._refuse_if_unavailable()
-        body = proto.decode_json_object(await request.read())
-        req = proto.parse_generation_request(body, kind, served_model_name=self.info.served_model_names,
-                                             max_model_len=self.info.max_model_len)
+        req = await self._read_request(request, kind)
         self._refuse_if_unavailable()  # reading the body awaited; a SIGTERM may have come meanwhile
         task = asyncio.current_task()
         assert task is not None

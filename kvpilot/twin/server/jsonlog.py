@@ -33,14 +33,27 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
+def _json_handler() -> logging.Handler:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    handler._kvpilot_json = True  # type: ignore[attr-defined]
+    return handler
+
+
 def configure(level: str) -> logging.Logger:
-    """Send the server's logger to stderr as JSON lines at `level` (debug shows every request)."""
+    """Send the server's logger to stderr as JSON lines at `level` (debug shows every request).
+
+    Every other logger (aiohttp's, asyncio's, warnings) goes through the root logger, which gets
+    the same JSON handler at warning level: the process writes nothing but JSON lines, and a
+    traceback, when there is one, is the `exc` field of its line."""
     logger = logging.getLogger(LOGGER_NAME)
     logger.setLevel(level.upper())
     logger.propagate = False
     if not any(getattr(h, "_kvpilot_json", False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(JsonFormatter())
-        handler._kvpilot_json = True  # type: ignore[attr-defined]
-        logger.addHandler(handler)
+        logger.addHandler(_json_handler())
+    root = logging.getLogger()
+    if not any(getattr(h, "_kvpilot_json", False) for h in root.handlers):
+        root.addHandler(_json_handler())
+        root.setLevel(max(logging.WARNING, logger.level))
+    logging.captureWarnings(True)
     return logger

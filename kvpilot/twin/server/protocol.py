@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import time
 import uuid
 from collections.abc import Sequence
@@ -24,8 +25,10 @@ Kind = Literal["completion", "chat"]
 class OpenAIError(Exception):
     """An error answered as OpenAI's `{"error": {message, type, param, code}}` body."""
 
-    _TYPES = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError",
-              500: "InternalServerError"}
+    _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+              405: "MethodNotAllowedError", 408: "RequestTimeoutError", 413: "RequestEntityTooLargeError",
+              415: "UnsupportedMediaTypeError", 431: "RequestHeaderFieldsTooLargeError",
+              503: "ServiceUnavailableError", 500: "InternalServerError"}
 
     def __init__(self, message: str, *, status: int = 400, param: str | None = None) -> None:
         super().__init__(message)
@@ -74,14 +77,110 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _brief(value: Any) -> str:
+    """A JSON rendering of a client's value for an error message, never longer than ~60 characters."""
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str) and len(value) > 40:
+        return json.dumps(value[:40])[:-1] + '..."'
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return "a very large integer"
+    return json.dumps(value)
+
+
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _is_str_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _is_int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(_is_int(v) for v in value)
+
+
+def _is_object(value: Any) -> bool:
+    return isinstance(value, dict)
+
+
+def _is_logit_bias(value: Any) -> bool:
+    return isinstance(value, dict) and all(_is_number(v) for v in value.values())
+
+
+# Optional fields of vLLM's CompletionRequest / ChatCompletionRequest that the twin ignores, with
+# the type vLLM's pydantic model gives them: a wrong type is a 400 there, so it is one here.
+_OPTIONAL_TYPES: dict[str, tuple[Any, str]] = {
+    "stop": (lambda v: _is_str(v) or _is_str_list(v), "a string or an array of strings"),
+    "stop_token_ids": (_is_int_list, "an array of integers"),
+    "seed": (lambda v: _is_int(v) and _INT64[0] <= v <= _INT64[1], "a 64-bit integer"),
+    "user": (_is_str, "a string"),
+    "suffix": (_is_str, "a string"),
+    "logit_bias": (_is_logit_bias, "an object mapping token ids to numbers"),
+    "response_format": (_is_object, "an object"),
+    "tools": (lambda v: isinstance(v, list) and all(_is_object(t) for t in v), "an array of objects"),
+    "tool_choice": (lambda v: _is_str(v) or _is_object(v), "a string or an object"),
+    "top_k": (lambda v: _is_int(v) and v >= -1, "an integer, -1 or more"),
+    "min_p": (lambda v: _is_number(v) and 0 <= v <= 1, "a number between 0 and 1"),
+    "repetition_penalty": (lambda v: _is_number(v) and v > 0, "a number greater than 0"),
+    "length_penalty": (_is_number, "a finite number"),
+    "priority": (_is_int, "an integer"),
+    "echo": (_is_bool, "true or false"),
+    "skip_special_tokens": (_is_bool, "true or false"),
+    "spaces_between_special_tokens": (_is_bool, "true or false"),
+    "include_stop_str_in_output": (_is_bool, "true or false"),
+    "add_special_tokens": (_is_bool, "true or false"),
+    "add_generation_prompt": (_is_bool, "true or false"),
+    "continue_final_message": (_is_bool, "true or false"),
+    "parallel_tool_calls": (_is_bool, "true or false"),
+    "chat_template_kwargs": (_is_object, "an object"),
+}
+# `logprobs` is a count for completions and a switch for chat, as in OpenAI's API.
+_LOGPROBS: dict[str, tuple[Any, str]] = {
+    "completion": (lambda v: _is_int(v) and v >= 0, "an integer, 0 or more"),
+    "chat": (_is_bool, "true or false"),
+}
+
+
+def _check_optional_types(body: dict[str, Any], kind: Kind) -> None:
+    for name, (ok, allowed) in _OPTIONAL_TYPES.items():
+        value = body.get(name)
+        if value is not None and not ok(value):
+            raise OpenAIError(f"`{name}` must be {allowed}, got {_brief(value)}.", param=name)
+    value = body.get("logprobs")
+    ok, allowed = _LOGPROBS[kind]
+    if value is not None and not ok(value):
+        raise OpenAIError(f"`logprobs` must be {allowed}, got {_brief(value)}.", param="logprobs")
+    value = body.get("top_logprobs")
+    if kind == "chat" and value is not None and not (_is_int(value) and 0 <= value <= 20):
+        raise OpenAIError(f"`top_logprobs` must be an integer from 0 to 20, got {_brief(value)}.",
+                          param="top_logprobs")
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number (RFC 8259 has no NaN or Infinity)")
 
 
 def decode_json_object(raw: bytes) -> dict[str, Any]:
+    """The JSON object of a request body, or a 400 naming what is wrong with it."""
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise OpenAIError(f"The request body is not valid JSON: {exc}") from None
+        body = json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError:  # the C decoder stops at the interpreter's recursion limit
+        raise OpenAIError("The request body is not valid JSON: it nests too deeply.") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, integers past Python's digit limit
+        raise OpenAIError(f"The request body is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(body, dict):
         raise OpenAIError(f"The request body must be a JSON object, got {type(body).__name__}.")
     return body
@@ -92,7 +191,7 @@ def _optional_int(body: dict[str, Any], name: str, minimum: int) -> int | None:
     if value is None:
         return None
     if not _is_int(value):
-        raise OpenAIError(f"`{name}` must be an integer, got {json.dumps(value)}.", param=name)
+        raise OpenAIError(f"`{name}` must be an integer, got {_brief(value)}.", param=name)
     if value < minimum:
         raise OpenAIError(f"`{name}` must be at least {minimum}, got {value}.", param=name)
     return int(value)
@@ -103,7 +202,7 @@ def _optional_bool(body: dict[str, Any], name: str, where: str = "") -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise OpenAIError(f"`{where}{name}` must be true or false, got {json.dumps(value)}.",
+        raise OpenAIError(f"`{where}{name}` must be true or false, got {_brief(value)}.",
                           param=f"{where}{name}")
     return value
 
@@ -117,7 +216,7 @@ def _check_sampling(body: dict[str, Any]) -> None:
         if value is None:
             continue
         if not _is_number(value):
-            raise OpenAIError(f"`{name}` must be a number, got {json.dumps(value)}.", param=name)
+            raise OpenAIError(f"`{name}` must be a finite number, got {_brief(value)}.", param=name)
         if value < low or (high is not None and value > high) or (name == "top_p" and value == 0):
             allowed = f"in ({low}, {high}]" if name == "top_p" else (
                 f"between {low} and {high}" if high is not None else f"at least {low}")
@@ -135,9 +234,10 @@ def _check_model(body: dict[str, Any], served_model_names: tuple[str, ...]) -> s
     if model is None:
         return served_model_names[0]  # vLLM serves its only model when none is named
     if not isinstance(model, str):
-        raise OpenAIError(f"`model` must be a string, got {json.dumps(model)}.", param="model")
+        raise OpenAIError(f"`model` must be a string, got {_brief(model)}.", param="model")
     if model not in served_model_names:
-        raise OpenAIError(f"The model `{model}` does not exist.", status=404, param="model")
+        shown = model if len(model) <= 200 else model[:200] + "..."
+        raise OpenAIError(f"The model `{shown}` does not exist.", status=404, param="model")
     return model
 
 
@@ -181,7 +281,7 @@ def _message_text(message: Any, index: int) -> str:
             if not isinstance(part, dict) or part.get("type") != "text":
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise OpenAIError(f"`{pwhere}` must be a {{\"type\": \"text\", \"text\": ...}} part; "
-                                  f"the engine twin takes text only, got {json.dumps(kind)}.",
+                                  f"the engine twin takes text only, got {_brief(kind)}.",
                                   param=pwhere)
             if not isinstance(part.get("text"), str):
                 raise OpenAIError(f"`{pwhere}.text` must be a string.", param=f"{pwhere}.text")
@@ -231,6 +331,7 @@ def parse_generation_request(body: dict[str, Any], kind: Kind, *, served_model_n
         raise OpenAIError(f"`min_tokens` ({min_tokens}) must not exceed `max_tokens` ({max_tokens}).",
                           param="min_tokens")
     _check_sampling(body)
+    _check_optional_types(body, kind)
     stream = _optional_bool(body, "stream")
     options = body.get("stream_options")
     include_usage = continuous = False

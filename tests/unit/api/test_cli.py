@@ -48,3 +48,23 @@ def test_help_lists_subcommands():
     assert proc.returncode == 0
     for word in ("crd", "validate"):
         assert word in proc.stdout
+
+
+def test_an_unexpected_error_is_one_line_not_a_traceback(tmp_path):
+    # A planted bug stands in for any unforeseen failure: a handler that raises.  The real CLI runs
+    # in a subprocess, started by a tiny script that plants the bug first.
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import sys\n"
+        "import kvpilot.api.commands as c\n"
+        "def boom(args):\n"
+        "    raise RuntimeError('x' * 10000)\n"
+        "c._validate = boom\n"
+        "from kvpilot.cli import main\n"
+        "sys.exit(main(['validate', '-f', '-']))\n"
+    )
+    proc = subprocess.run([sys.executable, str(script)], input="", capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 70
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "internal error: RuntimeError" in lines[0] and len(lines[0]) < 500
