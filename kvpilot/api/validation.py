@@ -7,6 +7,8 @@ InvalidSpec condition and a future admission webhook all print exactly these mes
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from typing import Any, get_args, get_origin
 
@@ -48,13 +50,21 @@ class DocumentResult:
         return f"document {self.index + 1}" + (f" ({self.name})" if self.name else "")
 
 
+_PLAIN_KEY = re.compile(r"[A-Za-z_$][A-Za-z0-9_.$-]{0,100}")
+
+
 def format_path(loc: tuple[str | int, ...]) -> str:
+    """`spec.engine.extraArgs[0]`; a key that is not a plain name (a newline, a quote, a very long
+    one) is shown quoted, `spec.tuning.space["\\n"]`, so a path is always one short line."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        else:
+        elif _PLAIN_KEY.fullmatch(str(part)):
             out += f".{part}" if out else str(part)
+        else:
+            key = str(part)
+            out += f"[{json.dumps(key if len(key) <= 60 else key[:57] + '...')}]"
     return out
 
 
