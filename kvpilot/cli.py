@@ -13,17 +13,19 @@ import sys
 from collections.abc import Sequence
 
 from kvpilot import __version__
-from kvpilot.api import commands as api_commands
-from kvpilot.operator import commands as operator_commands
-from kvpilot.slo import commands as slo_commands
-from kvpilot.tuner import commands as tuner_commands
-from kvpilot.twin import commands as twin_commands
-
-# Order is the order subcommands appear in `--help`.
-_COMMAND_MODULES = (api_commands, operator_commands, twin_commands, slo_commands, tuner_commands)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # Imported here, not at module level: a process that only imports this module (a worker the
+    # twin server spawns re-imports its parent's main module) must not pay for every command.
+    from kvpilot.api import commands as api_commands
+    from kvpilot.operator import commands as operator_commands
+    from kvpilot.slo import commands as slo_commands
+    from kvpilot.tuner import commands as tuner_commands
+    from kvpilot.twin import commands as twin_commands
+
+    # Order is the order subcommands appear in `--help`.
+    command_modules = (api_commands, operator_commands, twin_commands, slo_commands, tuner_commands)
     parser = argparse.ArgumentParser(
         prog="kvpilot",
         description=(
@@ -34,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvpilot {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in _COMMAND_MODULES:
+    for module in command_modules:
         module.register(subparsers)
     return parser
 
