@@ -5,7 +5,7 @@ PYTHON  ?= python3
 PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip -q --disable-pip-version-check
 
-.PHONY: setup tools tune test test-unit lint crd clean
+.PHONY: setup tools control-plane tune test test-unit test-cluster lint crd clean
 
 setup: $(VENV)/.installed
 
@@ -18,13 +18,21 @@ $(VENV)/.installed: pyproject.toml
 tools:
 	./scripts/install-test-tools.sh
 
+## The `cluster` tests' control plane (etcd, kube-apiserver, -controller-manager, -scheduler, kubectl,
+## kwok), built from pinned Go modules (tools/controlplane) and cached by version under ~/.cache.
+control-plane:
+	./scripts/build-control-plane.sh
+
 ## The main job: tune the engine offline on the twin (SQLite study, report, recommended engine block).
 tune: setup
 	$(VENV)/bin/kvpilot tune --offline
 
 ## Everything CI runs: lint, types, the import-layering contract, and the whole test suite.
-test: setup tools lint
+test: setup tools control-plane lint
 	$(PY) -m pytest
+
+test-cluster: setup control-plane
+	$(PY) -m pytest -m cluster tests/cluster
 
 test-unit: setup
 	$(PY) -m pytest tests/unit
