@@ -141,6 +141,11 @@ def structural(schema: dict[str, Any]) -> dict[str, Any]:
                 out["additionalProperties"] = walk(value)
             elif key == "additionalProperties" and value is False:
                 continue  # structural schemas prune unknown fields already
+            elif key == "additionalProperties" and value is True:
+                # dict[str, Any]: `additionalProperties: true` would give each value the empty
+                # schema, and the API server prunes nested objects to {} under it (a stored
+                # lastGoodEngine lost engine.twin's fields); preserving unknown fields keeps them.
+                continue
             elif key in ("exclusiveMinimum", "exclusiveMaximum") and not isinstance(value, bool):
                 bound = "minimum" if key == "exclusiveMinimum" else "maximum"
                 out[bound] = value
