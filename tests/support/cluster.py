@@ -395,8 +395,8 @@ class Watch:
             for line in self._resp:
                 event = json.loads(line)
                 self.events.append((event["type"], event["object"]))
-        except (OSError, ValueError):
-            pass  # closed by stop()
+        except (OSError, ValueError, AttributeError):
+            pass  # closed by stop(): http.client then reads from a file object already gone (None)
 
     def stop(self) -> list[tuple[str, dict[str, Any]]]:
         self._resp.close()
