@@ -95,6 +95,11 @@ def test_an_engine_change_surges_without_losing_a_ready_pod(control_plane: Contr
     finally:
         events = watch.stop()
     assert obj["status"]["lastGoodEngine"]["maxNumBatchedTokens"] == 4096
+    # One write, of the Deployment only: what the API server defaulted into the children (Service
+    # clusterIP and ipFamilies, probe and container defaults, ...) is not drift.
+    (updated,) = [e["message"] for e in events_for(control_plane, "alpha", "Updated")]
+    assert updated.startswith("Updated Deployment alpha: ") and "spec.template" in updated
+    assert control_plane.get(f"{DEPLOYMENTS}/alpha")["metadata"]["generation"] == 2
     # Replay the pods' history in the order the API server wrote it.
     live: dict[str, dict[str, Any]] = {p["metadata"]["name"]: p for p in listing["items"]
                                       if p["metadata"].get("labels", {}).get("app.kubernetes.io/instance") == "alpha"}
