@@ -60,7 +60,11 @@ def crd(control_plane: ControlPlane) -> dict[str, Any]:
         live = control_plane.get(f"{path}/{manifest['metadata']['name']}")
         conds = {c["type"]: c for c in live.get("status", {}).get("conditions", [])}
         return live if conds.get("Established", {}).get("status") == "True" else None
-    return dict(wait_for(established, timeout=30, what="the CRD Established"))
+    live = dict(wait_for(established, timeout=30, what="the CRD Established"))
+    # Established is not yet served: the first calls may answer 429 "storage is (re)initializing".
+    wait_for(lambda: control_plane.get("/apis/kvpilot.dev/v1alpha1/inferenceservices"), timeout=30,
+             what="InferenceServices served")
+    return live
 
 
 RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")

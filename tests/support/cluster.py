@@ -127,6 +127,8 @@ class ControlPlane:
     bin_dir: Path
     workdir: Path
     kwok_config: Path | None = None
+    # Write an audit log (audit.log, level Metadata): who made which call, for benchmarks.
+    audit: bool = False
     components: list[Component] = field(default_factory=list)
     api_port: int = 0
 
@@ -230,9 +232,28 @@ class ControlPlane:
             f"--service-account-signing-key-file={pki / 'sa.key'}",
             "--service-cluster-ip-range=10.96.0.0/16",
             "--profiling=false",
+            *self._audit_flags(),
         ])
         self.url = f"https://127.0.0.1:{self.api_port}"
         self._wait_healthy(apiserver, f"{self.url}/readyz", token=ADMIN_TOKEN, timeout=120)
+
+    def _audit_flags(self) -> list[str]:
+        if not self.audit:
+            return []
+        policy = self.workdir / "audit-policy.yaml"
+        policy.write_text("apiVersion: audit.k8s.io/v1\nkind: Policy\n"
+                          "omitStages: [RequestReceived, ResponseStarted]\nrules:\n- level: Metadata\n")
+        self.audit_log = self.workdir / "audit.log"
+        return [f"--audit-policy-file={policy}", f"--audit-log-path={self.audit_log}", "--audit-log-maxsize=0"]
+
+    def calls_by(self, username: str) -> int:
+        """API requests `username` made (completed), from the audit log (audit=True)."""
+        count = 0
+        with self.audit_log.open() as log:
+            for line in log:
+                if f'"username":"{username}"' in line:
+                    count += 1
+        return count
 
     def _start_controllers(self) -> None:
         kubeconfig = str(self.admin_kubeconfig)
@@ -265,9 +286,10 @@ class ControlPlane:
         self._wait_healthy(kwok, f"http://127.0.0.1:{port}/healthz")
 
     # ---- nodes ----
-    def add_node(self, name: str, *, gpus: int = 8, gpu_resource: str = "nvidia.com/gpu") -> dict[str, Any]:
+    def add_node(self, name: str, *, gpus: int = 8, pods: int = 110, memory: str = "512Gi",
+                 gpu_resource: str = "nvidia.com/gpu") -> dict[str, Any]:
         """A fake GPU node, managed by kwok; returns it once kwok has marked it Ready."""
-        capacity = {"cpu": "64", "memory": "512Gi", "pods": "110", gpu_resource: str(gpus)}
+        capacity = {"cpu": "64", "memory": memory, "pods": str(pods), gpu_resource: str(gpus)}
         self.create("/api/v1/nodes", {
             "apiVersion": "v1", "kind": "Node",
             "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, "type": "kwok"},
@@ -387,6 +409,7 @@ class Watch:
                                      headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
         self._resp = urllib.request.urlopen(req, timeout=timeout_seconds + 10, context=cp._ssl)
         self.events: list[tuple[str, dict[str, Any]]] = []
+        self.received: list[float] = []  # time.monotonic() at which each event arrived
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
 
@@ -394,6 +417,7 @@ class Watch:
         try:
             for line in self._resp:
                 event = json.loads(line)
+                self.received.append(time.monotonic())
                 self.events.append((event["type"], event["object"]))
         except (OSError, ValueError, AttributeError):
             pass  # closed by stop(): http.client then reads from a file object already gone (None)
