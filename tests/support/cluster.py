@@ -263,6 +263,10 @@ class ControlPlane:
         kcm = self._spawn("kube-controller-manager", [
             *common, f"--secure-port={kcm_port}", f"--cert-dir={self.workdir / 'kcm-certs'}",
             f"--controllers={','.join(CONTROLLERS)}",
+            # kwok's node heartbeats lag when the machine is busy; past the default 50 s the
+            # node-lifecycle controller marks the node and every pod on it not Ready, and rollouts
+            # stall for reasons no test is about. It still lifts the not-ready taint at start.
+            "--node-monitor-grace-period=1h",
             f"--root-ca-file={self.ca_file}",
         ])
         scheduler = self._spawn("kube-scheduler", [
