@@ -67,7 +67,7 @@ def run(count: int, concurrency: int, timeout: float, namespaces: tuple[str, ...
                 idle_kb = proc_status_kb(pid, "VmRSS")
                 calls_before = cp.calls_by(user)
                 rv = cp.get(f"{ISVCS}/inferenceservices")["metadata"]["resourceVersion"]
-                watch = Watch(cp, f"{ISVCS}/inferenceservices", resource_version=rv, timeout_seconds=int(timeout) + 60)
+                watch = Watch(cp, f"{ISVCS}/inferenceservices", resource_version=rv)
                 created: dict[str, float] = {}
 
                 def create(i: int) -> None:

@@ -398,37 +398,48 @@ class ControlPlane:
 
 
 class Watch:
-    """A real watch (`?watch=1`) streamed in a background thread; `events` holds (type, object)
-    in the order the API server sent them, which is the order of the writes (resourceVersion)."""
+    """A real watch (`?watch=1`) read in a background thread; `events` holds (type, object) in the
+    order the API server sent them, which is the order of the writes (resourceVersion), and
+    `received` the time.monotonic() each arrived. The thread re-watches from the last
+    resourceVersion every second (as informers do), so `stop()` never waits on a quiet stream."""
 
-    def __init__(self, cp: ControlPlane, path: str, *, resource_version: str, label_selector: str = "",
-                 timeout_seconds: int = 300) -> None:
+    def __init__(self, cp: ControlPlane, path: str, *, resource_version: str, label_selector: str = "") -> None:
         import threading
 
-        params = {"watch": "1", "resourceVersion": resource_version, "timeoutSeconds": str(timeout_seconds),
-                  "allowWatchBookmarks": "false"}
-        if label_selector:
-            params["labelSelector"] = label_selector
-        req = urllib.request.Request(f"{cp.url}{path}?{urllib.parse.urlencode(params)}",
-                                     headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
-        self._resp = urllib.request.urlopen(req, timeout=timeout_seconds + 10, context=cp._ssl)
+        self._cp, self._path, self._rv, self._selector = cp, path, resource_version, label_selector
         self.events: list[tuple[str, dict[str, Any]]] = []
-        self.received: list[float] = []  # time.monotonic() at which each event arrived
-        self._thread = threading.Thread(target=self._read, daemon=True)
+        self.received: list[float] = []
+        self.error: str | None = None
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def _read(self) -> None:
-        try:
-            for line in self._resp:
-                event = json.loads(line)
-                self.received.append(time.monotonic())
-                self.events.append((event["type"], event["object"]))
-        except (OSError, ValueError, AttributeError):
-            pass  # closed by stop(): http.client then reads from a file object already gone (None)
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            params = {"watch": "1", "resourceVersion": self._rv, "timeoutSeconds": "1"}
+            if self._selector:
+                params["labelSelector"] = self._selector
+            req = urllib.request.Request(f"{self._cp.url}{self._path}?{urllib.parse.urlencode(params)}",
+                                         headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+            try:
+                with urllib.request.urlopen(req, timeout=30, context=self._cp._ssl) as resp:
+                    for line in resp:
+                        event = json.loads(line)
+                        if event["type"] == "ERROR":  # e.g. 410 Gone: the history is lost, say so
+                            self.error = str(event["object"].get("message"))
+                            return
+                        self.received.append(time.monotonic())
+                        self.events.append((event["type"], event["object"]))
+                        self._rv = event["object"]["metadata"]["resourceVersion"]
+            except (OSError, ValueError) as exc:
+                if not self._stopping.is_set():
+                    self.error = f"{type(exc).__name__}: {exc}"
+                    return
 
     def stop(self) -> list[tuple[str, dict[str, Any]]]:
-        self._resp.close()
-        self._thread.join(5)
+        self._stopping.set()
+        self._thread.join(35)
+        assert self.error is None, f"the watch on {self._path} broke: {self.error}"
         return list(self.events)
 
 
