@@ -5,7 +5,7 @@ PYTHON  ?= python3
 PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip -q --disable-pip-version-check
 
-.PHONY: setup tools vllm-env tune test test-unit test-lowest test-vllm lint crd image clean
+.PHONY: setup tools vllm-env control-plane test-prereqs tune test test-unit test-lowest test-vllm test-cluster lint crd image clean
 
 setup: $(VENV)/.installed
 
@@ -23,14 +23,23 @@ tools:
 vllm-env:
 	./scripts/install-vllm-env.sh
 
+## The `cluster` tests' control plane (etcd, kube-apiserver, -controller-manager, -scheduler, kubectl,
+## kwok), built from pinned Go modules (tools/controlplane) and cached by version under ~/.cache.
+control-plane:
+	./scripts/build-control-plane.sh
+
+## Both of the above side by side (real vLLM downloads while the control plane compiles), or from the cache.
+test-prereqs:
+	./scripts/build-test-prereqs.sh
+
 ## The main job: tune the engine offline on the twin (SQLite study, report, recommended engine block).
 tune: setup
 	$(VENV)/bin/kvpilot tune --offline
 	@echo "kvpilot is in $(VENV)/bin: run '. $(VENV)/bin/activate' to put it on your PATH" >&2
 
 ## Everything CI runs: lint, types, the import-layering contract, the lowest declared dependency
-## versions, and the whole test suite (real vLLM on CPU included).
-test: setup tools vllm-env lint test-lowest
+## versions, and the whole test suite (real vLLM on CPU and a real control plane included).
+test: setup tools test-prereqs lint test-lowest
 	$(PY) -m pytest
 
 ## The runtime dependencies at the lowest versions pyproject.toml declares (a venv of their own):
@@ -40,6 +49,9 @@ test-lowest:
 
 test-vllm: setup vllm-env
 	$(PY) -m pytest -m vllm
+
+test-cluster: setup control-plane
+	$(PY) -m pytest -m cluster tests/cluster
 
 test-unit: setup
 	$(PY) -m pytest tests/unit

@@ -4,7 +4,10 @@ Prints reconcile latency (create -> first status write, both as KMock received t
 the time until every object has its status, and the operator process's peak RSS (VmHWM from
 /proc/<pid>/status).  Goal: peak RSS <= 150 MB at 1,000 objects.
 
-    python benchmarks/operator_scale.py [--count 1000] [--concurrency 8]
+    python benchmarks/operator_scale.py [--count 1000] [--concurrency 8] [--real]
+
+--real runs the same burst against a real control plane instead (make control-plane; see
+benchmarks/operator_scale_real.py), counting the operator's API calls from kube-apiserver's audit log.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -59,24 +63,35 @@ def latencies(api: KMockAPI) -> dict[str, float]:
     return {k: first_status[k] - created[k] for k in created if k in first_status}
 
 
+def make(i: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService",
+        "metadata": {"name": f"svc-{i:04d}", "namespace": NAMESPACES[i % len(NAMESPACES)]},
+        "spec": {"model": "meta-llama/Meta-Llama-3-8B-Instruct", "replicas": 1 + i % 3,
+                 "engine": {"maxNumBatchedTokens": 1024 * (1 + i % 8)}},
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--count", type=int, default=1000, help="InferenceServices to create (default 1000)")
     parser.add_argument("--concurrency", type=int, default=8, help="parallel creating clients (default 8)")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds to wait for all statuses")
+    parser.add_argument("--real", action="store_true",
+                        help="against a real kube-apiserver, controllers and kwok nodes instead of KMock")
     args = parser.parse_args()
+    if args.real:
+        from benchmarks.operator_scale_real import run
+
+        return run(args.count, args.concurrency, args.timeout, NAMESPACES, make, percentile, proc_status_kb,
+                   cpu_seconds)
 
     with tempfile.TemporaryDirectory() as tmp, KMockAPI() as api, kopf_operator(api, Path(tmp)) as op:
         pid = op.proc.pid
         idle_kb = proc_status_kb(pid, "VmRSS")
 
         def create(i: int) -> None:
-            api.create_isvc({
-                "apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService",
-                "metadata": {"name": f"svc-{i:04d}", "namespace": NAMESPACES[i % len(NAMESPACES)]},
-                "spec": {"model": "meta-llama/Meta-Llama-3-8B-Instruct", "replicas": 1 + i % 3,
-                         "engine": {"maxNumBatchedTokens": 1024 * (1 + i % 8)}},
-            })
+            api.create_isvc(make(i))
 
         started = time.monotonic()
         with ThreadPoolExecutor(args.concurrency) as pool:

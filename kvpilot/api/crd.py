@@ -95,9 +95,12 @@ _CEL_RULES: dict[tuple[str, ...], list[dict[str, str]]] = {
             "fieldPath": ".itlSeconds",
         },
     ],
+    # The size test first: minItems/maxItems already refuse a range that is not a pair, but the
+    # API server runs the rule anyway, and self.x[1] of a one-item list adds a confusing
+    # "index out of bounds" error to the plain "should have at least 2 items".
     ("spec", "tuning", "space"): [
         {
-            "rule": f"self.{name}[0] < self.{name}[1]",
+            "rule": f"size(self.{name}) != 2 || self.{name}[0] < self.{name}[1]",
             "message": f"{name}: min must be less than max",
             "fieldPath": f".{name}",
         }
@@ -154,6 +157,11 @@ def structural(schema: dict[str, Any]) -> dict[str, Any]:
                 out["additionalProperties"] = walk(value)
             elif key == "additionalProperties" and value is False:
                 continue  # structural schemas prune unknown fields already
+            elif key == "additionalProperties" and value is True:
+                # dict[str, Any]: `additionalProperties: true` would give each value the empty
+                # schema, and the API server prunes nested objects to {} under it (a stored
+                # lastGoodEngine lost engine.twin's fields); preserving unknown fields keeps them.
+                continue
             elif key in ("exclusiveMinimum", "exclusiveMaximum") and not isinstance(value, bool):
                 bound = "minimum" if key == "exclusiveMinimum" else "maximum"
                 out[bound] = value
@@ -175,11 +183,18 @@ def structural(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def _object_defaults(node: dict[str, Any]) -> None:
-    """Give nested objects `default: {}` so the API server fills their fields' defaults too."""
+    """Give nested objects a default so the API server fills their fields' defaults too.
+
+    The default is spelled out (every field's own default), not `{}`: kube-apiserver validates a
+    default as written, CEL rules included, without defaulting inside it first, so `{}` fails a
+    rule like `self.maxNumBatchedTokens >= self.maxNumSeqs` with "no such key" and the whole CRD
+    is refused."""
     for sub in node.get("properties", {}).values():
+        _object_defaults(sub)  # the children's defaults first: a parent's default holds them
         if sub.get("type") == "object" and "properties" in sub and not sub.get("nullable"):
-            sub.setdefault("default", {})
-        _object_defaults(sub)
+            filled = {k: copy.deepcopy(v["default"]) for k, v in sub["properties"].items() if "default" in v}
+            given = sub.get("default")
+            sub["default"] = {**filled, **given} if isinstance(given, dict) else filled
 
 
 def _attach_rules(spec_schema: dict[str, Any]) -> None:

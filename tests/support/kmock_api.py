@@ -524,8 +524,17 @@ def kopf_operator(api: KMockAPI, workdir: Path, *extra_args: str,
                   ready_timeout: float = 60.0) -> Iterator[OperatorProcess]:
     """Run `kvpilot operator --all-namespaces` against `api`; yield once /healthz answers 200."""
     kubeconfig = api.write_kubeconfig(workdir / "kubeconfig")
+    with operator_process(kubeconfig, workdir, *extra_args, ready_timeout=ready_timeout) as op:
+        yield op
+
+
+@contextlib.contextmanager
+def operator_process(kubeconfig: Path, workdir: Path, *extra_args: str, ready_timeout: float = 60.0,
+                     log_name: str = "operator.log") -> Iterator[OperatorProcess]:
+    """Run `kvpilot operator` (--all-namespaces unless a scope is given) with `kubeconfig`'s
+    credentials; yield once /healthz answers 200, stop it (SIGINT) afterwards."""
     metrics_port = free_port()
-    log_path = workdir / "operator.log"
+    log_path = workdir / log_name
     env = dict(os.environ, KUBECONFIG=str(kubeconfig), PYTHONUNBUFFERED="1")
     args = [sys.executable, "-m", "kvpilot.cli", "operator", "--metrics-port", str(metrics_port),
             "--log-format", "json", *extra_args]

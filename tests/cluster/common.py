@@ -1,0 +1,14 @@
+"""Names the `cluster` tests share (tests/cluster/conftest.py starts what they name)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.support.cluster import ROOT
+
+NODE = "kwok-gpu-0"
+SERVING = "serving"
+# kwok's default pod stages plus a "bad engine" image whose pods never become Ready.
+KWOK_STAGES = Path(__file__).resolve().parent / "kwok-stages.yaml"
+NEVER_READY_IMAGE = "vllm/vllm-openai:kvpilot-never-ready"
+CRD_FILE = ROOT / "crds" / "inferenceservices.kvpilot.dev.yaml"

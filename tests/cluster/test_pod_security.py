@@ -1,0 +1,92 @@
+"""The chart's objects and the operator's twin pods against the API server's own admission:
+schema validation of every rendered object, and the built-in Pod Security admission enforcing
+"restricted" (tests/unit/ship/pss.py is a hand-written reading of that standard; this is the real one).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvpilot.api.models import InferenceService
+from kvpilot.operator.builders import RenderOptions
+from kvpilot.operator.builders.deployment import pod_template
+from tests.support.cluster import ApiError, ControlPlane, Operator, wait_for
+from tests.unit.ship import chart
+
+pytestmark = pytest.mark.cluster
+
+RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted",
+              "pod-security.kubernetes.io/enforce-version": "latest"}
+
+
+def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
+    for cond in (obj.get("status") or {}).get("conditions") or []:
+        if cond["type"] == type_:
+            return dict(cond)
+    return {}
+
+
+def replica_set_failures(cp: ControlPlane, namespace: str) -> list[str]:
+    events = cp.get(f"/api/v1/namespaces/{namespace}/events")["items"]
+    return [e["message"] for e in events if e.get("reason") == "FailedCreate"]
+
+
+def test_the_chart_installs_and_its_pods_pass_restricted_pod_security(
+        control_plane: ControlPlane, chart_identities: dict[str, str]) -> None:
+    ns = chart.NAMESPACE
+    control_plane.merge_patch(f"/api/v1/namespaces/{ns}", {"metadata": {"labels": RESTRICTED}})
+    # What `helm install` would create (default values; CRDs come from crds/, not templates).
+    objects = [r.obj for r in chart.render("default")]
+    control_plane.apply_manifests(objects)
+    deployments = [o["metadata"]["name"] for o in objects if o["kind"] == "Deployment"]
+    assert len(deployments) == 2  # operator and tuner
+
+    def admitted() -> bool:
+        pods = control_plane.get(f"/api/v1/namespaces/{ns}/pods")["items"]
+        owners = {p["metadata"]["ownerReferences"][0]["name"].rsplit("-", 1)[0] for p in pods}
+        return set(deployments) <= owners
+    wait_for(admitted, timeout=60, what=f"a pod of each of {deployments} created (admitted)")
+    assert replica_set_failures(control_plane, ns) == []
+    operator_name = next(n for n in deployments if n.endswith("operator"))
+    wait_for(lambda: condition(control_plane.get(f"/apis/apps/v1/namespaces/{ns}/deployments/{operator_name}"),
+                               "Available").get("status") == "True", timeout=60, what="the operator Deployment Available")
+    # Leave the chart's Deployments at zero: their pods would never run anything here anyway.
+    for name in deployments:
+        control_plane.merge_patch(f"/apis/apps/v1/namespaces/{ns}/deployments/{name}", {"spec": {"replicas": 0}})
+
+
+def test_twin_engine_pods_are_admitted_where_restricted_is_enforced(
+        control_plane: ControlPlane, operator: Operator) -> None:
+    ns = "restricted"
+    control_plane.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
+                                                "metadata": {"name": ns, "labels": RESTRICTED}})
+    wait_for(lambda: control_plane.get_or_none(f"/api/v1/namespaces/{ns}/serviceaccounts/default"),
+             timeout=30, what="the default ServiceAccount")
+    path = f"/apis/kvpilot.dev/v1alpha1/namespaces/{ns}/inferenceservices"
+    control_plane.create(path, {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService",
+                                "metadata": {"name": "twin", "namespace": ns},
+                                "spec": {"model": "Qwen/Qwen2.5-0.5B-Instruct", "replicas": 1,
+                                         "resources": {"gpus": 0, "memory": "512Mi", "shmSize": "64Mi"},
+                                         "engine": {"kind": "twin", "twin": {"gpu": "H100-80GB"}}}})
+
+    def ready() -> bool:
+        obj = control_plane.get(f"{path}/twin")
+        return condition(obj, "Ready").get("status") == "True"
+    try:
+        wait_for(ready, timeout=90, what="the twin InferenceService Ready")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; ReplicaSet failures: {replica_set_failures(control_plane, ns)}") from None
+    assert replica_set_failures(control_plane, ns) == []
+    # The control case: a vLLM engine pod (it needs more than "restricted" allows) is refused there.
+    isvc = InferenceService.model_validate({"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService",
+                                            "metadata": {"name": "vllm", "namespace": ns},
+                                            "spec": {"model": "Qwen/Qwen2.5-0.5B-Instruct"}})
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "vllm", "namespace": ns},
+           "spec": pod_template(isvc, RenderOptions())["spec"]}
+    with pytest.raises(ApiError) as refused:
+        control_plane.create(f"/api/v1/namespaces/{ns}/pods", pod, params={"dryRun": "All"})
+    assert refused.value.status == 403
+    assert 'violates PodSecurity "restricted:latest"' in refused.value.message
+    control_plane.delete(f"{path}/twin")
