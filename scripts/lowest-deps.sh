@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Installs the LOWEST versions pyproject.toml declares for kvpilot's runtime dependencies into a
-# venv of its own, then imports every kvpilot module and runs the tuner's unit tests with them:
-# a `>=` that the code has outgrown (an API the floor version lacks) fails here, not at a user's.
+# Installs the LOWEST versions pyproject.toml declares for kvpilot's runtime dependencies (and the
+# report extra's) into a venv of its own, then imports every kvpilot module and runs the tuner's unit
+# tests with them: a `>=` that the code has outgrown (an API the floor version lacks) fails here,
+# not at a user's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV_MIN:-.venv-lowest}
@@ -10,7 +11,9 @@ constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
 "$PYTHON" - "$constraints" <<'PY'
 import re, sys, tomllib
-deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+# The runtime dependencies, and the report extra's (the tuner's tests write reports with plots).
+deps = project["dependencies"] + project["optional-dependencies"]["report"]
 lines = []
 for dep in deps:
     m = re.fullmatch(r"\s*([A-Za-z0-9_.\-\[\]]+)\s*>=\s*([0-9][^,;\s]*)\s*(,.*)?", dep)
@@ -26,7 +29,7 @@ if [ ! -x "$VENV/bin/python" ] || ! cmp -s "$constraints" "$VENV/.constraints"; 
   "$PYTHON" -m venv "$VENV"
   "$VENV/bin/python" -m pip -q --disable-pip-version-check install --upgrade pip
   # The floors of our dependencies, and test tools at any version (they are not ours to floor).
-  "$VENV/bin/python" -m pip -q --disable-pip-version-check install -c "$constraints" -e . pytest pytest-timeout hypothesis
+  "$VENV/bin/python" -m pip -q --disable-pip-version-check install -c "$constraints" -e '.[report]' pytest pytest-timeout hypothesis
   cp "$constraints" "$VENV/.constraints"
 fi
 "$VENV/bin/python" - <<'PY'
