@@ -55,7 +55,7 @@ _CEL_RULES: dict[tuple[str, ...], list[dict[str, str]]] = {
     ("spec", "resources"): [
         *(
             {
-                "rule": f"quantity(self.{name}).sign() == 1 && quantity(self.{name}).isInteger() "
+                "rule": f"quantity(self.{name}).isGreaterThan(quantity('0')) && quantity(self.{name}).isInteger() "
                 f"&& quantity(self.{name}).compareTo(quantity('1Pi')) <= 0",
                 "message": f"{name} must be a whole, positive number of bytes, at most 1Pi",
                 "fieldPath": f".{name}",

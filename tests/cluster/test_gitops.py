@@ -50,17 +50,18 @@ def owners(obj: dict[str, Any], section: str = "engine") -> dict[str, set[str]]:
 @pytest.fixture(scope="module")
 def tuner(control_plane: ControlPlane, chart_identities: dict[str, str],
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from kubernetes import config
-
     from kvpilot.tuner.adapters.kubernetes import KubernetesApplier
+    from kvpilot.tuner.kubeapi import KubeAPI
 
     path = control_plane.service_account_kubeconfig(
         tmp_path_factory.mktemp("tuner-sa") / "kubeconfig", chart.NAMESPACE, chart_identities["tuner"])
-    api_client = config.new_client_from_config(config_file=str(Path(path)))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KUBECONFIG", str(Path(path)))
+        api = KubeAPI.from_environment()  # the tuner's own client, on the chart's tuner ServiceAccount
     try:
-        yield KubernetesApplier(api_client, SERVING, NAME, timeout_s=120, poll_s=0.2)
+        yield KubernetesApplier(api, SERVING, NAME, timeout_s=120, poll_s=0.2)
     finally:
-        api_client.close()
+        api.close()
 
 
 def test_tuner_and_gitops_own_disjoint_fields(control_plane: ControlPlane, operator: Operator,

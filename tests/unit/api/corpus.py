@@ -105,6 +105,12 @@ CASES: list[tuple[str, Any, str, str]] = [
     ("gpus-below-tp", _merge(engine={"tensorParallelSize": 4}, resources={"gpus": 2}), "spec.resources.gpus",
      "tensorParallelSize"),
     ("memory-not-quantity", _with("spec.resources", {"memory": "lots"}), "spec.resources.memory", "Kubernetes quantity"),
+    # Quantities the pattern admits and a CEL quantity rule (and kvpilot's own check) refuses.
+    ("memory-milli-bytes", _with("spec.resources", {"memory": "1500m"}), "spec.resources.memory", "whole"),
+    ("shm-above-1pi", _with("spec.resources", {"shmSize": "2Pi"}), "spec.resources.shmSize", "at most 1Pi"),
+    ("cpu-above-4096", _with("spec.resources", {"cpu": "5000"}), "spec.resources.cpu", "4096"),
+    ("gpu-resource-in-kubernetes-io", _with("spec.resources", {"gpuResource": "kubernetes.io/gpu"}),
+     "spec.resources.gpuResource", "not one in kubernetes.io"),
     ("list-where-object", _with("spec.engine", ["vllm"]), "spec.engine", "dictionary"),
     ("spec-is-string", _with("spec", "model: x"), "spec", "dictionary"),
     ("name-uppercase", _with("metadata.name", "Llama"), "metadata.name", "pattern"),
