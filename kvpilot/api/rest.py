@@ -3,6 +3,8 @@ tuner's blocking one): resource paths, and the Status error an API server answer
 
 from __future__ import annotations
 
+import json
+
 # 401 too: a service-account token rotates; kopf logs in again when its own watches get 401,
 # which hands the clients the new credentials before the retries run out.
 RETRIABLE_STATUSES = frozenset({401, 409, 429, 500, 502, 503, 504})
@@ -16,6 +18,18 @@ class ApiError(Exception):
         self.status = status
         self.reason = reason
         self.message = message
+
+    @classmethod
+    def from_response(cls, status: int, reason: str, text: str, *, method: str, path: str) -> ApiError:
+        """From an error answer: the Status object's reason and message where the body is one."""
+        message = text[:500]
+        try:
+            payload = json.loads(text)
+            reason = payload.get("reason") or reason
+            message = payload.get("message") or message
+        except (ValueError, AttributeError):
+            pass
+        return cls(status, str(reason), str(message), method=method, path=path)
 
     @property
     def retriable(self) -> bool:

@@ -91,14 +91,7 @@ class KubeClient:
             async with session.request(method, url, data=data, headers=headers, params=params) as resp:
                 text = await resp.text()
                 if resp.status >= 400:
-                    reason, message = resp.reason or "", text[:500]
-                    try:
-                        payload = json.loads(text)
-                        reason = payload.get("reason") or reason
-                        message = payload.get("message") or message
-                    except ValueError:
-                        pass
-                    raise ApiError(resp.status, str(reason), str(message), method=method, path=path)
+                    raise ApiError.from_response(resp.status, resp.reason or "", text, method=method, path=path)
                 return json.loads(text) if text else None
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise ApiError(0, type(exc).__name__, str(exc) or "connection failed", method=method, path=path) from exc

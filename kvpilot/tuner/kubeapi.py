@@ -83,14 +83,7 @@ class KubeAPI:
                 text = resp.read().decode()
         except urllib.error.HTTPError as exc:
             text = exc.read().decode(errors="replace")
-            reason, message = str(exc.reason or ""), text[:500]
-            try:
-                payload = json.loads(text)
-                reason = payload.get("reason") or reason
-                message = payload.get("message") or message
-            except ValueError:
-                pass
-            raise ApiError(exc.code, reason, message, method=method, path=path) from None
+            raise ApiError.from_response(exc.code, str(exc.reason or ""), text, method=method, path=path) from None
         except (OSError, urllib.error.URLError) as exc:
             raise ApiError(0, type(exc).__name__, str(exc) or "connection failed", method=method, path=path) from exc
         return json.loads(text) if text else None

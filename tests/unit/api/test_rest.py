@@ -1,0 +1,29 @@
+"""The Kubernetes REST pieces both clients share."""
+
+from __future__ import annotations
+
+import json
+
+from kvpilot.api.rest import ApiError, resource_path
+
+
+def test_an_error_answer_reads_the_status_object() -> None:
+    status = {"kind": "Status", "reason": "Conflict", "message": "the object has been modified", "code": 409}
+    err = ApiError.from_response(409, "Conflict (HTTP)", json.dumps(status), method="PATCH", path="/x")
+    assert (err.status, err.reason, err.message) == (409, "Conflict", "the object has been modified")
+    assert err.retriable and not err.not_found
+    assert str(err) == "PATCH /x: 409 Conflict: the object has been modified"
+
+
+def test_an_error_answer_that_is_not_json_keeps_the_http_reason_and_the_start_of_the_body() -> None:
+    err = ApiError.from_response(502, "Bad Gateway", "<html>" + "x" * 2000, method="GET", path="/y")
+    assert (err.status, err.reason) == (502, "Bad Gateway") and err.message.startswith("<html>")
+    assert len(err.message) == 500 and err.retriable
+    assert not ApiError.from_response(404, "Not Found", "[]", method="GET", path="/z").retriable
+
+
+def test_resource_paths() -> None:
+    assert resource_path("v1", "events", "ns") == "/api/v1/namespaces/ns/events"
+    assert resource_path("kvpilot.dev/v1alpha1", "inferenceservices", "ns", "a", "status") == (
+        "/apis/kvpilot.dev/v1alpha1/namespaces/ns/inferenceservices/a/status")
+    assert resource_path("apps/v1", "deployments", None) == "/apis/apps/v1/deployments"
