@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -141,6 +142,20 @@ class RequestBatch:
 
     def __len__(self) -> int:
         return len(self.arrival_s)
+
+    def then(self, later: RequestBatch) -> RequestBatch:
+        """These requests, then `later`'s, its arrival times shifted to start after the last of these."""
+        offset = float(self.arrival_s[-1]) if len(self) else 0.0
+        keys = None
+        if self.prefix_keys is not None or later.prefix_keys is not None:
+            keys = [*(self.prefix_keys or [None] * len(self)), *(later.prefix_keys or [None] * len(later))]
+        ptoks = None
+        if self.prefix_tokens is not None or later.prefix_tokens is not None:
+            ptoks = np.concatenate([b.prefix_tokens if b.prefix_tokens is not None else np.zeros(len(b), np.int64)
+                                    for b in (self, later)])
+        return RequestBatch(np.concatenate([self.arrival_s, later.arrival_s + offset]),
+                            np.concatenate([self.prompt_tokens, later.prompt_tokens]),
+                            np.concatenate([self.output_tokens, later.output_tokens]), keys, ptoks)
 
     def at_rate(self, factor: float) -> RequestBatch:
         """The same requests arriving `factor` times as fast (arrival times divided by it)."""
@@ -247,9 +262,9 @@ class Workload:
         return rng.gamma(shape, 1.0 / shape, size=n) / rate
 
     def generate(self, *, duration_s: float | None = None, num_requests: int | None = None,
-                 seed: int = 0) -> RequestBatch:
+                 seed: int | Sequence[int] = 0) -> RequestBatch:
         """The requests arriving in [0, duration_s), or the first `num_requests` (both: whichever
-        ends first).  Same spec + seed -> same requests."""
+        ends first).  Same spec + seed (an int, or a sequence of ints as numpy takes it) -> same requests."""
         if duration_s is None and num_requests is None:
             raise WorkloadError("give a duration or a number of requests")
         if self.arrival == "trace":

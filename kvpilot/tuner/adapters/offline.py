@@ -41,6 +41,8 @@ __all__ = ["PRESETS", "RunStats", "StartupFailed", "TwinEvaluator", "TwinTarget"
 # Seconds of arrivals each capacity probe serves, and the warm-up at its start that is not measured.
 PROBE_SECONDS = 150.0
 WARMUP_SECONDS = 30.0
+# Requests drawn at a time for a probe's unit-rate sequence.
+UNIT_BLOCK = 4096
 # A probed rate passes when an upper confidence bound of each p99, not the p99 of one finite run,
 # is within the SLO: near its capacity a config's p99 moves little with the rate and a run's p99
 # is noisy, so the bare p99 would let a lucky run set a capacity that the next run misses.
@@ -151,12 +153,13 @@ class TwinEvaluator:
         """A path's requests at `rate`: the first `probe_s` seconds of its unit-rate sequence."""
         need = rate * self.probe_s
         unit = self._units[path]
-        if unit is None or unit.arrival_s[-1] < need:
-            # Drawn again, longer: every run so far saw other requests, so forget them.
-            n = max(4096, int(2 * need) + 64)
-            unit = self._units[path] = self.workload.with_rate(1.0).generate(num_requests=n, seed=self.seed + path)
-            self._runs.clear()
-            self._caps.clear()
+        while unit is None or unit.arrival_s[-1] < need:
+            # Extended by blocks, each drawn from its own seed, so a longer sequence starts with the
+            # shorter one: every rate (and every config) keeps seeing the same first requests.
+            block = 0 if unit is None else len(unit) // UNIT_BLOCK
+            more = self.workload.with_rate(1.0).generate(num_requests=UNIT_BLOCK, seed=(self.seed, path, block))
+            unit = more if unit is None else unit.then(more)
+        self._units[path] = unit
         batch = unit.at_rate(rate)
         return batch.head(int(np.searchsorted(batch.arrival_s, self.probe_s)))
 

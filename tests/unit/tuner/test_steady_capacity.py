@@ -4,6 +4,7 @@ and against the engine's saturation throughput."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from kvpilot.api.slo import SLO
@@ -56,3 +57,18 @@ def test_a_burst_on_an_idle_engine_is_not_capacity(capacity: float) -> None:
     assert burst.ttft_p99 <= SLO_.ttft_seconds and burst.itl_p99 <= SLO_.itl_seconds
     sustained = run(burst_rate, 120.0, 0)
     assert sustained.ttft_p99 > SLO_.ttft_seconds or sustained.itl_p99 > SLO_.itl_seconds
+
+
+def test_probing_a_higher_rate_keeps_the_requests_lower_rates_saw() -> None:
+    """The probe's request sequence grows by blocks: a capacity measured before a higher rate was
+    probed is measured on the same requests after (the search's answer does not depend on its path)."""
+    ev = TwinEvaluator(TARGET, parse_workload(WORKLOAD), SLO_, seed=0, probe_s=60.0, warmup_s=12.0)
+    before = ev.requests(2.0)
+    ev.requests(500.0)  # needs 30,000 requests: several more blocks
+    after = ev.requests(2.0)
+    assert np.array_equal(before.arrival_s, after.arrival_s)
+    assert np.array_equal(before.prompt_tokens, after.prompt_tokens)
+    first = ev.capacity(PARAMS)
+    ev.requests(1000.0)
+    ev._caps.clear()
+    assert ev.capacity(PARAMS).capacity == first.capacity

@@ -129,3 +129,13 @@ def test_arrivals_scale_exactly_with_the_rate() -> None:
 def test_bounded_lognormal_stays_inside_its_bounds() -> None:
     x = LengthDist.parse("lognormal/800/1.5/16..2000", "prompt").sample(np.random.default_rng(0), 5000)
     assert x.min() >= 16 and x.max() <= 2000 and (x == 2000).any()
+
+
+def test_batches_join_with_the_later_arrivals_after_the_earlier() -> None:
+    w = Workload.parse("poisson:rate=2,prompt=10,output=5,prefix=4")
+    a, b = w.generate(num_requests=5, seed=1), w.generate(num_requests=3, seed=2)
+    joined = a.then(b)
+    assert len(joined) == 8 and np.all(np.diff(joined.arrival_s) >= 0)
+    assert np.allclose(joined.arrival_s[5:], b.arrival_s + a.arrival_s[-1])
+    assert joined.prefix_keys == [*a.prefix_keys, *b.prefix_keys]
+    assert joined.prefix_tokens is not None and len(joined.prefix_tokens) == 8
