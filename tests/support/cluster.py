@@ -39,6 +39,7 @@ from typing import Any
 
 import yaml
 
+from tests.support import kmock_api
 from tests.support.kmock_api import OperatorProcess, free_port, operator_process
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,19 +83,9 @@ def in_ci() -> bool:
 
 def wait_for(predicate: Callable[[], Any], *, timeout: float = 60.0, interval: float = 0.1,
              what: str = "condition") -> Any:
-    """Poll `predicate` until it returns something truthy; fail naming `what` after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    last_exc: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            result = predicate()
-        except (ApiError, OSError, KeyError, IndexError, TypeError) as exc:
-            last_exc, result = exc, None
-        if result:
-            return result
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}" +
-                         (f" (last error: {last_exc})" if last_exc else ""))
+    """kmock_api's poll, where this control plane's API errors and refused connections mean "not yet"."""
+    return kmock_api.wait_for(predicate, timeout, interval, what,
+                              errors=(ApiError, OSError, KeyError, IndexError, TypeError))
 
 
 @dataclass

@@ -474,14 +474,16 @@ class KMockAPI:
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05,
-             what: str = "condition") -> Any:
-    """Poll `predicate` until it returns something truthy; fail with `what` after `timeout` s."""
+             what: str = "condition",
+             errors: tuple[type[Exception], ...] = (ApiError, KeyError, IndexError, TypeError)) -> Any:
+    """Poll `predicate` until it returns something truthy; fail with `what` after `timeout` s.
+    `errors` raised by the predicate count as "not yet" (the last one is named on failure)."""
     deadline = time.monotonic() + timeout
     last_exc: Exception | None = None
     while time.monotonic() < deadline:
         try:
             result = predicate()
-        except (ApiError, KeyError, IndexError, TypeError) as exc:
+        except errors as exc:
             last_exc, result = exc, None
         if result:
             return result
