@@ -44,13 +44,20 @@ _NOT_LABEL_CHAR = re.compile(r"[^a-zA-Z0-9_]")
 
 
 def prometheus_label(kubernetes_label: str) -> str:
-    """The series label Prometheus (a ServiceMonitor's podTargetLabels, or `labelmap`) makes of a
-    Kubernetes label: every character outside [a-zA-Z0-9_] becomes `_`."""
+    """The series label Prometheus makes of a Kubernetes label key, as the Prometheus Operator
+    writes it for a monitor's podTargetLabels/targetLabels (its `sanitizeLabelName`) and Kubernetes
+    service discovery for `__meta_kubernetes_pod_label_<key>`: every character outside
+    [a-zA-Z0-9_] becomes `_` (`kvpilot.dev/inferenceservice` -> `kvpilot_dev_inferenceservice`)."""
     return _NOT_LABEL_CHAR.sub("_", kubernetes_label)
 
 
+# The pod labels the operator's ServiceMonitor or PodMonitor copies onto every engine series
+# (`podTargetLabels`): a scraped series carries no other pod label, so whatever the SLO rules, the
+# dashboard and the tuner select on beyond the monitor's own labels (namespace, pod, ...) is here.
+SERIES_POD_LABELS: tuple[str, ...] = (LABEL_INFERENCESERVICE,)
 # The series label of LABEL_INFERENCESERVICE: `kvpilot_dev_inferenceservice`.
 SERIES_LABEL_INFERENCESERVICE = prometheus_label(LABEL_INFERENCESERVICE)
+
 
 
 # ---- status conditions --------------------------------------------------------------------------

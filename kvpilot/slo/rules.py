@@ -235,8 +235,9 @@ def metrics_absent_rule(target: SloTarget, options: RuleOptions) -> dict[str, An
             ),
             "runbook": (
                 f"Check the pods (kubectl get pods -l {vocabulary.LABEL_INFERENCESERVICE}=NAME), their readiness "
-                "and logs; then the ServiceMonitor and Prometheus targets page (is the pod label kept as "
-                f"{vocabulary.SERIES_LABEL_INFERENCESERVICE}?)."
+                "and logs; then the ServiceMonitor of the same name and Prometheus's targets page: the series must "
+                f"carry the pod label {vocabulary.LABEL_INFERENCESERVICE} as {vocabulary.SERIES_LABEL_INFERENCESERVICE} "
+                "(the monitor's podTargetLabels)."
             ),
             **_runbook(options, "metrics-absent"),
         },

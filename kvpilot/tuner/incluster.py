@@ -51,7 +51,6 @@ class Worker:
             self.tuner.stop_requested = True
 
     def _run(self) -> None:
-        from kvpilot.slo.promql import Selector
         from kvpilot.tuner.adapters.kubernetes import KubernetesApplier, KubeStatusObserver
         from kvpilot.tuner.adapters.prometheus import PrometheusSignals
         from kvpilot.tuner.observe import Fanout, LogObserver
@@ -72,8 +71,8 @@ class Worker:
                                space=space, slo=slo, seed=0, n_trials=spec.tuning.max_trials)
             applier = KubernetesApplier(self.api_client, self.namespace, self.name,
                                         timeout_s=spec.rollout.progress_deadline_seconds + 300.0)
-            signals = PrometheusSignals(self.args.prometheus, selector=Selector.for_inferenceservice(
-                self.namespace, self.name), slo=slo, objective=spec.slo.objective)
+            signals = PrometheusSignals.for_inferenceservice(self.args.prometheus, self.namespace, self.name,
+                                                             slo=slo, objective=spec.slo.objective)
             current = applier.current()
             study.enqueue(current, "current")
             defaults = self._vllm_defaults()

@@ -1,10 +1,18 @@
-"""Prometheus Operator objects: a ServiceMonitor scraping vLLM's /metrics, and the SLO PrometheusRule."""
+"""Prometheus Operator objects: a ServiceMonitor scraping vLLM's /metrics, and the SLO PrometheusRule.
+
+A series scraped through the ServiceMonitor carries the monitor's own labels (namespace, service, pod,
+container, endpoint, job) and, of the pod's labels, only those named in `podTargetLabels`, sanitised
+(`kvpilot.dev/inferenceservice` -> `kvpilot_dev_inferenceservice`).  The SLO rules, the dashboard and
+the tuner select an InferenceService's series by that label, so the monitor lists
+vocabulary.SERIES_POD_LABELS there.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from kvpilot.api.models import InferenceService
+from kvpilot.api.vocabulary import SERIES_POD_LABELS
 from kvpilot.operator.builders.common import HTTP_PORT_NAME, object_meta, owner_reference, selector_labels
 from kvpilot.slo.rules import prometheus_rule_for
 
@@ -19,6 +27,7 @@ def build_service_monitor(isvc: InferenceService) -> dict[str, Any]:
         "spec": {
             "selector": {"matchLabels": selector_labels(isvc)},
             "namespaceSelector": {"matchNames": [isvc.metadata.namespace]},
+            "podTargetLabels": list(SERIES_POD_LABELS),
             "endpoints": [{"port": HTTP_PORT_NAME, "path": "/metrics", "interval": SCRAPE_INTERVAL}],
         },
     }

@@ -44,6 +44,14 @@ class PrometheusSignals:
         promql.check_bucket_edge("ttft", slo.ttft_seconds)
         promql.check_bucket_edge("itl", slo.itl_seconds)
 
+    @classmethod
+    def for_inferenceservice(cls, url: str, namespace: str, name: str, *, slo: SLO, objective: float = 0.99,
+                             timeout_s: float = 5.0) -> PrometheusSignals:
+        """The signals of one InferenceService's pods in a cluster: the series its monitor labels with
+        the namespace and kvpilot_dev_inferenceservice, the same selector the SLO rules use."""
+        return cls(url, selector=Selector.for_inferenceservice(namespace, name), slo=slo, objective=objective,
+                   timeout_s=timeout_s)
+
     # -- HTTP ----------------------------------------------------------------------------
     def query(self, expr: str) -> float | None:
         """A scalar from an instant query; None when the answer is empty or NaN.

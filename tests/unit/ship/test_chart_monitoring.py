@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -186,3 +187,60 @@ def test_the_service_monitor_keeps_the_inferenceservice_namespace_label() -> Non
     assert "namespace" in ENGINE_INFO_LABELS
     monitor = one(render("monitoring"), "ServiceMonitor")
     assert [e.get("honorLabels") for e in monitor["spec"]["endpoints"]] == [True]
+
+
+def _kvpilot_series(registry: Any, target: dict[str, str], monitor: dict[str, Any]) -> dict[str, list[dict[str, str]]]:
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.support import prometheus_operator as po
+
+    out: dict[str, list[dict[str, str]]] = {"up": [target]}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for sample in family.samples:
+            labels = po.series_labels(target, sample.labels, honor=po.honor_labels(monitor))
+            out.setdefault(sample.name, []).append(labels)
+    return out
+
+
+def test_the_chart_monitor_gives_kvpilot_series_every_label_the_alerts_and_dashboard_select_on() -> None:
+    """The chart's ServiceMonitor scrapes the operator and the tuner; the Prometheus Operator's rules
+    (tests/support/prometheus_operator.py) say what labels their series get.  Every selector on a
+    kvpilot_ series or `up` in the chart's alerts and in the dashboard finds a series: the labels it
+    matches are there, with the values it asks for (the InferenceService's namespace, not the operator's)."""
+    from prometheus_client import CollectorRegistry
+
+    from kvpilot.operator.metrics import OperatorMetrics
+    from kvpilot.slo import dashboard as dash
+    from kvpilot.tuner.observe import TunerMetrics
+    from tests.support import prometheus_operator as po
+    from tests.support import promql_labels
+
+    objects = render("monitoring")
+    monitor = one(objects, "ServiceMonitor")
+    operator = OperatorMetrics()
+    operator.set_engine("team-a", "chat", {k: "1" for k in ("max_num_batched_tokens", "gpu_memory_utilization",
+                                                            "max_num_seqs", "config_hash")})
+    tuner_registry = CollectorRegistry()
+    tuner = TunerMetrics(tuner_registry).observer("team-a", "chat")
+    tuner.trial_started(0, None, "current")  # type: ignore[arg-type]
+    tuner.trial_finished(0, None, "COMPLETE", None)  # type: ignore[arg-type]
+    tuner.best_changed(SimpleNamespace(value=0.5))  # type: ignore[arg-type]
+    scraped: dict[str, list[dict[str, str]]] = {}
+    for component, registry in (("operator", operator.registry), ("tuner", tuner_registry)):
+        pod = po.pod_from_template(one(objects, "Deployment", f"-{component}"), f"kvpilot-{component}-7c9-abcde")
+        targets = po.monitor_targets(monitor, one(objects, "Service", f"-{component}"), pod)
+        assert len(targets) == 1, f"the chart's ServiceMonitor makes {len(targets)} targets of the {component}"
+        for name, series in _kvpilot_series(registry, targets[0], monitor).items():
+            scraped.setdefault(name, []).extend(series)
+
+    def kvpilot(name: str) -> bool:
+        return name.startswith("kvpilot_") or name == "up"
+
+    board = dash.dashboard_all()
+    reads = [(r["expr"], set()) for r in _alerts().values()]
+    reads += [(dash.resolve(t["expr"], "team-a", "chat"), set())
+              for p in board["panels"] for t in p.get("targets", [])]
+    assert promql_labels.count_checked(reads, kvpilot) >= 5
+    found = promql_labels.problems(scraped, reads, checked=kvpilot)
+    assert found == [], "\n".join(found)
