@@ -222,6 +222,16 @@ class TuningSpec(_Wire):
         return self
 
 
+class ObservabilitySpec(_Wire):
+    monitor: Literal["ServiceMonitor", "PodMonitor", "None"] = Field(
+        "ServiceMonitor",
+        description="How the Prometheus Operator scrapes the engine's /metrics: a ServiceMonitor (through the "
+        "Service's endpoints), a PodMonitor (the pods directly, for a Prometheus that selects only PodMonitors), "
+        "or None (scrape it yourself, and keep the pod label kvpilot.dev/inferenceservice as the series label "
+        "kvpilot_dev_inferenceservice: the SLO rules, the dashboard and the tuner select on it).",
+    )
+
+
 class InferenceServiceSpec(_Wire):
     model: str = Field(
         ..., min_length=1, max_length=512, description="Model to serve: a Hugging Face id or a path in the image."
@@ -238,6 +248,9 @@ class InferenceServiceSpec(_Wire):
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="How changes roll out without downtime.")
     slo: SLOSpec = Field(default_factory=SLOSpec, description="Latency objectives: alerts page on them, the tuner steers by them.")
     tuning: TuningSpec = Field(default_factory=TuningSpec, description="The closed-loop tuner's settings.")
+    observability: ObservabilitySpec = Field(
+        default_factory=ObservabilitySpec, description="How Prometheus finds the engine's metrics."
+    )
 
     @model_validator(mode="after")
     def _cross_fields(self) -> InferenceServiceSpec:

@@ -59,6 +59,13 @@ SERIES_POD_LABELS: tuple[str, ...] = (LABEL_INFERENCESERVICE,)
 SERIES_LABEL_INFERENCESERVICE = prometheus_label(LABEL_INFERENCESERVICE)
 
 
+class MonitorKind(StrEnum):
+    """spec.observability.monitor: which Prometheus Operator object scrapes the engine's /metrics."""
+
+    SERVICE_MONITOR = "ServiceMonitor"
+    POD_MONITOR = "PodMonitor"
+    NONE = "None"
+
 
 # ---- status conditions --------------------------------------------------------------------------
 class ConditionType(StrEnum):

@@ -19,6 +19,7 @@ PLURALS = {
     "Service": "services",
     "PodDisruptionBudget": "poddisruptionbudgets",
     "ServiceMonitor": "servicemonitors",
+    "PodMonitor": "podmonitors",
     "PrometheusRule": "prometheusrules",
 }
 
@@ -94,7 +95,7 @@ async def ensure_absent(client: KubeClient, manifest: dict[str, Any]) -> ApplyRe
 
 @dataclass
 class MonitoringDiscovery:
-    """Whether the cluster serves ServiceMonitor and PrometheusRule, cached for `ttl` seconds."""
+    """Which of ServiceMonitor, PodMonitor and PrometheusRule the cluster serves, cached for `ttl` seconds."""
 
     client: KubeClient
     ttl: float = 300.0
@@ -111,6 +112,6 @@ class MonitoringDiscovery:
             if not exc.not_found:
                 raise
             names = frozenset()
-        self._served = names & {"servicemonitors", "prometheusrules"}
+        self._served = names & {"servicemonitors", "podmonitors", "prometheusrules"}
         self._checked_at = time.monotonic()
         return self._served

@@ -58,7 +58,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     render = subparsers.add_parser(
         "render",
         help="print the manifests the operator would create for an InferenceService",
-        description="Render the Deployment, Service, PodDisruptionBudget, ServiceMonitor and PrometheusRule "
+        description="Render the Deployment, Service, PodDisruptionBudget, ServiceMonitor (or PodMonitor, "
+        "per spec.observability.monitor) and PrometheusRule "
         "the operator creates for each InferenceService in FILE, as multi-document YAML, without a cluster. "
         "ownerReferences carry the object's metadata.uid when the file has one (the API server assigns it).",
     )
@@ -66,7 +67,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     render.add_argument("--twin-image", default=DEFAULT_TWIN_IMAGE, metavar="IMG",
                         help="kvpilot image for engine.kind twin (default: %(default)s)")
     render.add_argument("--no-monitoring", action="store_true",
-                        help="leave out ServiceMonitor and PrometheusRule, as on a cluster without the "
+                        help="leave out ServiceMonitor, PodMonitor and PrometheusRule, as on a cluster without the "
                         "Prometheus Operator CRDs")
     render.set_defaults(handler=_render)
 
@@ -114,7 +115,7 @@ def _render(args: argparse.Namespace) -> int:
                 print(f"{args.filename}: {result.label}: {issue}", file=sys.stderr)
         return 1
     options = RenderOptions(twin_image=args.twin_image, service_monitors=not args.no_monitoring,
-                            prometheus_rules=not args.no_monitoring)
+                            pod_monitors=not args.no_monitoring, prometheus_rules=not args.no_monitoring)
     # One service at a time: a bundle of a thousand is 27 MB of YAML, never all in memory at once.
     first = True
     for p in parsed:

@@ -37,7 +37,9 @@ RULES: tuple[Rule, ...] = (
     Rule(("",), ("services",), ("get", "create", "patch")),
     # A PDB is deleted again when replicas drop to 1.
     Rule(("policy",), ("poddisruptionbudgets",), ("get", "create", "patch", "delete")),
-    Rule(("monitoring.coreos.com",), ("servicemonitors", "prometheusrules"), ("get", "create", "patch")),
+    Rule(("monitoring.coreos.com",), ("prometheusrules",), ("get", "create", "patch")),
+    # Monitors: spec.observability.monitor picks one kind; the other kind's monitor, if ours, is deleted.
+    Rule(("monitoring.coreos.com",), ("servicemonitors", "podmonitors"), ("get", "create", "patch", "delete")),
     # Events on InferenceServices (kopf.event posts core/v1 Events).
     Rule(("",), ("events",), ("create",)),
     Rule(("events.k8s.io",), ("events",), ("create",)),

@@ -32,7 +32,8 @@ from kvpilot.api.vocabulary import GROUP, PLURAL, VERSION
 from kvpilot.operator.apply import MonitoringDiscovery, NotOwned, ensure, ensure_absent
 from kvpilot.operator.builders.common import ANNOTATION_CONFIG_HASH, LABEL_ISVC, RenderOptions
 from kvpilot.operator.builders.deployment import build_deployment
-from kvpilot.operator.builders.render import render_manifests
+from kvpilot.operator.builders.monitoring import MONITOR_PLURALS
+from kvpilot.operator.builders.render import render_manifests, unwanted_monitors, wanted_monitor
 from kvpilot.operator.builders.service import build_pdb, wants_pdb
 from kvpilot.operator.builders.status import (
     DEGRADED,
@@ -59,7 +60,21 @@ Logger = logging.Logger | logging.LoggerAdapter[Any]
 # emit(type, reason, message): an Event on the InferenceService being handled.
 Emit = Callable[[str, str, str], None]
 
-_MONITORING_KINDS = {"servicemonitors": "ServiceMonitor", "prometheusrules": "PrometheusRule"}
+
+def _render_options(rt: Runtime, served: frozenset[str]) -> RenderOptions:
+    return RenderOptions(twin_image=rt.settings.twin_image,
+                         service_monitors="servicemonitors" in served,
+                         pod_monitors="podmonitors" in served,
+                         prometheus_rules="prometheusrules" in served)
+
+
+def _unserved_kinds(isvc: InferenceService, served: frozenset[str]) -> list[str]:
+    """The monitoring kinds this InferenceService asks for that the cluster does not serve."""
+    wanted = {"prometheusrules": "PrometheusRule"}
+    monitor = wanted_monitor(isvc)
+    if monitor is not None:
+        wanted = {MONITOR_PLURALS[monitor]: monitor.value, **wanted}
+    return [kind for plural, kind in wanted.items() if plural not in served]
 
 
 # new status (the keys the operator owns) from the status as last read; the conditions it returns
@@ -224,10 +239,8 @@ async def _reconcile(rt: Runtime, body: dict[str, Any], emit: Emit,
 
     try:
         served = await rt.discovery.served()
-        options = RenderOptions(twin_image=rt.settings.twin_image,
-                                service_monitors="servicemonitors" in served,
-                                prometheus_rules="prometheusrules" in served)
-        missing = [kind for plural, kind in _MONITORING_KINDS.items() if plural not in served]
+        options = _render_options(rt, served)
+        missing = _unserved_kinds(isvc, served)
         if missing and isvc.metadata.uid not in rt.skip_noted:
             rt.skip_noted.add(str(isvc.metadata.uid))
             emit("Normal", "MonitoringSkipped",
@@ -259,6 +272,14 @@ async def _reconcile(rt: Runtime, body: dict[str, Any], emit: Emit,
             removed = await ensure_absent(rt.client, build_pdb(isvc))
             if removed is not None:
                 emit("Normal", "Deleted", f"Deleted PodDisruptionBudget {removed.name} (replicas <= 1)")
+        # A monitor of another kind exists only after spec.observability.monitor changed: look for
+        # one when the spec generation moved on, not on every resync.
+        if not new_object and previous.get("observedGeneration") != generation:
+            for stale in unwanted_monitors(isvc, options):
+                removed = await ensure_absent(rt.client, stale)
+                if removed is not None:
+                    emit("Normal", "Deleted", f"Deleted {removed.kind} {removed.name} "
+                         f"(spec.observability.monitor is {isvc.spec.observability.monitor})")
     except NotOwned as exc:
         emit("Warning", REASON_APPLY_FAILED, str(exc))
         return _degraded_only(REASON_APPLY_FAILED, str(exc), generation), "error", None
@@ -315,10 +336,7 @@ async def _track_rollout(rt: Runtime, namespace: str, name: str, deployment: dic
     if rollout.deadline_exceeded and rollout.engine is not None:
         if last_good and last_good != rollout.engine:
             isvc = InferenceService.model_validate({k: v for k, v in parent.items() if k != "status"})
-            served = await rt.discovery.served()
-            options = RenderOptions(twin_image=rt.settings.twin_image,
-                                    service_monitors="servicemonitors" in served,
-                                    prometheus_rules="prometheusrules" in served)
+            options = _render_options(rt, await rt.discovery.served())
             restored = build_deployment(isvc, options, EngineSpec.model_validate(last_good))
             applied = await ensure(rt.client, restored)
             deployment = applied.live or deployment

@@ -235,7 +235,8 @@ def metrics_absent_rule(target: SloTarget, options: RuleOptions) -> dict[str, An
             ),
             "runbook": (
                 f"Check the pods (kubectl get pods -l {vocabulary.LABEL_INFERENCESERVICE}=NAME), their readiness "
-                "and logs; then the ServiceMonitor of the same name and Prometheus's targets page: the series must "
+                "and logs; then the monitor (spec.observability.monitor: the ServiceMonitor or PodMonitor of the "
+                "same name; with None, your own scrape config) and Prometheus's targets page: the series must "
                 f"carry the pod label {vocabulary.LABEL_INFERENCESERVICE} as {vocabulary.SERIES_LABEL_INFERENCESERVICE} "
                 "(the monitor's podTargetLabels)."
             ),

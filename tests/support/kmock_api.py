@@ -334,6 +334,8 @@ def register_resources(emulator: kmock.KubernetesEmulator, *, monitoring_crds: b
         verbs = {"get", "list", "watch", "create", "update", "patch", "delete"}
         emulator.resources["monitoring.coreos.com/v1/servicemonitors"] = kmock.ResourceInfo(
             kind="ServiceMonitor", singular="servicemonitor", namespaced=True, verbs=verbs)
+        emulator.resources["monitoring.coreos.com/v1/podmonitors"] = kmock.ResourceInfo(
+            kind="PodMonitor", singular="podmonitor", namespaced=True, verbs=verbs)
         emulator.resources["monitoring.coreos.com/v1/prometheusrules"] = kmock.ResourceInfo(
             kind="PrometheusRule", singular="prometheusrule", namespaced=True, verbs=verbs)
 

@@ -38,6 +38,7 @@ class RenderOptions:
     twin_image: str = DEFAULT_TWIN_IMAGE
     # Whether the cluster serves the Prometheus Operator's CRDs (found by discovery).
     service_monitors: bool = True
+    pod_monitors: bool = True
     prometheus_rules: bool = True
 
 

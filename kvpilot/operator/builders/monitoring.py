@@ -1,10 +1,11 @@
-"""Prometheus Operator objects: a ServiceMonitor scraping vLLM's /metrics, and the SLO PrometheusRule.
+"""Prometheus Operator objects: a ServiceMonitor or a PodMonitor scraping vLLM's /metrics, and the SLO
+PrometheusRule.
 
-A series scraped through the ServiceMonitor carries the monitor's own labels (namespace, service, pod,
-container, endpoint, job) and, of the pod's labels, only those named in `podTargetLabels`, sanitised
-(`kvpilot.dev/inferenceservice` -> `kvpilot_dev_inferenceservice`).  The SLO rules, the dashboard and
-the tuner select an InferenceService's series by that label, so the monitor lists
-vocabulary.SERIES_POD_LABELS there.
+A series scraped through either monitor carries the monitor's own labels (namespace, pod, container,
+endpoint, job; a ServiceMonitor adds service) and, of the pod's labels, only those named in
+`podTargetLabels`, sanitised (`kvpilot.dev/inferenceservice` -> `kvpilot_dev_inferenceservice`).
+The SLO rules, the dashboard and the tuner select an InferenceService's series by that label, so
+both monitors list vocabulary.SERIES_POD_LABELS there.
 """
 
 from __future__ import annotations
@@ -12,25 +13,57 @@ from __future__ import annotations
 from typing import Any
 
 from kvpilot.api.models import InferenceService
-from kvpilot.api.vocabulary import SERIES_POD_LABELS
+from kvpilot.api.vocabulary import SERIES_POD_LABELS, MonitorKind
 from kvpilot.operator.builders.common import HTTP_PORT_NAME, object_meta, owner_reference, selector_labels
 from kvpilot.slo.rules import prometheus_rule_for
 
 SCRAPE_INTERVAL = "15s"
+MONITORING_API_VERSION = "monitoring.coreos.com/v1"
+# The monitor kinds the operator can render, and the resource (plural) each is served as.
+MONITOR_PLURALS: dict[MonitorKind, str] = {
+    MonitorKind.SERVICE_MONITOR: "servicemonitors",
+    MonitorKind.POD_MONITOR: "podmonitors",
+}
+
+
+def _endpoint() -> dict[str, Any]:
+    return {"port": HTTP_PORT_NAME, "path": "/metrics", "interval": SCRAPE_INTERVAL}
+
+
+def _monitor_spec(isvc: InferenceService) -> dict[str, Any]:
+    return {
+        "selector": {"matchLabels": selector_labels(isvc)},
+        "namespaceSelector": {"matchNames": [isvc.metadata.namespace]},
+        "podTargetLabels": list(SERIES_POD_LABELS),
+    }
 
 
 def build_service_monitor(isvc: InferenceService) -> dict[str, Any]:
+    """Scrapes the Service's endpoints (the ready pods) on the named port."""
     return {
-        "apiVersion": "monitoring.coreos.com/v1",
-        "kind": "ServiceMonitor",
+        "apiVersion": MONITORING_API_VERSION,
+        "kind": MonitorKind.SERVICE_MONITOR.value,
         "metadata": object_meta(isvc),
-        "spec": {
-            "selector": {"matchLabels": selector_labels(isvc)},
-            "namespaceSelector": {"matchNames": [isvc.metadata.namespace]},
-            "podTargetLabels": list(SERIES_POD_LABELS),
-            "endpoints": [{"port": HTTP_PORT_NAME, "path": "/metrics", "interval": SCRAPE_INTERVAL}],
-        },
+        "spec": {**_monitor_spec(isvc), "endpoints": [_endpoint()]},
     }
+
+
+def build_pod_monitor(isvc: InferenceService) -> dict[str, Any]:
+    """Scrapes the pods directly on the container port of that name (no Service in between)."""
+    return {
+        "apiVersion": MONITORING_API_VERSION,
+        "kind": MonitorKind.POD_MONITOR.value,
+        "metadata": object_meta(isvc),
+        "spec": {**_monitor_spec(isvc), "podMetricsEndpoints": [_endpoint()]},
+    }
+
+
+def build_monitor(isvc: InferenceService, kind: MonitorKind) -> dict[str, Any]:
+    if kind is MonitorKind.POD_MONITOR:
+        return build_pod_monitor(isvc)
+    if kind is MonitorKind.SERVICE_MONITOR:
+        return build_service_monitor(isvc)
+    raise ValueError(f"no monitor object for spec.observability.monitor {kind.value!r}")
 
 
 def build_prometheus_rule(isvc: InferenceService) -> dict[str, Any]:

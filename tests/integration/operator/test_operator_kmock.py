@@ -383,6 +383,21 @@ def test_monitoring_objects_when_the_cluster_serves_the_crds(tmp_path: Path) -> 
                  what="status")
         assert not [e for e in mon_api.events(NS) if e.get("reason") == "MonitoringSkipped"]
 
+        # Switched to a PodMonitor: the ServiceMonitor goes, or both would scrape the pods and every
+        # sum over the service's series would count each request twice.
+        mon_api.patch(mon_api.isvc_path(NS, "watched"), {"spec": {"observability": {"monitor": "PodMonitor"}}})
+        pm = wait_for(lambda: mon_api.get_or_none(f"{base}/podmonitors/watched"), what="PodMonitor")
+        assert pm["metadata"]["ownerReferences"][0]["uid"] == uid
+        assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "http"
+        wait_for(lambda: mon_api.get_or_none(f"{base}/servicemonitors/watched") is None,
+                 what="the ServiceMonitor deleted")
+        wait_for(lambda: [e for e in mon_api.events(NS) if e.get("reason") == "Deleted"
+                          and "ServiceMonitor watched" in e.get("message", "")], what="a Deleted Event")
+        # None: no monitor at all (the user scrapes the pods their own way); the rules stay.
+        mon_api.patch(mon_api.isvc_path(NS, "watched"), {"spec": {"observability": {"monitor": "None"}}})
+        wait_for(lambda: mon_api.get_or_none(f"{base}/podmonitors/watched") is None, what="the PodMonitor deleted")
+        assert mon_api.get_or_none(f"{base}/prometheusrules/watched-slo") is not None
+
 
 def test_a_restarted_operator_keeps_the_rollback_and_its_namespaces(tmp_path: Path) -> None:
     """After a rollback, a restart (kopf resumes every object) must not re-apply the failed engine;

@@ -34,7 +34,8 @@ def the_isvc(monitor: str) -> InferenceService:
     return InferenceService.model_validate({
         "apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService",
         "metadata": {"name": NAME, "namespace": NS},
-        "spec": {"model": "Llama-3.1-8B", "replicas": 2, "engine": {"kind": "twin"}},
+        "spec": {"model": "Llama-3.1-8B", "replicas": 2, "engine": {"kind": "twin"},
+                 "observability": {"monitor": monitor}},
     })
 
 
@@ -43,7 +44,7 @@ def one(manifests: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     return found
 
 
-@pytest.mark.parametrize("monitor_kind", ["ServiceMonitor"])
+@pytest.mark.parametrize("monitor_kind", ["ServiceMonitor", "PodMonitor"])
 def test_prometheus_relabels_the_twin_as_the_monitor_says(monitor_kind: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     require_prometheus()
     isvc = the_isvc(monitor_kind)

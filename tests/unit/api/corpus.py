@@ -121,4 +121,6 @@ CASES: list[tuple[str, Any, str, str]] = [
     ("twin-gpu-empty", _with("spec.engine", {"kind": "twin", "twin": {"gpu": ""}}), "spec.engine.twin.gpu",
      "at least 1"),
     ("document-is-list", [BASE], "", "mapping"),
+    ("monitor-unknown", _with("spec.observability", {"monitor": "Probe"}), "spec.observability.monitor",
+     "'ServiceMonitor', 'PodMonitor' or 'None'"),
 ]

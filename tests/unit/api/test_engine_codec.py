@@ -3,6 +3,7 @@ defaults per GPU class, shared by the operator, the tuner and the twin."""
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvpilot.api import engine as codec
 from kvpilot.api import vocabulary
-from kvpilot.api.models import InferenceService
+from kvpilot.api.models import InferenceService, ObservabilitySpec
 from kvpilot.api.validation import parse_inference_service
 from kvpilot.operator.builders.engine import engine_args, engine_command
 from kvpilot.tuner.core.space import EngineParams
@@ -156,6 +157,9 @@ def test_the_models_literals_are_the_vocabulary() -> None:
     fields = InferenceService.model_fields
     assert fields["api_version"].default == vocabulary.API_VERSION
     assert fields["kind"].default == vocabulary.KIND
+    monitor = ObservabilitySpec.model_fields["monitor"]
+    assert typing.get_args(monitor.annotation) == tuple(vocabulary.MonitorKind)
+    assert monitor.default == vocabulary.MonitorKind.SERVICE_MONITOR
 
 
 def test_series_label_is_what_prometheus_makes_of_the_pod_label() -> None:

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from kvpilot.api.vocabulary import MonitorKind
 from kvpilot.operator.builders import (
     ANNOTATION_CONFIG_HASH,
     ANNOTATION_ENGINE,
@@ -14,6 +15,8 @@ from kvpilot.operator.builders import (
     render_manifests,
 )
 from kvpilot.operator.builders.deployment import STARTUP_PERIOD_SECONDS
+from kvpilot.operator.builders.monitoring import build_monitor
+from kvpilot.operator.builders.render import unwanted_monitors
 from tests.unit.operator.fixtures import isvc
 from tests.unit.ship.pss import restricted_violations
 
@@ -128,6 +131,37 @@ def test_children_by_replicas_and_monitoring() -> None:
     assert pdb["spec"]["maxUnavailable"] == 1
     service = render_manifests(isvc())[1]
     assert service["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
+
+
+@pytest.mark.parametrize(("monitor", "kinds", "unwanted"), [
+    ("ServiceMonitor", ["ServiceMonitor"], ["PodMonitor"]),
+    ("PodMonitor", ["PodMonitor"], ["ServiceMonitor"]),
+    ("None", [], ["ServiceMonitor", "PodMonitor"]),
+])
+def test_spec_observability_monitor_picks_the_monitor(monitor: str, kinds: list[str], unwanted: list[str]) -> None:
+    svc = isvc(replicas=1, observability={"monitor": monitor})
+    rendered = [m["kind"] for m in render_manifests(svc)]
+    assert rendered == ["Deployment", "Service", *kinds, "PrometheusRule"]
+    assert [m["kind"] for m in unwanted_monitors(svc)] == unwanted
+    # A cluster that serves only ServiceMonitors: a PodMonitor is left out, not created in vain.
+    only_sm = RenderOptions(pod_monitors=False)
+    assert [m["kind"] for m in render_manifests(svc, only_sm)][2:-1] == [k for k in kinds if k == "ServiceMonitor"]
+    assert "PodMonitor" not in [m["kind"] for m in unwanted_monitors(svc, only_sm)]
+
+
+def test_both_monitors_copy_the_inferenceservice_pod_label_and_scrape_the_named_port() -> None:
+    svc = isvc(replicas=1)
+    sm, pm = build_monitor(svc, MonitorKind.SERVICE_MONITOR), build_monitor(svc, MonitorKind.POD_MONITOR)
+    dep = build_deployment(svc)
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    ports = {p["name"] for p in container(dep)["ports"]}
+    for monitor, endpoints in ((sm, sm["spec"]["endpoints"]), (pm, pm["spec"]["podMetricsEndpoints"])):
+        assert monitor["spec"]["podTargetLabels"] == ["kvpilot.dev/inferenceservice"]
+        assert set(monitor["spec"]["podTargetLabels"]) <= pod_labels.keys()
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+        assert [e["port"] for e in endpoints] == ["http"] and "http" in ports
+    with pytest.raises(ValueError, match="None"):
+        build_monitor(svc, MonitorKind.NONE)
 
 
 def _hash(dep: dict[str, Any]) -> str:

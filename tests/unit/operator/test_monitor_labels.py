@@ -34,13 +34,13 @@ from tests.support import promql_labels
 from tests.unit.operator.fixtures import isvc_dict
 
 NS, NAME = "team-a", "chat"
-MONITOR_KINDS = ("ServiceMonitor",)
+MONITOR_KINDS = ("ServiceMonitor", "PodMonitor")
 # Series vLLM renamed in 0.11: the queries fall back to them; they carry their successor's labels.
 RENAMED = {vllm.METRIC_ITL_LEGACY: vllm.METRIC_ITL, vllm.METRIC_KV_USAGE_LEGACY: vllm.METRIC_KV_USAGE}
 
 
 def the_isvc(monitor: str) -> InferenceService:
-    obj = isvc_dict(replicas=2)
+    obj = isvc_dict(replicas=2, observability={"monitor": monitor})
     obj["metadata"].update(name=NAME, namespace=NS)
     return InferenceService.model_validate(obj)
 
@@ -182,7 +182,10 @@ def test_the_target_labels_are_the_operators_and_the_inferenceservice(monitor_ki
     pod = f"{NAME}-5d8f7c9b6-x2x9k"
     expected = {"namespace": NS, "pod": pod, "container": "engine", "endpoint": "http",
                 "instance": "10.0.0.7:8000", "kvpilot_dev_inferenceservice": NAME}
-    expected |= {"service": NAME, "job": NAME}
+    if monitor_kind == "ServiceMonitor":
+        expected |= {"service": NAME, "job": NAME}
+    else:
+        expected |= {"job": f"{NS}/{NAME}"}
     assert target == expected
 
 
