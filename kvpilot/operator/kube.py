@@ -108,7 +108,9 @@ class KubeClient:
                     raise ApiError.from_response(resp.status, resp.reason or "", text, method=method, path=path,
                                                  headers=resp.headers)
                 return json.loads(text) if text else None
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except TimeoutError as exc:
+            raise ApiError(0, "Timeout", f"no answer within {self.timeout_s:g}s", method=method, path=path) from exc
+        except aiohttp.ClientError as exc:
             raise ApiError(0, type(exc).__name__, str(exc) or "connection failed", method=method, path=path) from exc
 
     # ---- verbs ----

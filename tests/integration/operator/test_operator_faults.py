@@ -183,6 +183,34 @@ def test_a_rollback_whose_patch_keeps_failing_is_retried_until_it_holds(api: KMo
     assert len(after) == 1 and after[0] - answered_429 >= 2.0
 
 
+ROLLBACK_FAULTS = {
+    # One call's tries and one more, of each class: the first rollback fails, the second holds.
+    "409": Fault(409),
+    "500": Fault(500),
+    "timeout": Fault(503, stall=3),
+    "dropped-connection": Fault(0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROLLBACK_FAULTS))
+def test_a_rollback_converges_through_each_fault_class(api: KMockAPI, operator: OperatorProcess, case: str) -> None:
+    name = f"rollback-{case}"
+    _good_then_bad(api, name)
+    rule = api.fail("PATCH", f"/namespaces/{NS}/deployments/{name}$",
+                    *[ROLLBACK_FAULTS[case]] * (ALL_TRIES_OF_ONE_CALL + 1))
+    _deadline_exceeded(api, name)
+    obj = wait_for(lambda: condition(o := isvc(api, name), "Degraded").get("reason") == "RolledBack" and
+                   engine_arg(api.get(dep_path(name)), "--max-num-batched-tokens") == "2048" and o,
+                   timeout=40, what="rolled back to 2048")
+    assert rule.exhausted
+    assert obj["status"]["lastGoodEngine"]["maxNumBatchedTokens"] == 2048
+    (failed,) = events_for(api, name, "RollbackFailed")
+    assert "failed attempts: 1" in failed["message"]
+    assert {"409": "409 Conflict", "500": "500 InternalError", "timeout": "0 Timeout: no answer within 1s",
+            "dropped-connection": "0 ServerDisconnectedError"}[case] in failed["message"]
+    assert len(events_for(api, name, "RolledBack")) == 1
+
+
 def _kill_after(api: KMockAPI, method: str, path: str, op: OperatorProcess) -> Any:
     """SIGKILL the operator right after KMock served this request, before the operator reads the answer."""
     return api.after(method, path, op.proc.kill)
