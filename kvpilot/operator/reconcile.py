@@ -432,7 +432,7 @@ async def _track_rollout(rt: Runtime, namespace: str, name: str, deployment: dic
             try:
                 applied = await ensure(rt.client, restored)
             except ApiError as exc:
-                await _rollback_failed(rt, namespace, name, parent, generation, emit_on, logger,
+                await _rollback_failed(rt, namespace, name, parent, generation, deployment, emit_on, logger,
                                        f"{failed}; putting lastGoodEngine back (configHash {restored_hash}) failed: "
                                        f"{exc}", exc)
             deployment = applied.live or deployment
@@ -460,10 +460,11 @@ async def _track_rollout(rt: Runtime, namespace: str, name: str, deployment: dic
 
 
 async def _rollback_failed(rt: Runtime, namespace: str, name: str, parent: dict[str, Any], generation: int,
-                           emit_on: Callable[[dict[str, Any], str, str, str], None], logger: Logger,
-                           what: str, exc: ApiError) -> NoReturn:
-    """Say that the rollback is pending (Degraded RollbackFailed, an Event the first time) and raise
-    HandleAgain: the Deployment is read and the rollback tried again after the delay."""
+                           deployment: dict[str, Any], emit_on: Callable[[dict[str, Any], str, str, str], None],
+                           logger: Logger, what: str, exc: ApiError) -> NoReturn:
+    """Say that the rollback is pending (Degraded RollbackFailed, and Ready/Progressing from the
+    Deployment that did not progress; an Event the first time) and raise HandleAgain: the Deployment
+    is read and the rollback tried again after the delay."""
     key = f"{namespace}/{name}"
     delay = rt.next_event_retry_delay(key, exc.retry_after)
     attempts = rt.event_retry_attempts[key]
@@ -473,8 +474,9 @@ async def _rollback_failed(rt: Runtime, namespace: str, name: str, parent: dict[
     if old.get("reason") != REASON_ROLLBACK_FAILED:
         emit_on(parent, "Warning", REASON_ROLLBACK_FAILED, message)
     try:
-        await update_status(rt, namespace, name, _degraded_only(REASON_ROLLBACK_FAILED, message, generation),
-                            parent=parent)
+        await update_status(rt, namespace, name, lambda fresh: desired_status(
+            generation=generation, previous=fresh, deployment=deployment, degraded=(REASON_ROLLBACK_FAILED, message)),
+            parent=parent)
     except ApiError as status_exc:  # the API is failing: the next try writes it
         logger.warning("status of %s/%s not written: %s", namespace, name, status_exc)
     raise HandleAgain(delay) from exc

@@ -168,6 +168,10 @@ def test_a_rollback_whose_patch_keeps_failing_is_retried_until_it_holds(api: KMo
     failed = wait_for(lambda: events_for(api, name, "RollbackFailed"), timeout=30, what="the RollbackFailed event")
     assert failed[0]["type"] == "Warning"
     assert "putting lastGoodEngine back" in failed[0]["message"] and "trying again in" in failed[0]["message"]
+    pending = wait_for(lambda: condition(o := isvc(api, name), "Degraded").get("reason") == "RollbackFailed" and o,
+                       what="Degraded/RollbackFailed")
+    assert condition(pending, "Progressing")["reason"] == "ProgressDeadlineExceeded"  # the tuner reads it failed
+    assert condition(pending, "Degraded")["message"] == failed[0]["message"]
     dep = wait_for(lambda: (d := api.get(dep_path(name))) and
                    engine_arg(d, "--max-num-batched-tokens") == "2048" and d, timeout=30, what="2048 back")
     assert json.loads(dep["metadata"]["annotations"]["kvpilot.dev/engine"])["maxNumBatchedTokens"] == 2048
