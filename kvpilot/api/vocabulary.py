@@ -81,6 +81,8 @@ class Reason(StrEnum):
 
     ROLLOUT_COMPLETE = "RolloutComplete"
     ROLLED_BACK = "RolledBack"
+    # The rollback's patch failed (the API kept failing); the operator tries it again until it holds.
+    ROLLBACK_FAILED = "RollbackFailed"
     INVALID_SPEC = "InvalidSpec"
     APPLY_FAILED = "ApplyFailed"
     PROGRESS_DEADLINE_EXCEEDED = "ProgressDeadlineExceeded"

@@ -28,6 +28,26 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0 (got {text!r})") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0 (got {text})")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0 (got {text!r})") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0 (got {value})")
+    return value
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     op = subparsers.add_parser(
         "operator",
@@ -52,6 +72,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     op.add_argument("--max-workers", type=_positive, default=128, metavar="N",
                     help="objects reconciled at once; a burst beyond that waits its turn, bounding memory "
                     "(default: %(default)s)")
+    op.add_argument("--api-timeout", type=_seconds, default=30.0, metavar="SECONDS",
+                    help="longest one Kubernetes API call may take before it counts as failed "
+                    "(default: %(default)s)")
+    op.add_argument("--api-retries", type=_count, default=5, metavar="N",
+                    help="retries of one API call on 409, 429, 5xx, timeouts and dropped connections, with "
+                    "exponential backoff and jitter, never sooner than a Retry-After (default: %(default)s)")
+    op.add_argument("--retry-delay", type=_seconds, default=30.0, metavar="SECONDS",
+                    help="wait before a reconcile or a rollback that failed after those retries runs again "
+                    "(a rollback's wait then doubles up to 300 s; a longer Retry-After wins; "
+                    "default: %(default)s)")
+    op.add_argument("--retry-seed", type=int, default=None, metavar="N",
+                    help="seed of the retries' jitter, for a reproducible run (default: from the OS)")
     op.add_argument("-v", "--verbose", action="store_true", help="log more")
     op.set_defaults(handler=_operator)
 
@@ -75,6 +107,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _operator(args: argparse.Namespace) -> int:
     import asyncio
 
+    from kvpilot.api.retry import Backoff
     from kvpilot.operator.handlers import CredentialsError
     from kvpilot.operator.runner import configure_logging, run_operator
     from kvpilot.operator.settings import OperatorSettings
@@ -82,7 +115,9 @@ def _operator(args: argparse.Namespace) -> int:
     settings = OperatorSettings(
         namespaces=tuple(args.namespace), all_namespaces=args.all_namespaces, twin_image=args.twin_image,
         metrics_host=args.metrics_host, metrics_port=args.metrics_port, log_format=args.log_format,
-        verbose=args.verbose, max_workers=args.max_workers,
+        verbose=args.verbose, max_workers=args.max_workers, api_timeout_seconds=args.api_timeout,
+        api_backoff=Backoff(retries=args.api_retries), retry_seed=args.retry_seed,
+        handler_retry_delay_seconds=args.retry_delay,
     )
     configure_logging(settings)
     try:

@@ -84,6 +84,7 @@ def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
 
     @kopf.on.cleanup(registry=registry, id="cleanup")
     async def cleanup(**_: Any) -> None:
+        await rt.close()
         await rt.client.close()
 
     @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry, id="reconcile", backoff=retry_delay)
@@ -97,7 +98,8 @@ def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
         try:
             await reconcile_service(rt, dict(body), emit, logger)
         except RetryLater as exc:
-            raise kopf.TemporaryError(str(exc), delay=retry_delay) from None
+            # The API server's Retry-After, where it asked for longer than our own delay.
+            raise kopf.TemporaryError(str(exc), delay=max(retry_delay, exc.retry_after or 0.0)) from None
 
     @kopf.on.event("apps", "v1", "deployments", registry=registry, id="track-rollout",
                    labels={LABEL_MANAGED_BY: MANAGED_BY})

@@ -5,8 +5,16 @@ of RSS here (measured on top of kopf, pydantic and aiohttp), and the operator on
 create, merge-patch and delete of a handful of resources.  Credentials come from kopf's own login
 (`kopf.ConnectionInfo`), so in-cluster service accounts and kubeconfigs both work.
 
-Every call is retried with backoff on 409 Conflict, 429, transient 5xx, 401 (a rotated token) and
-connection errors; anything else raises `ApiError` at once, for the caller to turn into a condition.
+Every call is retried on 409 Conflict, 429, transient 5xx, 401 (a rotated token), timeouts and
+dropped connections, with bounded exponential backoff and jitter (`kvpilot.api.retry.Backoff`),
+never sooner than the server's Retry-After; anything else raises `ApiError` at once, for the caller
+to turn into a condition.  A Retry-After longer than the policy's `max_wait` is not slept through:
+the call raises at once with `ApiError.retry_after` set, and the handler hands that wait to kopf.
+
+Retrying writes is safe because each is idempotent or checked: a create that timed out but was
+made answers 409 AlreadyExists (the caller reads and patches), a merge patch says what the object
+should hold, a delete that was done answers 404, and a status write carries the resourceVersion it
+was computed from (its 409 goes back to the caller, which reads again).
 """
 
 from __future__ import annotations
@@ -14,12 +22,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Sequence
+import random
 from typing import Any
 
 import aiohttp
 
 from kvpilot.api.rest import RETRIABLE_STATUSES, ApiError, resource_path
+from kvpilot.api.retry import Backoff
 
 __all__ = ["RETRIABLE_STATUSES", "ApiError", "KubeClient", "resource_path"]
 
@@ -29,10 +38,13 @@ logger = logging.getLogger("kvpilot.operator.kube")
 class KubeClient:
     """One aiohttp session for the operator's own calls; created lazily from a kopf ConnectionInfo."""
 
-    def __init__(self, *, backoff: Sequence[float] = (0.2, 0.5, 1.0, 2.0, 4.0), field_manager: str = "kvpilot") -> None:
+    def __init__(self, *, backoff: Backoff | None = None, field_manager: str = "kvpilot",
+                 timeout_s: float = 30.0, rng: random.Random | None = None) -> None:
         self._info: Any = None  # kopf.ConnectionInfo
         self._session: aiohttp.ClientSession | None = None
-        self._backoff = tuple(backoff)
+        self.backoff = backoff or Backoff()
+        self.timeout_s = timeout_s
+        self.rng = rng or random.Random()
         self.field_manager = field_manager
 
     def set_credentials(self, info: Any) -> None:
@@ -61,25 +73,27 @@ class KubeClient:
             self._session = aiohttp.ClientSession(
                 headers=headers,
                 connector=aiohttp.TCPConnector(ssl=ssl, limit=32),
-                timeout=aiohttp.ClientTimeout(total=30),
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
             )
         return self._session
 
     async def request(self, method: str, path: str, body: Any = None, *,
                       content_type: str = "application/json", params: dict[str, str] | None = None,
                       retry_conflicts: bool = True) -> Any:
-        attempts = len(self._backoff) + 1
-        for attempt in range(attempts):
+        retry = 0
+        while True:
             try:
                 return await self._request_once(method, path, body, content_type, params)
             except ApiError as exc:
-                conflict_ends_it = exc.status == 409 and not retry_conflicts
-                if not exc.retriable or conflict_ends_it or attempt == attempts - 1:
+                if not exc.retriable or (exc.status == 409 and not retry_conflicts):
                     raise
-                delay = self._backoff[attempt]
-                logger.info("retrying %s %s in %.1fs after %s %s", method, path, delay, exc.status, exc.reason)
+                delay = self.backoff.delay(retry, self.rng, exc.retry_after)
+                if delay is None:  # out of retries, or the server asked for a longer wait than we sleep
+                    raise
+                logger.info("retrying %s %s in %.2fs after %s %s%s", method, path, delay, exc.status, exc.reason,
+                            "" if exc.retry_after is None else f" (Retry-After {exc.retry_after:g}s)")
                 await asyncio.sleep(delay)
-        raise AssertionError("unreachable")
+                retry += 1
 
     async def _request_once(self, method: str, path: str, body: Any, content_type: str,
                             params: dict[str, str] | None) -> Any:
@@ -91,9 +105,12 @@ class KubeClient:
             async with session.request(method, url, data=data, headers=headers, params=params) as resp:
                 text = await resp.text()
                 if resp.status >= 400:
-                    raise ApiError.from_response(resp.status, resp.reason or "", text, method=method, path=path)
+                    raise ApiError.from_response(resp.status, resp.reason or "", text, method=method, path=path,
+                                                 headers=resp.headers)
                 return json.loads(text) if text else None
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except TimeoutError as exc:
+            raise ApiError(0, "Timeout", f"no answer within {self.timeout_s:g}s", method=method, path=path) from exc
+        except aiohttp.ClientError as exc:
             raise ApiError(0, type(exc).__name__, str(exc) or "connection failed", method=method, path=path) from exc
 
     # ---- verbs ----

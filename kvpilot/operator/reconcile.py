@@ -11,6 +11,17 @@ applies after the handler has returned).  So a Deployment event that arrives whi
 running (its rollout finished the moment the reconcile created it) waits, and is then judged
 against the status the reconcile wrote; nothing can overwrite it with an older view.
 
+Transient API failures: the client retries each call (kube.py).  When a reconcile still fails, kopf
+runs it again (`RetryLater` becomes kopf's TemporaryError, with the server's Retry-After as the least
+delay).  kopf never runs a Deployment event handler again, so when handling a Deployment event fails
+(the rollback's patch, a status write), `track_rollout` schedules the same handling again itself,
+from a fresh read, with a growing delay, until it succeeds or a newer event supersedes it: a
+rollback is never dropped, and Degraded (reason RollbackFailed) and an Event say it is pending.
+
+A rollback writes its decision (Degraded RolledBack for the generation) before it patches the
+Deployment: an operator stopped between the two would otherwise, restarted, render the failed engine
+again, since nothing in the status would say that generation failed.
+
 Status writes are read-modify-write (`update_status`): the operator owns the conditions Ready,
 Progressing and Degraded and keeps every other type (the tuner's Tuning, SLOBurning) as it finds
 it; the write carries the resourceVersion it was computed from, and a conflict (someone else
@@ -22,9 +33,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from kvpilot.api.models import EngineSpec, InferenceService
 from kvpilot.api.validation import validate_object
@@ -40,6 +51,7 @@ from kvpilot.operator.builders.status import (
     REASON_APPLY_FAILED,
     REASON_DEADLINE,
     REASON_INVALID_SPEC,
+    REASON_ROLLBACK_FAILED,
     REASON_ROLLED_BACK,
     desired_status,
     engine_info,
@@ -86,7 +98,20 @@ STATUS_CONFLICT_ATTEMPTS = 5
 
 
 class RetryLater(Exception):
-    """A transient failure outlasted the client's retries; kopf should run the handler again later."""
+    """A transient failure outlasted the client's retries; kopf should run the handler again later,
+    not sooner than `retry_after` seconds where the API server asked for that."""
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class HandleAgain(Exception):
+    """Handling a Deployment event failed; it is to be handled again in `delay` seconds."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(f"handle again in {delay:.1f}s")
+        self.delay = delay
 
 
 @dataclass
@@ -105,6 +130,10 @@ class Runtime:
     # namespace/name -> resourceVersion of the Deployment its status was last computed from: an
     # event for that same version (our own create or patch coming back) has nothing new to say.
     status_basis: dict[str, str] = field(default_factory=dict)
+    # namespace/name -> the pending second try of a Deployment event whose handling failed, and the
+    # failed tries so far (the delay grows with them; a success resets them).
+    event_retries: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    event_retry_attempts: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.discovery = MonitoringDiscovery(self.client, ttl=self.settings.discovery_ttl_seconds)
@@ -120,7 +149,45 @@ class Runtime:
         if lock is not None and not lock.locked():
             del self.locks[key]
         self.status_basis.pop(key, None)
+        self.cancel_event_retry(key)
+        self.event_retry_attempts.pop(key, None)
         self.metrics.forget_engine(namespace, name)
+
+    def next_event_retry_delay(self, key: str, retry_after: float | None) -> float:
+        """The delay before the next try of a failed Deployment event: handler_retry_delay_seconds,
+        doubling per failed try up to event_retry_cap_seconds, with jitter; at least a Retry-After."""
+        attempt = self.event_retry_attempts.get(key, 0)
+        self.event_retry_attempts[key] = attempt + 1
+        return self.client.backoff.escalating(attempt, self.client.rng, base=self.settings.handler_retry_delay_seconds,
+                                              cap=self.settings.event_retry_cap_seconds, retry_after=retry_after)
+
+    def handle_again(self, key: str, delay: float, job: Callable[[], Awaitable[None]], logger: Logger) -> None:
+        """Run `job` in `delay` seconds, replacing a try already pending for `key`."""
+        self.cancel_event_retry(key)
+
+        async def later() -> None:
+            await asyncio.sleep(delay)
+            if self.event_retries.get(key) is asyncio.current_task():
+                del self.event_retries[key]
+            try:
+                await job()
+            except Exception:  # a bug, not the API: the log says so; nothing else would
+                logger.exception("handling %s again failed", key)
+
+        self.event_retries[key] = asyncio.create_task(later(), name=f"kvpilot handle-again {key}")
+
+    def cancel_event_retry(self, key: str) -> None:
+        task = self.event_retries.pop(key, None)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+
+    async def close(self) -> None:
+        """Stop the pending tries (at shutdown: a restarted operator lists every Deployment anew)."""
+        tasks = list(self.event_retries.values())
+        self.event_retries.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def isvc_path(namespace: str, name: str, subresource: str | None = None) -> str:
@@ -210,7 +277,7 @@ async def _write_status(rt: Runtime, namespace: str, name: str, compute: Compute
         return True
     except ApiError as exc:
         if exc.retriable:
-            raise RetryLater(f"writing the status failed: {exc}") from exc
+            raise RetryLater(f"writing the status failed: {exc}", retry_after=exc.retry_after) from exc
         logger.warning("status of %s/%s not written: %s", namespace, name, exc)
         return False
 
@@ -288,7 +355,7 @@ async def _reconcile(rt: Runtime, body: dict[str, Any], emit: Emit,
         emit("Warning", REASON_APPLY_FAILED, message)
         if exc.retriable:
             # The caller writes Degraded before kopf's retry, so the condition shows while we wait.
-            raise RetryLater(message) from exc
+            raise RetryLater(message, retry_after=exc.retry_after) from exc
         return _degraded_only(REASON_APPLY_FAILED, message, generation), "error", None
 
     rt.metrics.set_engine(str(meta.get("namespace")), str(meta.get("name")), engine_info(rollout_of(deployment)))
@@ -298,14 +365,44 @@ async def _reconcile(rt: Runtime, body: dict[str, Any], emit: Emit,
 
 async def track_rollout(rt: Runtime, deployment: dict[str, Any], emit_on: Callable[[dict[str, Any], str, str, str], None],
                         logger: Logger) -> None:
-    """Map a Deployment event to its InferenceService: status, lastGoodEngine, rollback."""
+    """Map a Deployment event to its InferenceService: status, lastGoodEngine, rollback.  When the
+    API fails it through the client's retries, the same handling runs again later (see the module
+    docstring), from the Deployment as it is then."""
     meta = deployment.get("metadata", {})
     name = (meta.get("labels") or {}).get(LABEL_ISVC)
     namespace = meta.get("namespace")
     if not name or not namespace:
         return
-    async with rt.lock_for(namespace, name):
-        await _track_rollout(rt, namespace, name, deployment, emit_on, logger)
+    key = f"{namespace}/{name}"
+    rt.cancel_event_retry(key)  # this event is newer than what a pending try would read
+    try:
+        async with rt.lock_for(namespace, name):
+            await _track_rollout(rt, namespace, name, deployment, emit_on, logger)
+    except HandleAgain as pending:
+        delay = pending.delay
+    except ApiError as exc:
+        delay = rt.next_event_retry_delay(key, exc.retry_after)
+        logger.warning("handling Deployment %s/%s failed: %s; handling it again in %.1fs",
+                       namespace, meta.get("name"), exc, delay)
+    else:
+        rt.event_retry_attempts.pop(key, None)
+        return
+    path = resource_path("apps/v1", "deployments", namespace, str(meta.get("name")))
+
+    async def again() -> None:
+        try:
+            fresh = await rt.client.get_or_none(path)
+        except ApiError as exc:
+            later = rt.next_event_retry_delay(key, exc.retry_after)
+            logger.warning("reading Deployment %s/%s failed: %s; trying again in %.1fs",
+                           namespace, meta.get("name"), exc, later)
+            rt.handle_again(key, later, again, logger)
+            return
+        if fresh is None:
+            return  # gone: its DELETED event does the rest
+        await track_rollout(rt, fresh, emit_on, logger)
+
+    rt.handle_again(key, delay, again, logger)
 
 
 async def _track_rollout(rt: Runtime, namespace: str, name: str, deployment: dict[str, Any],
@@ -338,12 +435,25 @@ async def _track_rollout(rt: Runtime, namespace: str, name: str, deployment: dic
             isvc = InferenceService.model_validate({k: v for k, v in parent.items() if k != "status"})
             options = _render_options(rt, await rt.discovery.served())
             restored = build_deployment(isvc, options, EngineSpec.model_validate(last_good))
-            applied = await ensure(rt.client, restored)
-            deployment = applied.live or deployment
-            message = (f"rollout of configHash {rollout.config_hash} ({_engine_summary(rollout.engine, last_good)}) "
-                       f"did not progress: {rollout.message or REASON_DEADLINE}; put lastGoodEngine back "
-                       f"(configHash {restored['metadata']['annotations'][ANNOTATION_CONFIG_HASH]}); "
+            failed = (f"rollout of configHash {rollout.config_hash} ({_engine_summary(rollout.engine, last_good)}) "
+                      f"did not progress: {rollout.message or REASON_DEADLINE}")
+            restored_hash = restored["metadata"]["annotations"][ANNOTATION_CONFIG_HASH]
+            message = (f"{failed}; put lastGoodEngine back (configHash {restored_hash}); "
                        f"a new spec generation tries again")
+            if not rolled_back_at(previous, generation):
+                # The decision first (see the module docstring); the write after the patch completes it.
+                await update_status(rt, namespace, name, _degraded_only(REASON_ROLLED_BACK, message, generation),
+                                    parent=parent)
+                parent = await rt.client.get_or_none(isvc_path(namespace, name))
+                if parent is None:
+                    return
+            try:
+                applied = await ensure(rt.client, restored)
+            except ApiError as exc:
+                await _rollback_failed(rt, namespace, name, parent, generation, deployment, emit_on, logger,
+                                       f"{failed}; putting lastGoodEngine back (configHash {restored_hash}) failed: "
+                                       f"{exc}", exc)
+            deployment = applied.live or deployment
             degraded = (REASON_ROLLED_BACK, message)
             rt.metrics.rollbacks.inc()
             emit_on(parent, "Warning", REASON_ROLLED_BACK, message)
@@ -359,13 +469,32 @@ async def _track_rollout(rt: Runtime, namespace: str, name: str, deployment: dic
     def compute(fresh: dict[str, Any]) -> dict[str, Any]:
         return desired_status(generation=generation, previous=fresh, deployment=deployment, degraded=degraded)
 
-    try:
-        await update_status(rt, namespace, name, compute, parent=parent)
-    except ApiError as exc:
-        # The API kept failing through the retries: the next Deployment event or reconcile writes
-        # the status again; a traceback would tell nobody more.
-        logger.warning("status of %s/%s not written: %s", namespace, name, exc)
-        return
+    # A failure here (the API kept failing through the retries) is handled again by track_rollout:
+    # this may be the last event the Deployment sends (its rollout completed).
+    await update_status(rt, namespace, name, compute, parent=parent)
     version = (deployment.get("metadata") or {}).get("resourceVersion")
     if version is not None:
         rt.status_basis[key] = str(version)
+
+
+async def _rollback_failed(rt: Runtime, namespace: str, name: str, parent: dict[str, Any], generation: int,
+                           deployment: dict[str, Any], emit_on: Callable[[dict[str, Any], str, str, str], None],
+                           logger: Logger, what: str, exc: ApiError) -> NoReturn:
+    """Say that the rollback is pending (Degraded RollbackFailed, and Ready/Progressing from the
+    Deployment that did not progress; an Event the first time) and raise HandleAgain: the Deployment
+    is read and the rollback tried again after the delay."""
+    key = f"{namespace}/{name}"
+    delay = rt.next_event_retry_delay(key, exc.retry_after)
+    attempts = rt.event_retry_attempts[key]
+    message = f"{what}; trying again in {delay:.0f}s (failed attempts: {attempts})"
+    logger.warning("rollback of %s/%s failed: %s", namespace, name, message)
+    old = find_condition((parent.get("status") or {}).get("conditions"), DEGRADED) or {}
+    if old.get("reason") != REASON_ROLLBACK_FAILED:
+        emit_on(parent, "Warning", REASON_ROLLBACK_FAILED, message)
+    try:
+        await update_status(rt, namespace, name, lambda fresh: desired_status(
+            generation=generation, previous=fresh, deployment=deployment, degraded=(REASON_ROLLBACK_FAILED, message)),
+            parent=parent)
+    except ApiError as status_exc:  # the API is failing: the next try writes it
+        logger.warning("status of %s/%s not written: %s", namespace, name, status_exc)
+    raise HandleAgain(delay) from exc

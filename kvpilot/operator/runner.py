@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 
 import kopf
 
@@ -27,7 +28,8 @@ def configure_logging(settings: OperatorSettings) -> None:
 async def run_operator(settings: OperatorSettings) -> None:
     """Run until SIGINT/SIGTERM.  Raises CredentialsError at once when there is no cluster to talk to."""
     credentials()  # fail fast and plainly; kopf would log the failure and wait for a signal
-    client = KubeClient(backoff=settings.retry_backoff_seconds, field_manager=settings.field_manager)
+    client = KubeClient(backoff=settings.api_backoff, field_manager=settings.field_manager,
+                        timeout_s=settings.api_timeout_seconds, rng=random.Random(settings.retry_seed))
     rt = Runtime(settings=settings, client=client, metrics=OperatorMetrics())
     registry = build_registry(rt)
     ready = asyncio.Event()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvpilot.api.retry import Backoff
 from kvpilot.operator.builders.common import DEFAULT_TWIN_IMAGE
 
 FIELD_MANAGER = "kvpilot-operator"
@@ -22,14 +23,22 @@ class OperatorSettings:
     field_manager: str = FIELD_MANAGER
     # Prometheus Operator CRDs come and go rarely; rediscover them this often.
     discovery_ttl_seconds: float = 300.0
-    # Retries of one API call on 409, 429, 5xx and connection errors: delays between attempts.
-    retry_backoff_seconds: tuple[float, ...] = field(default=(0.2, 0.5, 1.0, 2.0, 4.0))
+    # One API call of the operator's own (kopf's calls have kopf's settings): how long it may take,
+    # and its retries on 409, 429, 5xx, timeouts and dropped connections (kvpilot.api.retry).
+    api_timeout_seconds: float = 30.0
+    api_backoff: Backoff = field(default_factory=Backoff)
+    # Seed of the retries' jitter (reproducible runs); None draws one from the OS.
+    retry_seed: int | None = None
     # Objects handled at once (kopf's per-object workers, per watched resource).  Beyond a few dozen
     # a burst only queues inside the operator: memory grows with every in-flight reconcile while the
     # API server (and this process's CPU) are the bottleneck anyway.
     max_workers: int = 128
-    # kopf's delay before it runs a handler again after a transient failure.
+    # kopf's delay before it runs a handler again after a transient failure (a longer Retry-After
+    # from the API server wins).  Also the first delay before a Deployment event whose handling
+    # failed (a rollback patch, a status write) is handled again from a fresh read; that delay
+    # doubles, up to event_retry_cap_seconds, until it succeeds: a rollback is never dropped.
     handler_retry_delay_seconds: float = 30.0
+    event_retry_cap_seconds: float = 300.0
 
     @property
     def watched_namespaces(self) -> tuple[str, ...]:

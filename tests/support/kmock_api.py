@@ -19,7 +19,11 @@ A write whose body carries `metadata.resourceVersion` is refused with 409 Confli
 has moved on, as a real API server does (optimistic concurrency).
 
 Every request is recorded as (method, path) in `calls`, so a test can compare what the operator
-really calls with the RBAC it declares.  `KMockAPI.after(method, path, action)` runs a test's
+really calls with the RBAC it declares.  `KMockAPI.fail(method, path, Fault(...), ...)` answers the
+next matching requests with API faults instead (a Status error with an optional `Retry-After`, a
+dropped connection, an answer that never comes), before KMock sees them: KMock's own reactions
+(`emulator[...] << 503`) only change the answer, after the emulator has already applied a write,
+where a real API server that answers 429 or 503 has changed nothing.  `KMockAPI.after(method, path, action)` runs a test's
 action right after KMock has served a matching request and before the client gets the answer,
 so a test can act deterministically inside the window between two of the operator's calls.
 
@@ -81,6 +85,36 @@ class ResourceVersionConflict(kmock.KubernetesError):
     message: str = "the object has been modified; please apply your changes to the latest version and try again"
 
 
+@dataclass(frozen=True)
+class Fault:
+    """One faulty answer: `status` (a Status error; 0 drops the connection) after `stall` seconds,
+    with a `Retry-After: retry_after` header when given.  A stall longer than the client's timeout
+    is a request that times out."""
+
+    status: int = 503
+    retry_after: int | None = None
+    stall: float = 0.0
+
+    REASONS = {409: "Conflict", 429: "TooManyRequests", 500: "InternalError", 502: "BadGateway",
+               503: "ServiceUnavailable", 504: "Timeout"}
+
+
+@dataclass
+class FaultRule:
+    """Serve `faults` in turn to the requests with this method whose path matches `path`; each
+    served fault is recorded as the monotonic time its request arrived, with its status (a fault
+    without a stall is answered at once)."""
+
+    method: str
+    path: re.Pattern[str]
+    faults: list[Fault]
+    served: list[tuple[float, int]] = field(default_factory=list)
+
+    @property
+    def exhausted(self) -> bool:
+        return not self.faults
+
+
 @dataclass
 class Hook:
     """Run `action` (in a thread: it may call KMock through the synchronous helpers) once, after
@@ -98,6 +132,8 @@ class KvpilotEmulator(kmock.KubernetesEmulator):
     """KMock's emulator with the API-server bookkeeping it lacks (see the module docstring)."""
 
     calls: list[tuple[str, str]] = attrs.field(factory=list)
+    # Every request as (monotonic time it arrived, method, path), faulted ones included.
+    timed_requests: list[tuple[float, str, str]] = attrs.field(factory=list)
     # Resource requests with the monotonic time each arrived, as (time, method, path, object name);
     # the name comes from the body for a create.  Benchmarks read create -> first status from it.
     timed_calls: list[tuple[float, str, str, str | None]] = attrs.field(factory=list)
@@ -107,6 +143,7 @@ class KvpilotEmulator(kmock.KubernetesEmulator):
     _namespace_watchers: list[asyncio.Queue[dict[str, Any]]] = attrs.field(factory=list)
     _rv: int = attrs.field(default=0)
     hooks: list[Hook] = attrs.field(factory=list)
+    fault_rules: list[FaultRule] = attrs.field(factory=list)
 
     def _next_rv(self) -> str:
         self._rv += 1
@@ -120,6 +157,10 @@ class KvpilotEmulator(kmock.KubernetesEmulator):
 
     async def __call__(self, raw_request: Any) -> Any:
         self.calls.append((raw_request.method, raw_request.path))
+        self.timed_requests.append((time.monotonic(), raw_request.method, raw_request.path))
+        for rule in self.fault_rules:
+            if rule.faults and rule.method == raw_request.method and rule.path.search(raw_request.path):
+                return await self._serve_fault(raw_request, rule, rule.faults.pop(0))
         # Quirk 2: namespaces are cluster-scoped; KMock's path parser reads /namespaces/NAME as a
         # namespaced prefix and fails.  Namespaces are not stored: every namespace an object was
         # created in exists, and "default".  kopf lists and watches them for --namespace patterns.
@@ -137,6 +178,26 @@ class KvpilotEmulator(kmock.KubernetesEmulator):
                 finally:
                     hook.done.set()
         return response
+
+    async def _serve_fault(self, raw_request: Any, rule: FaultRule, fault: Fault) -> Any:
+        import aiohttp.web
+
+        await raw_request.read()
+        rule.served.append((time.monotonic(), fault.status))
+        if fault.stall:
+            await asyncio.sleep(fault.stall)  # cancelled where the client gives up first
+        if fault.status == 0:
+            # The connection is dropped without an answer (a reset, a proxy that gave up).
+            if raw_request.transport is not None:
+                raw_request.transport.close()
+            return aiohttp.web.Response(status=500)  # never sent: the connection is gone
+        headers = {} if fault.retry_after is None else {"Retry-After": str(fault.retry_after)}
+        reason = Fault.REASONS.get(fault.status, "InternalError")
+        return aiohttp.web.json_response(
+            {"apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure", "code": fault.status,
+             "reason": reason, "message": f"injected by the test: {fault.status} {reason}",
+             "details": {} if fault.retry_after is None else {"retryAfterSeconds": fault.retry_after}},
+            status=fault.status, headers=headers)
 
     def __iter__(self) -> Any:
         # KMock dispatches a request by asking every reaction whether the request is "in" its view,
@@ -414,6 +475,13 @@ class KMockAPI:
         hook = Hook(method, re.compile(path), action)
         self.emulator.hooks.append(hook)
         return hook
+
+    def fail(self, method: str, path: str, *faults: Fault) -> FaultRule:
+        """Answer the next len(faults) `method` requests whose path matches the regular expression
+        `path` with these faults, in order, without KMock processing them; later ones are served."""
+        rule = FaultRule(method, re.compile(path), list(faults))
+        self.emulator.fault_rules.append(rule)  # a list append is atomic; KMock reads it per request
+        return rule
 
     def write_kubeconfig(self, path: Path, namespace: str = "default") -> Path:
         config = {

@@ -4,7 +4,8 @@ the engine in force, and lastGoodEngine.  Pure functions: the handlers pass in w
 Conditions (type, status, reason, message, lastTransitionTime, observedGeneration):
 - Ready: True when the rollout is complete (every desired replica runs the current config and is ready).
 - Progressing: True while a rollout is under way; False with RolloutComplete or ProgressDeadlineExceeded.
-- Degraded: True with InvalidSpec, RolledBack, ApplyFailed or ProgressDeadlineExceeded; else AsExpected.
+- Degraded: True with InvalidSpec, RolledBack, RollbackFailed (the rollback's patch failed and is being
+  tried again), ApplyFailed or ProgressDeadlineExceeded; else AsExpected.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ READY, PROGRESSING, DEGRADED = ConditionType.READY.value, ConditionType.PROGRESS
 # to another writer: the functions below carry it over from the status they are given, untouched.
 OWN_CONDITIONS = (READY, PROGRESSING, DEGRADED)
 REASON_ROLLED_BACK = Reason.ROLLED_BACK.value
+REASON_ROLLBACK_FAILED = Reason.ROLLBACK_FAILED.value
 REASON_INVALID_SPEC = Reason.INVALID_SPEC.value
 REASON_APPLY_FAILED = Reason.APPLY_FAILED.value
 REASON_DEADLINE = Reason.PROGRESS_DEADLINE_EXCEEDED.value
@@ -136,9 +138,11 @@ def set_condition(conditions: list[dict[str, Any]] | None, type_: str, status: s
 
 
 def rolled_back_at(previous: dict[str, Any] | None, generation: int | None) -> bool:
-    """Whether this generation's engine was already rolled back (so the operator keeps lastGoodEngine)."""
+    """Whether this generation's engine was given up (so the operator keeps lastGoodEngine): rolled
+    back, or being rolled back (RollbackFailed: the patch failed and is tried again)."""
     cond = find_condition((previous or {}).get("conditions"), DEGRADED)
-    return bool(cond and cond.get("status") == "True" and cond.get("reason") == REASON_ROLLED_BACK
+    return bool(cond and cond.get("status") == "True"
+                and cond.get("reason") in (REASON_ROLLED_BACK, REASON_ROLLBACK_FAILED)
                 and cond.get("observedGeneration") == generation)
 
 
@@ -167,7 +171,12 @@ def desired_status(*, generation: int | None, previous: dict[str, Any] | None, d
 
     if degraded is None and rolled_back_at(previous, generation):
         kept = find_condition(previous.get("conditions"), DEGRADED) or {}
-        degraded = (REASON_ROLLED_BACK, str(kept.get("message", "")))
+        degraded = (str(kept.get("reason")), str(kept.get("message", "")))
+        good = previous.get("lastGoodEngine")
+        if degraded[0] == REASON_ROLLBACK_FAILED and good is not None and rollout.engine == good:
+            # A failed rollback patch that has since held (a later reconcile rendered lastGoodEngine).
+            degraded = (REASON_ROLLED_BACK, f"put lastGoodEngine back (configHash {rollout.config_hash}) after "
+                        f"a failed attempt; a new spec generation tries again")
     conditions = set_condition(conditions, READY, *ready, generation, now)
     conditions = set_condition(conditions, PROGRESSING, *progressing, generation, now)
     if degraded is not None:

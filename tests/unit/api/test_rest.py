@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kvpilot.api.rest import ApiError, resource_path
+from kvpilot.api.rest import ApiError, parse_retry_after, resource_path
 
 
 def test_an_error_answer_reads_the_status_object() -> None:
@@ -20,6 +20,21 @@ def test_an_error_answer_that_is_not_json_keeps_the_http_reason_and_the_start_of
     assert (err.status, err.reason) == (502, "Bad Gateway") and err.message.startswith("<html>")
     assert len(err.message) == 500 and err.retriable
     assert not ApiError.from_response(404, "Not Found", "[]", method="GET", path="/z").retriable
+
+
+def test_an_error_answer_reads_the_wait_the_server_asks_for() -> None:
+    status = {"kind": "Status", "reason": "TooManyRequests", "code": 429, "details": {"retryAfterSeconds": 3}}
+    header = ApiError.from_response(429, "Too Many Requests", json.dumps(status), method="GET", path="/x",
+                                    headers={"Retry-After": "1"})
+    assert header.retry_after == 1.0 and header.retriable  # the header first
+    assert ApiError.from_response(429, "", json.dumps(status), method="GET", path="/x").retry_after == 3.0
+    assert ApiError.from_response(500, "", "oops", method="GET", path="/x").retry_after is None
+    assert ApiError(503, "ServiceUnavailable", "").retry_after is None  # the old constructor still works
+
+
+def test_retry_after_is_read_in_its_seconds_form_only() -> None:
+    assert [parse_retry_after(v) for v in ("2", " 0.5 ", "0", None, "-1", "nan", "Wed, 21 Oct 2015 07:28:00 GMT")] == [
+        2.0, 0.5, 0.0, None, None, None, None]
 
 
 def test_resource_paths() -> None:

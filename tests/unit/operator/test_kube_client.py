@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -11,6 +13,7 @@ import kopf
 import pytest
 from aiohttp import web
 
+from kvpilot.api.retry import Backoff
 from kvpilot.operator.apply import NotOwned, ensure
 from kvpilot.operator.builders import build_deployment
 from kvpilot.operator.kube import ApiError, KubeClient
@@ -23,11 +26,20 @@ def status(code: int, reason: str, message: str = "") -> web.Response:
     return web.json_response({"kind": "Status", "code": code, "reason": reason, "message": message}, status=code)
 
 
-async def serve(handler: Handler, body: Callable[[KubeClient, list[tuple[str, str]]], Awaitable[Any]]) -> Any:
+FAST = Backoff(retries=3, base=0.01, cap=0.01, max_wait=5.0)
+
+
+async def serve(handler: Handler, body: Callable[[KubeClient, list[tuple[str, str]]], Awaitable[Any]], *,
+                backoff: Backoff = FAST, timeout_s: float = 30.0,
+                arrivals: list[float] | None = None) -> Any:
+    """Run `body` with a client of a real HTTP server on 127.0.0.1 whose answers `handler` gives;
+    `arrivals` gets the server's monotonic time of each request."""
     seen: list[tuple[str, str]] = []
 
     async def record(request: web.Request) -> web.StreamResponse:
         seen.append((request.method, request.path_qs))
+        if arrivals is not None:
+            arrivals.append(time.monotonic())
         return await handler(request)
 
     app = web.Application()
@@ -37,7 +49,7 @@ async def serve(handler: Handler, body: Callable[[KubeClient, list[tuple[str, st
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    client = KubeClient(backoff=(0.01, 0.01, 0.01), field_manager="kvpilot-test")
+    client = KubeClient(backoff=backoff, field_manager="kvpilot-test", timeout_s=timeout_s, rng=random.Random(7))
     client.set_credentials(kopf.ConnectionInfo(server=f"http://127.0.0.1:{port}", token="t0ken"))
     try:
         return await body(client, seen)
@@ -88,6 +100,73 @@ def test_retries_give_up_after_the_backoff_schedule() -> None:
 
     exc, seen = asyncio.run(serve(handler, body))
     assert exc.retriable and len(seen) == 4  # 1 try + 3 retries
+
+
+def test_a_retry_after_is_the_least_wait_before_the_retry() -> None:
+    """429 with Retry-After: 1 while the client's own backoff is 10 ms: the retry reaches the server
+    no sooner than a second after the 429 left it (both times read by the server)."""
+    answers = [web.json_response({"kind": "Status", "code": 429, "reason": "TooManyRequests"}, status=429,
+                                 headers={"Retry-After": "1"}), web.json_response({"ok": 1})]
+    arrivals: list[float] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return answers.pop(0)
+
+    async def body(client: KubeClient, seen: list[tuple[str, str]]) -> Any:
+        return await client.get("/api/v1/namespaces/x/services/y"), len(seen)
+
+    result, calls = asyncio.run(serve(handler, body, arrivals=arrivals))
+    assert result == {"ok": 1} and calls == 2
+    assert arrivals[1] - arrivals[0] >= 1.0
+
+
+def test_a_retry_after_longer_than_the_client_waits_is_handed_to_the_caller() -> None:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"kind": "Status", "code": 503, "reason": "ServiceUnavailable"}, status=503,
+                                 headers={"Retry-After": "120"})
+
+    async def body(client: KubeClient, seen: list[tuple[str, str]]) -> Any:
+        with pytest.raises(ApiError) as info:
+            await client.get("/api/v1/namespaces/x/services/y")
+        return info.value, len(seen)
+
+    exc, calls = asyncio.run(serve(handler, body))
+    assert (exc.status, exc.retry_after, calls) == (503, 120.0, 1)  # not slept through inside the call
+
+
+def test_a_timed_out_and_a_dropped_request_are_retried() -> None:
+    answers = ["stall", "drop", "ok"]
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        answer = answers.pop(0)
+        if answer == "stall":
+            await asyncio.sleep(2)
+        if answer == "drop" and request.transport is not None:
+            request.transport.close()
+        return web.json_response({"ok": 1})
+
+    async def body(client: KubeClient, seen: list[tuple[str, str]]) -> Any:
+        return await client.merge_patch("/api/v1/namespaces/x/services/y", {"spec": {}}), len(seen)
+
+    result, calls = asyncio.run(serve(handler, body, timeout_s=0.5))
+    assert (result, calls, answers) == ({"ok": 1}, 3, [])
+
+
+def test_the_backoff_grows_to_its_cap_and_its_jitter_follows_the_seed() -> None:
+    policy = Backoff(retries=6, base=0.2, factor=2.0, cap=2.0, jitter=0.25)
+    first = [policy.delay(n, random.Random(3)) for n in range(7)]
+    assert first == [policy.delay(n, random.Random(3)) for n in range(7)]  # the same seed, the same waits
+    assert first[-1] is None  # out of retries
+    for n, wait in enumerate(first[:-1]):
+        nominal = min(2.0, 0.2 * 2 ** n)
+        assert wait is not None and 0.75 * nominal <= wait <= 1.25 * nominal
+    assert policy.delay(0, random.Random(3), retry_after=1.5) == 1.5
+    assert policy.delay(0, random.Random(3), retry_after=31) is None  # beyond max_wait
+
+
+def test_a_backoff_out_of_range_names_the_field() -> None:
+    with pytest.raises(ValueError, match=r"retries must be >= 0 \(got -1\); jitter must be a fraction"):
+        Backoff(retries=-1, jitter=1.5)
 
 
 def _fake_api(store: dict[str, dict[str, Any]]) -> Handler:

@@ -103,6 +103,22 @@ def test_rolled_back_is_kept_for_its_generation_only() -> None:
     assert cond(newer, "Degraded")["status"] == "False"
 
 
+def test_a_pending_rollback_keeps_the_last_good_engine_and_turns_rolled_back_once_it_holds() -> None:
+    good = {"kind": "vllm", "maxNumBatchedTokens": 2048}
+    stuck = deployment(updated=1, ready=1)  # the failed engine's rollout, not progressing
+    prev = desired_status(generation=5, previous={"lastGoodEngine": good}, deployment=stuck,
+                          degraded=("RollbackFailed", "putting lastGoodEngine back failed: 503"), now="T1")
+    assert rolled_back_at(prev, 5) and not rolled_back_at(prev, 6)  # the generation's engine is given up
+    still = desired_status(generation=5, previous=prev, deployment=stuck, now="T2")
+    assert cond(still, "Degraded")["reason"] == "RollbackFailed"  # the failed engine is still in force
+    assert still["lastGoodEngine"] == good
+    restored = deployment(updated=1, ready=1)
+    restored["metadata"]["annotations"][ANNOTATION_ENGINE] = json.dumps(good)
+    held = desired_status(generation=5, previous=still, deployment=restored, now="T3")
+    assert cond(held, "Degraded")["reason"] == "RolledBack"
+    assert cond(held, "Degraded")["message"].startswith("put lastGoodEngine back")
+
+
 def test_invalid_spec_status() -> None:
     st = invalid_status(generation=2, previous={}, message="spec.engine.maxNumSeqs: must be >= 1", now="T")
     assert cond(st, "Degraded")["reason"] == "InvalidSpec"
