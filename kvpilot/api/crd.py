@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from kvpilot.api import engine as engine_codec
 from kvpilot.api import vllm
 from kvpilot.api.models import InferenceServiceSpec, InferenceServiceStatus
 from kvpilot.api.vocabulary import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, TUNED_ENGINE_FIELDS, VERSION
@@ -106,6 +107,86 @@ _CEL_RULES: dict[tuple[str, ...], list[dict[str, str]]] = {
         }
         for name in TUNED_ENGINE_FIELDS
     ],
+}
+
+_SPACE_LIMITS = {
+    "maxNumBatchedTokens": (1, engine_codec.MAX_BATCHED_TOKENS_LIMIT),
+    "maxNumSeqs": (1, engine_codec.MAX_NUM_SEQS_LIMIT),
+}
+_UTIL_DEFAULT = vllm.DEFAULT_GPU_MEMORY_UTILIZATION
+_TUNED_UTIL = (
+    f"(has(self.engine.gpuMemoryUtilization) ? self.engine.gpuMemoryUtilization : {_UTIL_DEFAULT!r})"
+)
+
+
+def _inside_space(name: str, value: str) -> str:
+    space = f"self.tuning.space.{name}"
+    return f"size({space}) != 2 || ({space}[0] <= {value} && {value} <= {space}[1])"
+
+
+# Tuning starts from the current engine, so the engine must sit inside the space it searches
+# (vLLM's default gpuMemoryUtilization stands in when the field is unset). These cross engine and
+# tuning, so they sit on spec; the size tests leave a malformed range to its schema error alone.
+_CEL_RULES[("spec",)] += [
+    *(
+        {
+            "rule": f"!self.tuning.enabled || {_inside_space(name, f'self.engine.{name}')}",
+            "message": f"engine.{name} is outside tuning.space.{name}; the tuner starts from the current value",
+            "fieldPath": f".engine.{name}",
+        }
+        for name in ("maxNumBatchedTokens", "maxNumSeqs")
+    ),
+    {
+        "rule": "!self.tuning.enabled || has(self.engine.kvCacheMemoryBytes) || "
+        + _inside_space("gpuMemoryUtilization", _TUNED_UTIL),
+        "message": "engine.gpuMemoryUtilization (vLLM's default "
+        f"{_UTIL_DEFAULT:g} when unset) is outside tuning.space.gpuMemoryUtilization",
+        "fieldPath": ".engine.gpuMemoryUtilization",
+    },
+    {
+        "rule": "!self.tuning.enabled || !has(self.engine.kvCacheMemoryBytes)",
+        "message": "the tuner adjusts gpuMemoryUtilization, which kvCacheMemoryBytes overrides; "
+        "unset kvCacheMemoryBytes or disable tuning",
+        "fieldPath": ".engine.kvCacheMemoryBytes",
+    },
+]
+_CEL_RULES[("spec", "tuning")] = [
+    {
+        "rule": "self.warmupSeconds < self.trialSeconds",
+        "message": "warmupSeconds must be shorter than trialSeconds so a trial measures anything",
+        "fieldPath": ".warmupSeconds",
+    },
+]
+_CEL_RULES[("spec", "tuning", "space")] += [
+    *(
+        {
+            "rule": f"size(self.{name}) != 2 || (self.{name}[0] >= {low} && self.{name}[1] <= {high})",
+            "message": f"{name} must lie inside [{low}, {high}]",
+            "fieldPath": f".{name}",
+        }
+        for name, (low, high) in _SPACE_LIMITS.items()
+    ),
+    {
+        "rule": "size(self.gpuMemoryUtilization) != 2 || "
+        "(self.gpuMemoryUtilization[0] > 0.0 && self.gpuMemoryUtilization[1] < 1.0)",
+        "message": "gpuMemoryUtilization must lie inside (0, 1)",
+        "fieldPath": ".gpuMemoryUtilization",
+    },
+    {
+        "rule": "size(self.maxNumBatchedTokens) != 2 || size(self.maxNumSeqs) != 2 || "
+        "self.maxNumBatchedTokens[1] >= self.maxNumSeqs[0]",
+        "message": "maxNumBatchedTokens: max is below the smallest maxNumSeqs; no point of the space "
+        "satisfies maxNumBatchedTokens >= maxNumSeqs",
+        "fieldPath": ".maxNumBatchedTokens",
+    },
+]
+
+# What kvpilot checks that the API server does not, because CEL cannot say it at a cost the API
+# server accepts. These stay with `kvpilot validate`, the operator (InvalidSpec) and the webhook.
+NOT_IN_CEL: dict[str, str] = {
+    "spec.engine.extraArgs": "an argument is resolved the way vLLM's parser resolves it (unambiguous "
+    "prefixes of any of vLLM's ~200 serve flags, '_' for '-', '=' or a separate value); a CEL rule "
+    "would need vLLM's whole flag table and argparse's abbreviation rule in every evaluation",
 }
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [

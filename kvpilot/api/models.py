@@ -158,6 +158,11 @@ class RolloutSpec(_Wire):
         False, description="Accept rollouts that take the service down (one replica and maxSurge 0)."
     )
 
+    @model_validator(mode="after")
+    def _deadline(self) -> RolloutSpec:
+        rules.raise_issues("RolloutSpec", rules.rollout_issues(self))
+        return self
+
 
 class SLOSpec(_Wire):
     ttft_seconds: float = Field(

@@ -21,7 +21,7 @@ from kvpilot.api import vllm
 from kvpilot.api.vocabulary import TUNED_ENGINE_FIELDS
 
 if TYPE_CHECKING:
-    from kvpilot.api.models import EngineSpec, InferenceServiceSpec, SLOSpec, TuningSpec
+    from kvpilot.api.models import EngineSpec, InferenceServiceSpec, RolloutSpec, SLOSpec, TuningSpec
 
 Issue = tuple[tuple[str | int, ...], str, Any]
 
@@ -190,6 +190,21 @@ def tuning_issues(tuning: TuningSpec) -> list[Issue]:
     return issues
 
 
+def rollout_issues(rollout: RolloutSpec) -> list[Issue]:
+    # On the rollout itself, not the spec, so it is reported even when another part of the spec
+    # fails (a spec-level check runs only once every part has validated), as the API server does.
+    if rollout.progress_deadline_seconds > rollout.startup_timeout_seconds:
+        return _NONE
+    return [
+        (
+            ("progressDeadlineSeconds",),
+            f"must be longer than startupTimeoutSeconds ({rollout.startup_timeout_seconds}), or every "
+            "slow model load would count as a failed rollout and be rolled back",
+            rollout.progress_deadline_seconds,
+        )
+    ]
+
+
 def _engine_inside_space(spec: InferenceServiceSpec) -> bool:
     engine, space = spec.engine, spec.tuning.space
     if engine.kv_cache_memory_bytes is not None:
@@ -210,7 +225,6 @@ def spec_issues(spec: InferenceServiceSpec) -> list[Issue]:
     engine = spec.engine
     if (
         (spec.replicas != 1 or rollout.max_surge != 0 or rollout.allow_downtime)
-        and rollout.progress_deadline_seconds > rollout.startup_timeout_seconds
         and (engine.kind != "vllm" or spec.resources.gpus >= engine.tensor_parallel_size)
         and (not spec.tuning.enabled or _engine_inside_space(spec))
     ):
@@ -223,15 +237,6 @@ def spec_issues(spec: InferenceServiceSpec) -> list[Issue]:
                 "with replicas 1, maxSurge 0 takes the service down on every rollout; use maxSurge >= 1 "
                 "(one spare GPU during rollouts), more replicas, or set rollout.allowDowntime: true",
                 rollout.max_surge,
-            )
-        )
-    if rollout.progress_deadline_seconds <= rollout.startup_timeout_seconds:
-        issues.append(
-            (
-                ("rollout", "progressDeadlineSeconds"),
-                f"must be longer than rollout.startupTimeoutSeconds ({rollout.startup_timeout_seconds}), or every "
-                "slow model load would count as a failed rollout and be rolled back",
-                rollout.progress_deadline_seconds,
             )
         )
     if engine.kind == "vllm" and spec.resources.gpus < engine.tensor_parallel_size:
