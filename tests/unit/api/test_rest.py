@@ -27,3 +27,16 @@ def test_resource_paths() -> None:
     assert resource_path("kvpilot.dev/v1alpha1", "inferenceservices", "ns", "a", "status") == (
         "/apis/kvpilot.dev/v1alpha1/namespaces/ns/inferenceservices/a/status")
     assert resource_path("apps/v1", "deployments", None) == "/apis/apps/v1/deployments"
+
+
+def test_retry_after_comes_from_the_header_or_else_the_status_details() -> None:
+    from kvpilot.api.rest import parse_retry_after
+
+    status = {"kind": "Status", "reason": "TooManyRequests", "code": 429, "details": {"retryAfterSeconds": 7}}
+    text = json.dumps(status)
+    assert ApiError.from_response(429, "", text, method="GET", path="/x").retry_after == 7.0
+    assert ApiError.from_response(429, "", text, method="GET", path="/x", retry_after="2").retry_after == 2.0
+    assert ApiError.from_response(503, "", "oops", method="GET", path="/x").retry_after is None
+    assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # a date in the past: now
+    assert parse_retry_after("soon") is None and parse_retry_after("inf") is None
+    assert parse_retry_after(" 3 ") == 3.0 and parse_retry_after("-1") == 0.0
