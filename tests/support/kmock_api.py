@@ -18,6 +18,10 @@ Besides, for resources with a `status` subresource, a write to the main resource
 A write whose body carries `metadata.resourceVersion` is refused with 409 Conflict when the object
 has moved on, as a real API server does (optimistic concurrency).
 
+`KMockAPI.fail(method, path, status, ...)` injects an API server's transient failure (a 409, a 429
+with Retry-After, a 5xx, a request held past the client's timeout, a dropped connection) into the
+next matching requests, answered as a real API server answers them, before KMock serves them.
+
 Every request is recorded as (method, path) in `calls`, so a test can compare what the operator
 really calls with the RBAC it declares.  `KMockAPI.after(method, path, action)` runs a test's
 action right after KMock has served a matching request and before the client gets the answer,
@@ -93,6 +97,53 @@ class Hook:
     error: BaseException | None = None
 
 
+# The reason a real API server's Status carries for each status a fault answers with.
+_FAULT_REASONS = {409: "Conflict", 422: "Invalid", 429: "TooManyRequests", 500: "InternalError", 502: "BadGateway",
+                  503: "ServiceUnavailable", 504: "Timeout"}
+
+
+@dataclass
+class Fault:
+    """Answer the next `times` requests with this method whose path matches `path` with an error
+    instead of serving them (the object is not touched).  `hang_s`: hold each request that long
+    first (longer than the client's timeout: the client sees a timeout); `reset`: then drop the
+    connection without an answer.  `agent`: only requests whose User-Agent contains it (e.g. only the
+    tuner's, not the operator's).  `served` counts the requests it answered."""
+
+    method: str
+    path: re.Pattern[str]
+    status: int = 503
+    times: int = 1
+    retry_after: int | None = None
+    hang_s: float = 0.0
+    reset: bool = False
+    agent: str | None = None
+    served: int = 0
+
+    def matches(self, raw_request: Any) -> bool:
+        return (self.method == raw_request.method and bool(self.path.search(raw_request.path))
+                and (self.agent is None or self.agent in raw_request.headers.get("User-Agent", "")))
+
+    async def answer(self, raw_request: Any) -> Any:
+        import aiohttp.web
+
+        self.served += 1
+        if self.hang_s:
+            await asyncio.sleep(self.hang_s)
+        if self.reset:
+            raw_request.transport.abort()  # RST, no status line: the client reads a reset connection
+            raise aiohttp.web.HTTPInternalServerError()  # never reaches the client
+        reason = _FAULT_REASONS.get(self.status, "InternalError")
+        status: dict[str, Any] = {"apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure",
+                                  "code": self.status, "reason": reason, "message": f"injected {reason}",
+                                  "details": {}}
+        headers = {}
+        if self.retry_after is not None:  # as API Priority and Fairness answers a 429: header and details
+            headers["Retry-After"] = str(self.retry_after)
+            status["details"]["retryAfterSeconds"] = self.retry_after
+        return aiohttp.web.json_response(status, status=self.status, headers=headers)
+
+
 @attrs.define(kw_only=True)
 class KvpilotEmulator(kmock.KubernetesEmulator):
     """KMock's emulator with the API-server bookkeeping it lacks (see the module docstring)."""
@@ -107,6 +158,7 @@ class KvpilotEmulator(kmock.KubernetesEmulator):
     _namespace_watchers: list[asyncio.Queue[dict[str, Any]]] = attrs.field(factory=list)
     _rv: int = attrs.field(default=0)
     hooks: list[Hook] = attrs.field(factory=list)
+    faults: list[Fault] = attrs.field(factory=list)
 
     def _next_rv(self) -> str:
         self._rv += 1
@@ -120,6 +172,11 @@ class KvpilotEmulator(kmock.KubernetesEmulator):
 
     async def __call__(self, raw_request: Any) -> Any:
         self.calls.append((raw_request.method, raw_request.path))
+        for fault in list(self.faults):
+            if fault.matches(raw_request):
+                if fault.served + 1 >= fault.times:
+                    self.faults.remove(fault)
+                return await fault.answer(raw_request)
         # Quirk 2: namespaces are cluster-scoped; KMock's path parser reads /namespaces/NAME as a
         # namespaced prefix and fails.  Namespaces are not stored: every namespace an object was
         # created in exists, and "default".  kopf lists and watches them for --namespace patterns.
@@ -412,6 +469,14 @@ class KMockAPI:
         hook = Hook(method, re.compile(path), action)
         self.emulator.hooks.append(hook)
         return hook
+
+    def fail(self, method: str, path: str, status: int = 503, *, times: int = 1, retry_after: int | None = None,
+             hang_s: float = 0.0, reset: bool = False, agent: str | None = None) -> Fault:
+        """Answer the next `times` `method` requests whose path matches the regular expression `path`
+        with an error (see `Fault`); returns the fault, whose `served` counts what it answered."""
+        fault = Fault(method, re.compile(path), status, times, retry_after, hang_s, reset, agent)
+        self.emulator.faults.append(fault)
+        return fault
 
     def write_kubeconfig(self, path: Path, namespace: str = "default") -> Path:
         config = {
