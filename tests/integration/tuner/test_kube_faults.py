@@ -1,0 +1,238 @@
+"""The in-cluster tuner against an API server that fails: each transient error class injected into
+KMock (tests/support/kmock_api.py `fail`) during a trial's apply and during putting back the best
+engine.
+
+Nothing here runs the operator: `RolloutPlayer` plays its part of the contract the applier reads
+(status.observedGeneration and Progressing=False/RolloutComplete for the new generation, see
+`rollout_state`; the real operator against the same applier is tests/.../test_kubernetes_applier.py),
+and records every generation's engine, i.e. every rollout a trial cost.  The loop runs on a
+virtual clock (tests/unit/tuner/world.py) with signals read from the engine in KMock's spec, so
+only the API calls take real time.  Waits the client asks for are recorded, not slept: Retry-After
+is checked by what the client asked to wait and by the order of the requests KMock recorded.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import kopf
+import pytest
+from optuna.trial import TrialState
+
+from kvpilot.api.vocabulary import ANNOTATION_TUNING_TRIAL
+from kvpilot.tuner.adapters.kubernetes import KubernetesApplier
+from kvpilot.tuner.core.loop import ApplyFailed, LiveSettings, LiveTuner, SignalsUnavailable
+from kvpilot.tuner.core.objective import SLO, Goal, Measurement
+from kvpilot.tuner.core.space import EngineParams, SearchSpace
+from kvpilot.tuner.core.study import TunerStudy
+from kvpilot.tuner.kubeapi import KubeAPI, RetryPolicy
+from tests.support.kmock_api import KMockAPI
+from tests.unit.tuner.world import FakeClock, default_latency
+
+pytestmark = pytest.mark.integration
+
+NS = "faults"
+START = EngineParams(2048, 0.90, 256)
+BAD = EngineParams(16384, 0.80, 1024)  # burns the error budget: pruned, the best put back
+AGENT = "kvpilot-tuner"  # faults hit only the tuner's requests, not the test's own
+
+# Each fault class, as the API server (or the network in front of it) answers it.
+FAULTS: dict[str, dict[str, Any]] = {
+    "409": {"status": 409},
+    "429-retry-after": {"status": 429, "retry_after": 2},
+    "500": {"status": 500},
+    "503-twice": {"status": 503, "times": 2},
+    "timeout": {"hang_s": 1.0},  # the client gives up after 0.3 s
+    "reset": {"reset": True},
+}
+
+
+
+@pytest.fixture(scope="module")
+def api() -> Iterator[KMockAPI]:
+    with KMockAPI() as server:
+        yield server
+
+
+class Waits:
+    """The client's sleeps: each wait asked for, with how many PATCHes of the service KMock had
+    seen by then (when `name` is set)."""
+
+    def __init__(self, api: KMockAPI, name: str = "") -> None:
+        self.api, self.name = api, name
+        self.asked: list[tuple[float, int]] = []
+
+    def __call__(self, seconds: float) -> None:
+        self.asked.append((seconds, len(tuner_calls(self.api, "PATCH", self.name)) if self.name else -1))
+
+    @property
+    def seconds(self) -> list[float]:
+        return [s for s, _ in self.asked]
+
+
+def client(api: KMockAPI, waits: Waits, attempts: int = 9) -> KubeAPI:
+    return KubeAPI(kopf.ConnectionInfo(server=api.url), timeout_s=0.3,
+                   retry=RetryPolicy(attempts=attempts, sleep=waits))
+
+
+class RolloutPlayer:
+    """The operator's side of a rollout, as the applier reads it; records each generation's engine."""
+
+    def __init__(self, api: KMockAPI, name: str) -> None:
+        self.api, self.name = api, name
+        self.rollouts: list[EngineParams] = []
+        self.hold: Callable[[EngineParams], bool] = lambda engine: False  # rollouts held back while true
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> RolloutPlayer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.01):
+            obj = self.api.get_isvc(NS, self.name)
+            generation = obj["metadata"]["generation"]
+            if (obj.get("status") or {}).get("observedGeneration") == generation:
+                continue
+            engine = EngineParams.from_spec(obj["spec"]["engine"])
+            if self.hold(engine):
+                continue
+            if generation > 1:
+                self.rollouts.append(engine)
+            self.api.patch(self.api.isvc_path(NS, self.name) + "/status", {"status": {
+                "observedGeneration": generation, "replicas": 1, "updatedReplicas": 1, "readyReplicas": 1,
+                "conditions": [{"type": "Progressing", "status": "False", "reason": "RolloutComplete",
+                                "message": "every replica updated and ready"}]}})
+
+
+class KubeSignals:
+    """Signals from the engine in force in KMock's spec (so a config the tuner failed to put back
+    burns on): BAD burns, anything else is judged by world.py's latency model at a steady load."""
+
+    selector = ""
+
+    def __init__(self, api: KMockAPI, name: str, on_burn: Any = None) -> None:
+        self.api, self.name, self.on_burn = api, name, on_burn
+
+    def engine(self) -> EngineParams:
+        return EngineParams.from_spec(self.api.get_isvc(NS, self.name)["spec"]["engine"])
+
+    def burn_rate(self, window_s: float) -> float:
+        if self.engine() == BAD:
+            if self.on_burn is not None:
+                self.on_burn()
+                self.on_burn = None
+            return 60.0
+        return 0.2
+
+    def measure(self, window_s: float) -> Measurement:
+        ttft, itl = default_latency(self.engine(), 5.0)
+        return Measurement(ttft_p99=ttft, itl_p99=itl, request_rate=5.0, burn_rate=0.2)
+
+    def request_rate(self, window_s: float) -> float:  # the warm start's workload estimate: none here
+        raise SignalsUnavailable("NoData", "no workload history in this test")
+
+
+def new_isvc(api: KMockAPI, max_trials: int = 3) -> str:
+    name = f"svc-{uuid.uuid4().hex[:6]}"
+    api.create_isvc({
+        "apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {"model": "meta-llama/Meta-Llama-3-8B-Instruct", "replicas": 1, "engine": START.as_spec(),
+                 "slo": {"ttftSeconds": 0.5, "itlSeconds": 0.05},
+                 "tuning": {"enabled": True, "maxTrials": max_trials, "trialSeconds": 60, "warmupSeconds": 10}},
+    })
+    return name
+
+
+def tuner_calls(api: KMockAPI, method: str, name: str) -> list[int]:
+    """Indexes in KMock's record of the tuner's `method` requests on the InferenceService itself."""
+    path = api.isvc_path(NS, name)
+    return [i for i, (m, p) in enumerate(api.calls) if m == method and p == path]
+
+
+def in_force(api: KMockAPI, name: str) -> tuple[EngineParams, str]:
+    obj = api.get_isvc(NS, name)
+    return EngineParams.from_spec(obj["spec"]["engine"]), obj["metadata"]["annotations"][ANNOTATION_TUNING_TRIAL]
+
+
+SETTINGS = LiveSettings(warmup_s=10, window_s=60, poll_s=5, pause_poll_s=5, fast_burn_window_s=30, max_trials=4)
+
+
+def live_tuner(api: KMockAPI, kube: KubeAPI, name: str, storage: Any, signals: KubeSignals,
+               settings: LiveSettings = SETTINGS) -> LiveTuner:
+    study = TunerStudy(storage=storage, name=name, goal=Goal.LATENCY, space=SearchSpace(), slo=SLO(0.5, 0.05),
+                       seed=0, n_trials=settings.max_trials)
+    study.enqueue(START, "current")
+    applier = KubernetesApplier(kube, NS, name, timeout_s=30, poll_s=0.02)
+    return LiveTuner(study, applier, signals, settings, clock=FakeClock())
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_trials_apply_rides_out_a_transient_error(api: KMockAPI, fault: str) -> None:
+    name = new_isvc(api)
+    waits = Waits(api, name)
+    applier = KubernetesApplier(client(api, waits), NS, name, timeout_s=30, poll_s=0.02)
+    target = EngineParams(4096, 0.85, 128)
+    injected = api.fail("PATCH", rf"/inferenceservices/{name}$", agent=AGENT, **FAULTS[fault])
+    with RolloutPlayer(api, name) as player:
+        applier.apply(target, 1)
+    assert in_force(api, name) == (target, "1")
+    assert player.rollouts == [target]
+    assert injected.served == FAULTS[fault].get("times", 1)
+    assert waits.seconds == WAITS[fault]
+    # Each refused apply was sent once more, and only after the wait: at the k-th wait KMock had
+    # seen k PATCHes (all refused), so the client waited as asked (for a 429, the Retry-After)
+    # before sending again.
+    assert len(tuner_calls(api, "PATCH", name)) == injected.served + 1
+    assert [seen for _, seen in waits.asked] == list(range(1, injected.served + 1))
+
+
+def test_a_refused_config_is_not_retried(api: KMockAPI) -> None:
+    """422 Invalid is the API's (or its admission webhook's) answer to the config: the trial is
+    infeasible at once, as before."""
+    name = new_isvc(api)
+    waits = Waits(api, name)
+    applier = KubernetesApplier(client(api, waits), NS, name, timeout_s=30, poll_s=0.02)
+    api.fail("PATCH", rf"/inferenceservices/{name}$", 422, agent=AGENT)
+    with pytest.raises(ApplyFailed) as refused:
+        applier.apply(EngineParams(4096, 0.85, 128), 1)
+    assert refused.value.reason == "Invalid"
+    assert waits.asked == [] and len(tuner_calls(api, "PATCH", name)) == 1
+# What the client waits before each try again (RetryPolicy: 0.5 s doubling; never under Retry-After).
+WAITS = {"409": [0.5], "429-retry-after": [2.0], "500": [0.5], "503-twice": [0.5, 1.0], "timeout": [0.5],
+         "reset": [0.5]}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_putting_back_the_best_rides_out_a_transient_error_and_the_study_converges(
+    api: KMockAPI, fault: str
+) -> None:
+    name = new_isvc(api)
+    waits = Waits(api)
+    armed: list[Any] = []
+    path = rf"/inferenceservices/{name}$"
+    # The moment the tuner sees BAD burn, its next write to the service is the put-back: fail it.
+    signals = KubeSignals(api, name, on_burn=lambda: armed.append(
+        api.fail("PATCH", path, agent=AGENT, **FAULTS[fault])))
+    tuner = live_tuner(api, client(api, waits), name, None, signals)
+    tuner.study.enqueue(BAD, "planted")
+    with RolloutPlayer(api, name) as player:
+        best = tuner.run()
+    study = tuner.study
+    assert armed and armed[0].served == FAULTS[fault].get("times", 1)
+    assert waits.seconds == WAITS[fault]
+    pruned = [t for t in study.trials() if t.state is TrialState.PRUNED]
+    assert [study.engine_of(t) for t in pruned] == [BAD]
+    assert player.rollouts[player.rollouts.index(BAD) + 1] == START  # put back right after the prune
+    assert study.finished_count() == SETTINGS.max_trials  # the study went on to its budget
+    inc = study.incumbent
+    assert inc is not None and best == inc.params and in_force(api, name)[0] == best
