@@ -1,6 +1,6 @@
 """The in-cluster tuner against an API server that fails: each transient error class injected into
-KMock (tests/support/kmock_api.py `fail`) during a trial's apply and during putting back the best
-engine.
+KMock (tests/support/kmock_api.py `fail`) during a trial's apply, during putting back the best
+engine, past the client's retries, and a tuner killed in the middle of a trial.
 
 Nothing here runs the operator: `RolloutPlayer` plays its part of the contract the applier reads
 (status.observedGeneration and Progressing=False/RolloutComplete for the new generation, see
@@ -13,12 +13,17 @@ is checked by what the client asked to wait and by the order of the requests KMo
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import kopf
+import optuna
 import pytest
 from optuna.trial import TrialState
 
@@ -28,12 +33,13 @@ from kvpilot.tuner.core.loop import ApplyFailed, LiveSettings, LiveTuner, Signal
 from kvpilot.tuner.core.objective import SLO, Goal, Measurement
 from kvpilot.tuner.core.space import EngineParams, SearchSpace
 from kvpilot.tuner.core.study import TunerStudy
-from kvpilot.tuner.kubeapi import KubeAPI, RetryPolicy
-from tests.support.kmock_api import KMockAPI
+from kvpilot.tuner.kubeapi import ApiError, KubeAPI, RetryPolicy
+from tests.support.kmock_api import KMockAPI, wait_for
 from tests.unit.tuner.world import FakeClock, default_latency
 
 pytestmark = pytest.mark.integration
 
+REPO = Path(__file__).resolve().parents[3]
 NS = "faults"
 START = EngineParams(2048, 0.90, 256)
 BAD = EngineParams(16384, 0.80, 1024)  # burns the error budget: pruned, the best put back
@@ -111,6 +117,24 @@ class RolloutPlayer:
                 "observedGeneration": generation, "replicas": 1, "updatedReplicas": 1, "readyReplicas": 1,
                 "conditions": [{"type": "Progressing", "status": "False", "reason": "RolloutComplete",
                                 "message": "every replica updated and ready"}]}})
+
+
+class Writes:
+    """The engine in the service's spec right after each write to it (KMock `after` hooks, one per
+    write), i.e. every engine the tuner put in force, in order.  `on_write(n)` runs after the n-th."""
+
+    def __init__(self, api: KMockAPI, name: str, on_write: Callable[[int], None] = lambda n: None) -> None:
+        self.api, self.name, self.on_write = api, name, on_write
+        self.engines: list[EngineParams] = []
+        self._arm()
+
+    def _arm(self) -> None:
+        self.api.after("PATCH", rf"/inferenceservices/{self.name}$", self._written)
+
+    def _written(self) -> None:
+        self.engines.append(EngineParams.from_spec(self.api.get_isvc(NS, self.name)["spec"]["engine"]))
+        self._arm()
+        self.on_write(len(self.engines))
 
 
 class KubeSignals:
@@ -236,3 +260,126 @@ def test_putting_back_the_best_rides_out_a_transient_error_and_the_study_converg
     assert study.finished_count() == SETTINGS.max_trials  # the study went on to its budget
     inc = study.incumbent
     assert inc is not None and best == inc.params and in_force(api, name)[0] == best
+
+
+def test_a_loop_that_gives_up_puts_the_best_engine_back(api: KMockAPI) -> None:
+    """The API server stays down past the client's retries while a trial's rollout is awaited: the
+    loop gives up, and the trial's engine is not left in force."""
+    name = new_isvc(api)
+    waits = Waits(api)
+    tuner = live_tuner(api, client(api, waits, attempts=3), name, None, KubeSignals(api, name))
+    trial_engine = EngineParams(4096, 0.85, 128)
+    tuner.study.enqueue(trial_engine, "planted")
+    with RolloutPlayer(api, name) as player:
+        n0, p0 = tuner.study.ask()
+        tuner.run_trial(n0, p0)  # START: the incumbent
+        # Right after the trial's engine is written, every read of the service fails three times:
+        # all the tries the client has.  The put-back's reads then get through.
+        writes = Writes(api, name, lambda n: api.fail("GET", rf"/inferenceservices/{name}$", 503, times=3,
+                                                      agent=AGENT) if n == 1 else None)
+        with pytest.raises(ApiError) as raised:
+            tuner.run()
+    assert raised.value.status == 503
+    assert writes.engines == [trial_engine, START]
+    assert in_force(api, name) == (START, "restore")
+    assert player.rollouts[-1] == START
+    assert tuner.put_back_failed is None
+
+
+class Killed(BaseException):
+    """The tuner process dying (SIGKILL, OOM): nothing runs after it, no put-back, no tell."""
+
+
+def test_a_tuner_killed_mid_trial_resumes_that_trial_in_place(api: KMockAPI, tmp_path: Path) -> None:
+    name = new_isvc(api)
+    storage = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'tuner.db'}")
+    waits = Waits(api)
+    kube = client(api, waits)
+    measured: list[EngineParams] = []
+
+    class DiesOnSecondMeasure(KubeSignals):
+        def measure(self, window_s: float) -> Measurement:
+            engine = self.engine()
+            if len(measured) == 1:
+                raise Killed()
+            measured.append(engine)
+            return super().measure(window_s)
+
+    with RolloutPlayer(api, name) as player:
+        first = live_tuner(api, kube, name, storage, DiesOnSecondMeasure(api, name))
+        with pytest.raises(Killed):
+            first.run()
+        before = {t.number: (t.state, t.value) for t in first.study.study.trials}
+        cut_engine = in_force(api, name)[0]
+        assert cut_engine != START
+        # A new tuner on the same storage, as a restarted pod would be.
+        second = live_tuner(api, kube, name, storage, KubeSignals(api, name))
+        best = second.run()
+    trials = second.study.study.trials
+    cut = [t for t in trials if t.state is TrialState.FAIL]
+    assert len(cut) == 1 and second.study.engine_of(cut[0]) == cut_engine
+    resumed = [t for t in trials if t.user_attrs.get("source") == "resume"]
+    assert len(resumed) == 1 and resumed[0].state is TrialState.COMPLETE
+    assert resumed[0].number == cut[0].number + 1  # the first trial the new tuner ran
+    # Nothing lost: what the first tuner told stands as it was.
+    for number, (state, value) in before.items():
+        if state is TrialState.COMPLETE:
+            assert (trials[number].state, trials[number].value) == (state, value)
+    # No config rolled out twice: the resumed trial's apply wrote the same fields (no new generation).
+    assert player.rollouts.count(cut_engine) == 1
+    assert second.study.finished_count() == SETTINGS.max_trials
+    inc = second.study.incumbent
+    assert inc is not None and inc.params == best == in_force(api, name)[0]
+
+
+def tuner_process(port: int, name: str, db: Path) -> None:
+    """What the killed process runs (`python -c`): the same tuner as `live_tuner`, on KMock."""
+    remote = KMockAPI()
+    remote.port = port  # the test's KMock, reached over HTTP like any client
+    kube = KubeAPI(kopf.ConnectionInfo(server=remote.url), timeout_s=5)
+    live_tuner(remote, kube, name, f"sqlite:///{db}", KubeSignals(remote, name)).run()
+
+
+def test_a_tuner_killed_mid_rollout_resumes_that_trial_without_rolling_it_out_again(
+    api: KMockAPI, tmp_path: Path
+) -> None:
+    name = new_isvc(api)
+    db = tmp_path / "tuner.db"
+    log_path = tmp_path / "tuner.log"
+    code = ("import logging, sys; logging.basicConfig(level=logging.INFO); "
+            "from tests.integration.tuner.test_kube_faults import tuner_process; "
+            f"tuner_process({api.port}, {name!r}, __import__('pathlib').Path({str(db)!r}))")
+    with RolloutPlayer(api, name) as player:
+        player.hold = lambda engine: engine != START  # a trial's rollout does not complete while it runs
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT,
+                                    cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            def rolling() -> EngineParams | None:
+                if proc.poll() is not None:
+                    raise AssertionError(f"the tuner exited {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+                engine = EngineParams.from_spec(api.get_isvc(NS, name)["spec"]["engine"])
+                return engine if engine != START else None
+
+            # Once the trial's engine is written, the tuner waits on its rollout: kill it there.
+            held = wait_for(rolling, timeout=60, what="a trial's rollout")
+        finally:
+            proc.kill()
+            proc.wait(10)
+        storage = optuna.storages.RDBStorage(f"sqlite:///{db}")
+        running = [t for t in optuna.load_study(study_name=name, storage=storage).trials
+                   if t.state is TrialState.RUNNING]
+        assert [EngineParams.from_spec(t.user_attrs["engine"]) for t in running] == [held]
+        player.hold = lambda engine: False  # the operator finishes the rollout while no tuner runs
+        wait_for(lambda: player.rollouts == [held], what="the held rollout to complete")
+        second = live_tuner(api, client(api, Waits(api)), name, storage, KubeSignals(api, name))
+        best = second.run()
+    trials = second.study.study.trials
+    cut = [t for t in trials if t.state is TrialState.FAIL]
+    assert [second.study.engine_of(t) for t in cut] == [held]
+    resumed = [t for t in trials if t.user_attrs.get("source") == "resume"]
+    assert len(resumed) == 1 and resumed[0].state is TrialState.COMPLETE
+    assert resumed[0].number == cut[0].number + 1 and second.study.engine_of(resumed[0]) == held
+    assert player.rollouts.count(held) == 1  # resumed in place: no second rollout of it
+    assert second.study.finished_count() == SETTINGS.max_trials
+    assert second.fallback() == best == in_force(api, name)[0]
