@@ -1,6 +1,6 @@
 """The in-cluster tuner against an API server that fails: each transient error class injected into
 KMock (tests/support/kmock_api.py `fail`) during a trial's apply, during putting back the best
-engine, past the client's retries, and a tuner killed in the middle of a trial.
+engine, past the client's retries, and a tuner restarted in the middle of a trial.
 
 Nothing here runs the operator: `RolloutPlayer` plays its part of the contract the applier reads
 (status.observedGeneration and Progressing=False/RolloutComplete for the new generation, see
@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import uuid
+from argparse import Namespace
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,14 +27,17 @@ import kopf
 import optuna
 import pytest
 from optuna.trial import TrialState
+from prometheus_client import CollectorRegistry
 
-from kvpilot.api.vocabulary import ANNOTATION_TUNING_TRIAL
+from kvpilot.api.vocabulary import ANNOTATION_TUNING_TRIAL, FIELD_MANAGER_TUNER
 from kvpilot.tuner.adapters.kubernetes import KubernetesApplier
 from kvpilot.tuner.core.loop import ApplyFailed, LiveSettings, LiveTuner, SignalsUnavailable
 from kvpilot.tuner.core.objective import SLO, Goal, Measurement
 from kvpilot.tuner.core.space import EngineParams, SearchSpace
 from kvpilot.tuner.core.study import TunerStudy
+from kvpilot.tuner.incluster import Worker
 from kvpilot.tuner.kubeapi import ApiError, KubeAPI, RetryPolicy
+from kvpilot.tuner.observe import TunerMetrics
 from tests.support.kmock_api import KMockAPI, wait_for
 from tests.unit.tuner.world import FakeClock, default_latency
 
@@ -284,6 +288,99 @@ def test_a_loop_that_gives_up_puts_the_best_engine_back(api: KMockAPI) -> None:
     assert in_force(api, name) == (START, "restore")
     assert player.rollouts[-1] == START
     assert tuner.put_back_failed is None
+
+
+class ScriptedWorker(Worker):
+    """The in-cluster worker with KMock's signals and a virtual clock; restarts after 0.05 s."""
+
+    RESTART_BASE_S = 0.05
+
+    def __init__(self, kmock: KMockAPI, kube: KubeAPI, obj: dict[str, Any], storage: str) -> None:
+        args = Namespace(storage=storage, prometheus="http://127.0.0.1:9", poll=5.0)
+        super().__init__(kube, obj, args, TunerMetrics(CollectorRegistry()))
+        self.kmock = kmock
+
+    def _signals(self, slo: SLO) -> Any:
+        return KubeSignals(self.kmock, self.name)
+
+    def _clock(self) -> Any:
+        return FakeClock()
+
+
+def test_a_worker_stopped_while_it_waits_to_start_again_ends(api: KMockAPI, tmp_path: Path) -> None:
+    name = new_isvc(api)
+    worker = ScriptedWorker(api, client(api, Waits(api), attempts=1), api.get_isvc(NS, name),
+                            f"sqlite:///{tmp_path / 'tuner.db'}")
+    worker.RESTART_BASE_S = 3600.0  # were it not woken, it would wait an hour
+    api.fail("GET", rf"/inferenceservices/{name}$", 503, agent=AGENT)  # its first read of the service
+    worker.start()
+    wait_for(lambda: worker.restarts == 1, what="the worker to fail once")
+    assert not worker.finished
+    worker.stop()  # tuning switched off
+    worker.thread.join(30)
+    assert not worker.thread.is_alive() and worker.finished and worker.restarts == 1
+    tuning = api.get_isvc(NS, name)["status"]["tuning"]
+    assert tuning["phase"] == "Failed" and "the engine was not changed by this start" in tuning["message"]
+
+
+def test_a_worker_for_a_spec_no_restart_can_fix_ends_without_restarting(api: KMockAPI) -> None:
+    name = new_isvc(api)
+    obj = api.get_isvc(NS, name)
+    obj["spec"]["tuning"]["storage"] = "nosuchdb://study"
+    worker = ScriptedWorker(api, client(api, Waits(api)), obj, "unused")
+    worker.start()
+    worker.thread.join(30)
+    assert worker.finished and worker.restarts == 0
+
+
+@pytest.mark.parametrize(("failed_reads", "reason", "said"), [
+    (3, "TuningFailed", "the best engine known is in force"),
+    # The put-back's reads fail too: the next start puts the best back before any trial.
+    (6, "RestoreFailed", "the next start puts it back before any trial"),
+])
+def test_a_worker_whose_loop_fails_puts_back_the_best_says_so_and_starts_again(
+    api: KMockAPI, tmp_path: Path, failed_reads: int, reason: str, said: str
+) -> None:
+    name = new_isvc(api, max_trials=3)
+    waits = Waits(api)
+    kube = client(api, waits, attempts=3)
+    storage = f"sqlite:///{tmp_path / 'tuner.db'}"
+    obj = api.get_isvc(NS, name)
+    # During the first trial after the starting engine's, reads fail past the client's 3 tries.
+    writes = Writes(api, name, lambda n: api.fail("GET", rf"/inferenceservices/{name}$", 503, times=failed_reads,
+                                                  agent=AGENT) if n == 2 else None)
+    worker = ScriptedWorker(api, kube, obj, storage)
+    with RolloutPlayer(api, name) as player:
+        worker.start()
+        try:
+            wait_for(lambda: worker.finished, timeout=60, what="the worker to finish its study")
+        finally:
+            worker.stop()
+            worker.thread.join(30)
+    assert worker.restarts == 1
+    status = api.get_isvc(NS, name)["status"]["tuning"]
+    assert status["phase"] == "Done", status
+    events = [e for e in api.events(NS) if e["involvedObject"]["name"] == name
+              and e.get("source", {}).get("component") == FIELD_MANAGER_TUNER]
+    failed = [e for e in events if e["reason"] in ("TuningFailed", "RestoreFailed")]
+    assert [(e["reason"], e["type"]) for e in failed] == [(reason, "Warning")]
+    assert "503" in failed[0]["message"] and said in failed[0]["message"]
+    assert "restart 1" in failed[0]["message"]
+    study = optuna.load_study(study_name=status["study"], storage=storage)
+    cut = [t for t in study.trials if t.state is TrialState.FAIL]
+    assert len(cut) == 1
+    cut_engine = EngineParams.from_spec(cut[0].user_attrs["engine"])
+    # The cut trial's engine was put back to START (at once, or first thing on the restart when the
+    # API server refused that too), then measured again after the restart.
+    assert writes.engines[:4] == [START, cut_engine, START, cut_engine]
+    assert player.rollouts[-1] == writes.engines[-1]
+    resumed = [t for t in study.trials if t.user_attrs.get("source") == "resume"]
+    assert len(resumed) == 1 and resumed[0].state is TrialState.COMPLETE
+    assert EngineParams.from_spec(resumed[0].user_attrs["engine"]) == cut_engine
+    done = [t for t in study.trials if t.state is TrialState.COMPLETE and t.user_attrs.get("kind") == "trial"]
+    assert len(done) == 3
+    told = [e["message"].split()[1] for e in events if e["reason"] == "TrialComplete"]
+    assert sorted(told) == sorted(str(t.number) for t in done)  # each trial told once
 
 
 class Killed(BaseException):
