@@ -3,9 +3,18 @@ tuner's blocking one): resource paths, and the Status error an API server answer
 
 from __future__ import annotations
 
+import datetime
+import email.utils
 import json
 import math
-from collections.abc import Mapping
+from typing import Protocol
+
+
+class Headers(Protocol):
+    """An answer's headers, looked up case-insensitively (aiohttp's CIMultiDict, http.client's Message)."""
+
+    def get(self, name: str, /) -> str | None: ...
+
 
 # 401 too: a service-account token rotates; kopf logs in again when its own watches get 401,
 # which hands the clients the new credentials before the retries run out.
@@ -26,10 +35,9 @@ class ApiError(Exception):
 
     @classmethod
     def from_response(cls, status: int, reason: str, text: str, *, method: str, path: str,
-                      headers: Mapping[str, str] | None = None) -> ApiError:
+                      headers: Headers | None = None) -> ApiError:
         """From an error answer: the Status object's reason and message where the body is one, and
-        the wait the server asked for (`headers` are the answer's; case-insensitive lookup is the
-        caller's mapping's, as aiohttp's and http.client's are)."""
+        the wait the server asked for (its Retry-After header, else the Status's retryAfterSeconds)."""
         message = text[:500]
         details: object = None
         try:
@@ -42,7 +50,7 @@ class ApiError(Exception):
         retry_after = parse_retry_after(headers.get("Retry-After") if headers is not None else None)
         if retry_after is None and isinstance(details, dict):
             # The Status object's own field (details.retryAfterSeconds), as older API servers send it.
-            retry_after = parse_retry_after(str(details.get("retryAfterSeconds", "")) or None)
+            retry_after = parse_retry_after(details.get("retryAfterSeconds"))
         return cls(status, str(reason), str(message), method=method, path=path, retry_after=retry_after)
 
     @property
@@ -54,19 +62,25 @@ class ApiError(Exception):
         return self.status == 404
 
 
-def parse_retry_after(value: str | None) -> float | None:
-    """A Retry-After header's delay in seconds, from its delay-seconds form (the one the Kubernetes
-    API server sends: `Retry-After: 1` on 429 and on some 5xx).  None when absent or not that form
-    (an HTTP-date is not read: the client's own backoff applies then)."""
-    if value is None:
+def parse_retry_after(value: object) -> float | None:
+    """Retry-After in seconds: delay-seconds (what the Kubernetes API server sends, on 429 and some
+    5xx) or an HTTP-date (RFC 9110 10.2.3; one in the past is 0). None when absent or malformed
+    (a negative or non-finite number included): the client's own backoff applies then."""
+    if value is None or value == "":
         return None
     try:
-        seconds = float(value.strip())
+        seconds = float(str(value).strip())
     except ValueError:
+        pass
+    else:
+        return seconds if math.isfinite(seconds) and seconds >= 0 else None
+    try:
+        when = email.utils.parsedate_to_datetime(str(value))
+    except (TypeError, ValueError):
         return None
-    if not math.isfinite(seconds) or seconds < 0:
-        return None
-    return seconds
+    if when.tzinfo is None:  # "GMT" per RFC 9110; an obsolete form may carry no zone
+        when = when.replace(tzinfo=datetime.UTC)
+    return max(0.0, (when - datetime.datetime.now(datetime.UTC)).total_seconds())
 
 
 def resource_path(api_version: str, plural: str, namespace: str | None, name: str | None = None,

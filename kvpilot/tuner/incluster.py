@@ -10,7 +10,9 @@ tuner speaks to it through the InferenceService, like a user would.
 
 One worker thread per InferenceService with `spec.tuning.enabled`; a scan every `--resync`
 seconds starts workers for new services and stops those whose tuning was switched off (between
-trials: one engine change at a time, always finished).
+trials: one engine change at a time, always finished).  A worker whose loop fails is started
+again with back-off, not dropped (see `Worker`); the tuner's API client rides out transient
+API-server errors itself (`kvpilot.tuner.kubeapi.RetryPolicy`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,19 @@ log = logging.getLogger("kvpilot.tuner")
 
 
 class Worker:
+    """Tunes one InferenceService in a thread of its own, and keeps tuning it through failures.
+
+    A trial loop that breaks on something other than the config (the API server down past the
+    client's retries, the study's storage failing) has put back the best engine known
+    (`LiveTuner.put_back`); the worker says so in status.tuning (phase Failed) and a Warning Event,
+    then starts the study again after a back-off that doubles from RESTART_BASE_S to RESTART_MAX_S,
+    as the kubelet does a crashing container.  Reopening the study fails the trial that was cut off
+    and queues its config again.  Only an invalid tuning spec ends the worker: starting again
+    cannot help, a changed spec starts a new worker (`run_tuner`)."""
+
+    RESTART_BASE_S = 10.0
+    RESTART_MAX_S = 300.0
+
     def __init__(self, api_client: Any, obj: dict[str, Any], args: Namespace, metrics: Any) -> None:
         from kvpilot.api import InferenceService
 
@@ -42,61 +57,123 @@ class Worker:
         self.tuner: LiveTuner | None = None
         self.thread = threading.Thread(target=self._run, name=f"tune-{self.namespace}/{self.name}", daemon=True)
         self.finished = False
+        self.restarts = 0
+        self._stopping = threading.Event()
+        self._study: str | None = None
+        self._status: Any = None  # the last start's KubeStatusObserver (it knows the trial in progress)
+        self._owe_put_back = False  # the last put-back failed: the next start puts back first
 
     def start(self) -> None:
         self.thread.start()
 
     def stop(self) -> None:
+        self._stopping.set()
         if self.tuner is not None:
             self.tuner.stop_requested = True
 
     def _run(self) -> None:
-        from kvpilot.tuner.adapters.kubernetes import KubernetesApplier, KubeStatusObserver
+        target = f"{self.namespace}/{self.name}"
+        try:
+            try:
+                plan = self._plan()
+            except (SpaceError, ValueError) as exc:  # the spec: the same spec would fail again
+                log.error("tuning %s: %s", target, exc)
+                return
+            while not self._stopping.is_set():
+                try:
+                    self._tune(plan)
+                    return
+                except Exception as exc:
+                    self.restarts += 1
+                    delay = min(self.RESTART_MAX_S, self.RESTART_BASE_S * 2 ** (self.restarts - 1))
+                    log.exception("tuning %s failed; starting again in %gs (restart %d)", target, delay,
+                                  self.restarts)
+                    self._report_failure(exc, delay)
+                    self._stopping.wait(delay)
+        finally:
+            self.finished = True
+
+    def _report_failure(self, exc: Exception, delay: float) -> None:
+        """status.tuning phase Failed and a Warning Event: what broke, which engine is in force."""
+        from kvpilot.tuner.adapters.kubernetes import KubeStatusObserver
+
+        tuner, self.tuner = self.tuner, None
+        what = f"{type(exc).__name__}: {exc}"[:400]
+        if tuner is None:
+            reason, kept = "TuningFailed", "the engine was not changed by this start"
+        elif tuner.put_back_failed is None:
+            reason, kept = "TuningFailed", f"the best engine known is in force ({tuner.fallback().label()})"
+        else:
+            self._owe_put_back = True
+            reason = "RestoreFailed"
+            kept = (f"putting back the best engine known ({tuner.fallback().label()}) failed too; "
+                    "the next start puts it back before any trial")
+        message = f"{what}; {kept}; starting again in {delay:g}s (restart {self.restarts})"
+        status = self._status or KubeStatusObserver(self.api_client, self.namespace, self.name, self._study or "")
+        status.phase(TuningPhase.FAILED, reason, message)
+        status.event("Warning", reason, message)
+
+    def _signals(self, slo: SLO) -> Any:
+        """Where the trials' measurements come from: the Prometheus that scrapes this service."""
         from kvpilot.tuner.adapters.prometheus import PrometheusSignals
+
+        return PrometheusSignals.for_inferenceservice(self.args.prometheus, self.namespace, self.name,
+                                                      slo=slo, objective=self.isvc.spec.slo.objective)
+
+    def _clock(self) -> Any:
+        return None  # the loop's real clock
+
+    def _plan(self) -> tuple[SearchSpace, SLO, Goal, str]:
+        """What the spec asks for: the space, SLO, goal and storage URL.  Raises ValueError (or
+        SpaceError) for a spec no restart can fix."""
+        from kvpilot.tuner.jobs import sqlite_url
+
+        spec = self.isvc.spec
+        space = SearchSpace.from_spec(spec.tuning.space)
+        goal = Goal(spec.tuning.goal)
+        self._study = study_name(self.namespace, self.name, space, goal)
+        return (space, SLO(spec.slo.ttft_seconds, spec.slo.itl_seconds), goal,
+                sqlite_url(spec.tuning.storage or self.args.storage))
+
+    def _tune(self, plan: tuple[SearchSpace, SLO, Goal, str]) -> None:
+        from kvpilot.tuner.adapters.kubernetes import KubernetesApplier, KubeStatusObserver
         from kvpilot.tuner.observe import Fanout, LogObserver
 
         spec = self.isvc.spec
         target = f"{self.namespace}/{self.name}"
-        try:
-            space = SearchSpace.from_spec(spec.tuning.space)
-            slo = SLO(spec.slo.ttft_seconds, spec.slo.itl_seconds)
-            goal = Goal(spec.tuning.goal)
-            name = study_name(self.namespace, self.name, space, goal)
-            status = KubeStatusObserver(self.api_client, self.namespace, self.name, name)
-            observer = Fanout(LogObserver(target), self.metrics.observer(self.namespace, self.name), status)
-            from kvpilot.tuner.jobs import sqlite_url
-
-            storage = sqlite_url(spec.tuning.storage or self.args.storage)
-            study = TunerStudy(storage=storage, name=name, goal=Goal.LATENCY if goal is Goal.CAPACITY else goal,
-                               space=space, slo=slo, seed=0, n_trials=spec.tuning.max_trials)
-            applier = KubernetesApplier(self.api_client, self.namespace, self.name,
-                                        timeout_s=spec.rollout.progress_deadline_seconds + 300.0)
-            signals = PrometheusSignals.for_inferenceservice(self.args.prometheus, self.namespace, self.name,
-                                                             slo=slo, objective=spec.slo.objective)
-            current = applier.current()
-            study.enqueue(current, "current")
-            defaults = self._vllm_defaults()
-            if defaults is not None:
-                study.enqueue(defaults, "vllmDefaults")
-            self._warm_start(study, signals, space, slo, current, observer)
-            if goal is Goal.CAPACITY and study.finished_count() == 0:
-                # capacity is an offline goal: the twin's best config is applied once, then kept.
-                best = next((t for t in study.study.trials if t.user_attrs.get("source") == "warmStart"), None)
-                if best is not None:
-                    applier.apply(study.engine_of(best), best.number)
-                observer.phase(TuningPhase.DONE, "TwinBest", "capacity goal: the twin's best config is in force")
-                return
-            settings = LiveSettings(warmup_s=float(spec.tuning.warmup_seconds),
-                                    window_s=float(spec.tuning.trial_seconds), poll_s=self.args.poll,
-                                    pause_poll_s=self.args.poll, max_trials=spec.tuning.max_trials)
-            self.tuner = LiveTuner(study, applier, signals, settings, observer=observer)
-            self.tuner.run()
-        except (SpaceError, ValueError) as exc:
-            log.error("tuning %s: %s", target, exc)
-        except Exception:
-            log.exception("tuning %s failed", target)
-        finally:
-            self.finished = True
+        space, slo, goal, storage = plan
+        name = self._study or ""
+        status = self._status = KubeStatusObserver(self.api_client, self.namespace, self.name, name)
+        observer = Fanout(LogObserver(target), self.metrics.observer(self.namespace, self.name), status)
+        study = TunerStudy(storage=storage, name=name, goal=Goal.LATENCY if goal is Goal.CAPACITY else goal,
+                           space=space, slo=slo, seed=0, n_trials=spec.tuning.max_trials)
+        applier = KubernetesApplier(self.api_client, self.namespace, self.name,
+                                    timeout_s=spec.rollout.progress_deadline_seconds + 300.0)
+        signals = self._signals(slo)
+        current = applier.current()
+        study.enqueue(current, "current")
+        defaults = self._vllm_defaults()
+        if defaults is not None:
+            study.enqueue(defaults, "vllmDefaults")
+        self._warm_start(study, signals, space, slo, current, observer)
+        if goal is Goal.CAPACITY and study.finished_count() == 0:
+            # capacity is an offline goal: the twin's best config is applied once, then kept.
+            best = next((t for t in study.study.trials if t.user_attrs.get("source") == "warmStart"), None)
+            if best is not None:
+                applier.apply(study.engine_of(best), best.number)
+            observer.phase(TuningPhase.DONE, "TwinBest", "capacity goal: the twin's best config is in force")
+            return
+        settings = LiveSettings(warmup_s=float(spec.tuning.warmup_seconds),
+                                window_s=float(spec.tuning.trial_seconds), poll_s=self.args.poll,
+                                pause_poll_s=self.args.poll, max_trials=spec.tuning.max_trials)
+        self.tuner = LiveTuner(study, applier, signals, settings, clock=self._clock(), observer=observer)
+        if self._stopping.is_set():
+            return
+        if self._owe_put_back:  # a trial's engine may still be in force from the last start
+            if not self.tuner.put_back():
+                raise self.tuner.put_back_failed or RuntimeError("putting back the best engine failed")
+            self._owe_put_back = False
+        self.tuner.run()
 
     def _vllm_defaults(self) -> EngineParams | None:
         """vLLM's own defaults on this service's GPU, which the twin knows for engine.kind twin; for a

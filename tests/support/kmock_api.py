@@ -95,8 +95,8 @@ class Fault:
     retry_after: int | None = None
     stall: float = 0.0
 
-    REASONS = {409: "Conflict", 429: "TooManyRequests", 500: "InternalError", 502: "BadGateway",
-               503: "ServiceUnavailable", 504: "Timeout"}
+    REASONS = {409: "Conflict", 422: "Invalid", 429: "TooManyRequests", 500: "InternalError",
+               502: "BadGateway", 503: "ServiceUnavailable", 504: "Timeout"}
 
 
 @dataclass
@@ -109,6 +109,11 @@ class FaultRule:
     path: re.Pattern[str]
     faults: list[Fault]
     served: list[tuple[float, int]] = field(default_factory=list)
+    agent: str | None = None  # only requests whose User-Agent contains it (the tuner's, not the operator's)
+
+    def matches(self, raw_request: Any) -> bool:
+        return (bool(self.faults) and self.method == raw_request.method and bool(self.path.search(raw_request.path))
+                and (self.agent is None or self.agent in raw_request.headers.get("User-Agent", "")))
 
     @property
     def exhausted(self) -> bool:
@@ -159,7 +164,7 @@ class KvpilotEmulator(kmock.KubernetesEmulator):
         self.calls.append((raw_request.method, raw_request.path))
         self.timed_requests.append((time.monotonic(), raw_request.method, raw_request.path))
         for rule in self.fault_rules:
-            if rule.faults and rule.method == raw_request.method and rule.path.search(raw_request.path):
+            if rule.matches(raw_request):
                 return await self._serve_fault(raw_request, rule, rule.faults.pop(0))
         # Quirk 2: namespaces are cluster-scoped; KMock's path parser reads /namespaces/NAME as a
         # namespaced prefix and fails.  Namespaces are not stored: every namespace an object was
@@ -476,10 +481,11 @@ class KMockAPI:
         self.emulator.hooks.append(hook)
         return hook
 
-    def fail(self, method: str, path: str, *faults: Fault) -> FaultRule:
+    def fail(self, method: str, path: str, *faults: Fault, agent: str | None = None) -> FaultRule:
         """Answer the next len(faults) `method` requests whose path matches the regular expression
-        `path` with these faults, in order, without KMock processing them; later ones are served."""
-        rule = FaultRule(method, re.compile(path), list(faults))
+        `path` (and, given `agent`, whose User-Agent contains it) with these faults, in order, without
+        KMock processing them; later ones are served."""
+        rule = FaultRule(method, re.compile(path), list(faults), agent=agent)
         self.emulator.fault_rules.append(rule)  # a list append is atomic; KMock reads it per request
         return rule
 

@@ -131,7 +131,7 @@ class KubeStatusObserver(Observer):
         except Exception as exc:  # status is best effort: never stop tuning for it
             log.warning("could not write status.tuning of %s/%s: %s", self.namespace, self.name, exc)
 
-    def _event(self, type_: str, reason: str, message: str) -> None:
+    def event(self, type_: str, reason: str, message: str) -> None:
         try:
             obj = cast(dict[str, Any], self.api.get(self.path))
         except ApiError as exc:
@@ -157,14 +157,14 @@ class KubeStatusObserver(Observer):
 
     def trial_started(self, number: int, params: EngineParams, kind: str) -> None:
         self.trial = number
-        self._event("Normal", "TrialStarted", f"trial {number} ({kind}): {params.label()}")
+        self.event("Normal", "TrialStarted", f"trial {number} ({kind}): {params.label()}")
 
     def trial_finished(self, number: int, params: EngineParams, state: str, outcome: Outcome | None) -> None:
         detail = f": {outcome.reason}, value {outcome.value:.4g}" if outcome else ""
         type_ = "Normal" if state == "complete" else "Warning"
         reason = {"complete": "TrialComplete", "pruned": "TrialPruned", "infeasible": "TrialInfeasible"}.get(
             state, "TrialFinished")
-        self._event(type_, reason, f"trial {number} {state}{detail} ({params.label()})")
+        self.event(type_, reason, f"trial {number} {state}{detail} ({params.label()})")
 
     def best_changed(self, incumbent: Incumbent) -> None:
         self._status({"best": {"trial": incumbent.trial, "value": incumbent.value,

@@ -9,7 +9,11 @@ Safety, always:
 - signals unreachable or no traffic: pause; the engine is never changed blind, and the window
   starts again once signals are back (a window with a hole in it is not a measurement);
 - load drift: every measurement records the offered load; when load has moved more than 25%
-  since the incumbent was measured, the incumbent is measured again before comparing.
+  since the incumbent was measured, the incumbent is measured again before comparing;
+- the loop breaking on anything but the config (the API server down past its retries, the study's
+  storage failing): the best engine known is put back before the error goes up, so a trial's
+  engine is never left in force by a loop that gave up.  The trial stays RUNNING in the study;
+  the study's next opening fails it and queues its config again (`TunerStudy.recover`).
 
 The loop talks to the world through three small protocols (Applier, SignalSource, Clock), so
 the same code drives Kubernetes, a local process, or a fake clock in unit tests.
@@ -134,18 +138,20 @@ class LiveTuner:
         self.clock = clock or RealClock()
         self.obs = observer or Observer()
         self.goal: Goal = study.goal
-        self.starting = applier.current()
+        self.starting = study.starting_engine(applier.current())
         self.pauses = 0
         self.stop_requested = False
+        self.put_back_failed: Exception | None = None  # why the put-back after a failure failed
 
     # -- helpers --------------------------------------------------------------------------
-    def _fallback(self) -> EngineParams:
+    def fallback(self) -> EngineParams:
+        """The best engine known so far, or the starting one while none has beaten it."""
         inc = self.study.incumbent
         return inc.params if inc else self.starting
 
     def _restore(self) -> None:
         """Put back the best engine known so far (or the starting one)."""
-        target = self._fallback()
+        target = self.fallback()
         if self.applier.current() == target:
             return
         self.obs.phase(TuningPhase.APPLYING, "RestoringBest", f"putting back {target.label()}")
@@ -153,6 +159,21 @@ class LiveTuner:
             self.applier.apply(target, None)
         except ApplyFailed as exc:  # the known-good engine failing is not ours to fix: say so loudly
             log.error("restoring %s failed: %s", target.label(), exc)
+
+    def put_back(self) -> bool:
+        """After the loop broke: put the best engine known (or the starting one) back in force.
+        Never raises (it runs while another error goes up); True when that engine is in force."""
+        target = self.fallback()
+        try:
+            if self.applier.current() == target:
+                return True
+            self.obs.phase(TuningPhase.APPLYING, "RestoringBest", f"the loop failed; putting back {target.label()}")
+            self.applier.apply(target, None)
+            return True
+        except Exception as exc:
+            self.put_back_failed = exc
+            log.error("putting back %s failed: %s", target.label(), exc)
+            return False
 
     def _wait_for_signals(self) -> None:
         """Block until signals are readable and traffic flows.  The engine is not touched meanwhile."""
@@ -298,14 +319,17 @@ class LiveTuner:
                 number, params = self.study.ask()
                 kind = self.study.study.get_trials(deepcopy=False)[number].user_attrs.get("kind", "trial")
                 self.run_trial(number, params, kind=kind)
-            best = self._fallback()
+            best = self.fallback()
             self._wait_for_signals()
+            if self.applier.current() != best:
+                self.obs.phase(TuningPhase.APPLYING, "ApplyingBest", f"putting the best engine in force: {best.label()}")
+                self.applier.apply(best, None)
         except TunerStopped:
             self.obs.phase(TuningPhase.IDLE, "Stopped", "stopped; a restarted tuner resumes the study")
             return self.applier.current()
-        if self.applier.current() != best:
-            self.obs.phase(TuningPhase.APPLYING, "ApplyingBest", f"putting the best engine in force: {best.label()}")
-            self.applier.apply(best, None)
+        except Exception:
+            self.put_back()
+            raise
         self.obs.phase(TuningPhase.DONE, "BudgetSpent", f"best: {best.label()}")
         return best
 

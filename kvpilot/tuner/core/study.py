@@ -51,6 +51,7 @@ ATTR_KIND = "kind"  # trial | remeasure
 ATTR_REMEASURE_OF = "remeasureOf"
 # Study user attrs.
 STUDY_INCUMBENT = "incumbent"
+STUDY_STARTING = "startingEngine"  # the engine in force when the study began (camelCase dict)
 
 KIND_TRIAL = "trial"
 KIND_REMEASURE = "remeasure"
@@ -341,6 +342,16 @@ class TunerStudy:
     @incumbent.setter
     def incumbent(self, inc: Incumbent | None) -> None:
         self.study.set_user_attr(STUDY_INCUMBENT, inc.as_dict() if inc else None)
+
+    def starting_engine(self, in_force: EngineParams) -> EngineParams:
+        """The engine in force when the study began; recorded by the first tuner to open it.  A tuner
+        restarted while a trial's engine was in force must not take that engine for the starting one:
+        it is what the loop puts back while no trial has beaten it."""
+        raw = self.study.user_attrs.get(STUDY_STARTING)
+        if raw:
+            return EngineParams.from_spec(raw)
+        self.study.set_user_attr(STUDY_STARTING, in_force.as_spec())
+        return in_force
 
     def best_engine(self) -> tuple[EngineParams, float] | None:
         """The recommendation: the incumbent if one is recorded, else the best feasible trial."""

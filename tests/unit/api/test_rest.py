@@ -32,9 +32,10 @@ def test_an_error_answer_reads_the_wait_the_server_asks_for() -> None:
     assert ApiError(503, "ServiceUnavailable", "").retry_after is None  # the old constructor still works
 
 
-def test_retry_after_is_read_in_its_seconds_form_only() -> None:
-    assert [parse_retry_after(v) for v in ("2", " 0.5 ", "0", None, "-1", "nan", "Wed, 21 Oct 2015 07:28:00 GMT")] == [
-        2.0, 0.5, 0.0, None, None, None, None]
+def test_retry_after_is_read_in_its_seconds_and_its_date_form() -> None:
+    assert [parse_retry_after(v) for v in ("2", " 0.5 ", "0", None, "", "-1", "nan", "inf", "soon")] == [
+        2.0, 0.5, 0.0, None, None, None, None, None, None]
+    assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # a date in the past: now
 
 
 def test_resource_paths() -> None:
@@ -42,3 +43,12 @@ def test_resource_paths() -> None:
     assert resource_path("kvpilot.dev/v1alpha1", "inferenceservices", "ns", "a", "status") == (
         "/apis/kvpilot.dev/v1alpha1/namespaces/ns/inferenceservices/a/status")
     assert resource_path("apps/v1", "deployments", None) == "/apis/apps/v1/deployments"
+
+
+def test_retry_after_comes_from_the_header_or_else_the_status_details() -> None:
+    status = {"kind": "Status", "reason": "TooManyRequests", "code": 429, "details": {"retryAfterSeconds": 7}}
+    text = json.dumps(status)
+    assert ApiError.from_response(429, "", text, method="GET", path="/x").retry_after == 7.0
+    assert ApiError.from_response(429, "", text, method="GET", path="/x",
+                                  headers={"Retry-After": "2"}).retry_after == 2.0
+    assert ApiError.from_response(503, "", "oops", method="GET", path="/x").retry_after is None

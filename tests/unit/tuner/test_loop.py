@@ -131,3 +131,74 @@ def test_steady_load_never_remeasures() -> None:
     tuner, _ = _tuner(world)
     tuner.run()
     assert all(t.user_attrs.get("kind") != KIND_REMEASURE for t in tuner.study.study.trials)
+
+
+class ApiDown(Exception):
+    """An error that is not the config's (the API server past its retries, the storage failing)."""
+
+
+def test_a_loop_that_breaks_mid_trial_puts_back_the_best_engine_before_the_error_goes_up() -> None:
+    bad = EngineParams(8192, 0.85, 512)
+    world = World(engine=START)
+    tuner, rec = _tuner(world)
+    tuner.study.enqueue(bad, "planted")
+    n0, p0 = tuner.study.ask()
+    tuner.run_trial(n0, p0)  # the starting engine becomes the incumbent
+    real_measure = world.measure
+
+    def measure(window_s: float):  # type: ignore[no-untyped-def]
+        if world.engine == bad:
+            raise ApiDown("the API server did not answer")
+        return real_measure(window_s)
+
+    world.measure = measure  # type: ignore[method-assign]
+    with pytest.raises(ApiDown):
+        tuner.run()
+    assert world.engine == START, "the trial's engine was left in force"
+    assert world.applies[-1][1:] == (START, None)
+    assert tuner.put_back_failed is None
+    cut = [t for t in tuner.study.study.trials if t.state is TrialState.RUNNING]
+    assert [tuner.study.engine_of(t) for t in cut] == [bad]  # the next opening fails it and queues it again
+
+
+def test_a_put_back_that_fails_too_is_reported_not_raised_over_the_first_error() -> None:
+    bad = EngineParams(8192, 0.85, 512)
+    world = World(engine=START)
+    tuner, _ = _tuner(world)
+    tuner.study.enqueue(bad, "planted")
+    n0, p0 = tuner.study.ask()
+    tuner.run_trial(n0, p0)
+    real_apply = world.apply
+
+    def apply(params: EngineParams, trial: int | None) -> None:
+        if trial is None:
+            raise ApiDown("503 on the put-back")
+        real_apply(params, trial)
+
+    def measure(window_s: float):  # type: ignore[no-untyped-def]
+        raise ApiDown("the API server did not answer")
+
+    world.apply = apply  # type: ignore[method-assign]
+    world.measure = measure  # type: ignore[method-assign]
+    with pytest.raises(ApiDown, match="did not answer"):
+        tuner.run()
+    assert isinstance(tuner.put_back_failed, ApiDown)
+
+
+def test_a_restarted_tuner_keeps_the_studys_starting_engine_not_the_trial_engine_in_force() -> None:
+    import optuna
+
+    storage = optuna.storages.InMemoryStorage()
+    trial_engine = EngineParams(8192, 0.85, 512)
+
+    def study() -> TunerStudy:
+        return TunerStudy(storage=storage, name="t", goal=Goal.LATENCY, space=SearchSpace(), slo=SLO(), seed=0,
+                          n_trials=SETTINGS.max_trials)
+
+    first = LiveTuner(study(), World(engine=START), World(engine=START), SETTINGS)
+    assert first.starting == START
+    # The process died while trial_engine was in force, before any trial beat the start.
+    world = World(engine=trial_engine)
+    again = LiveTuner(study(), world, world, SETTINGS, clock=world.clock)
+    assert again.starting == START and again.fallback() == START
+    assert again.put_back() and world.engine == START
