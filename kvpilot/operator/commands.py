@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from kvpilot.operator.builders.common import DEFAULT_TWIN_IMAGE
 
@@ -18,14 +19,21 @@ def _port(text: str) -> int:
     return port
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1 (got {text!r})") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1 (got {value})")
-    return value
+def _whole(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {minimum} (got {text!r})") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {minimum} (got {value})")
+        return value
+
+    return parse
+
+
+_positive = _whole(1)
+_count = _whole(0)
 
 
 def _seconds(text: str) -> float:
@@ -35,16 +43,6 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0 (got {text!r})") from None
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0 (got {text})")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 0 (got {text!r})") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 0 (got {value})")
     return value
 
 
