@@ -99,7 +99,8 @@ class EngineSpec(_Wire):
         max_length=256,
         description="More `vllm serve` arguments, passed through after the typed flags. Read as vLLM reads them "
         "(any unambiguous prefix of a flag, `_` for `-`): none may land on a typed flag, one kvpilot sets "
-        "(--port, --host, --model, --served-model-name), --config or --help.",
+        "(--port, --host, --model, --served-model-name) or one that breaks what it relies on (--config, --help, "
+        "--uds, --headless, --disable-log-stats), nor be an ambiguous prefix.",
     )
     twin: TwinSpec = Field(default_factory=TwinSpec, description="Settings for engine.kind twin only.")
 

