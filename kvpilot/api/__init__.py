@@ -1,5 +1,6 @@
 """The InferenceService API: typed models, validation, the CRD generated from them, the engine codec
-(`engine`: spec <-> `vllm serve` arguments, vLLM's defaults per GPU) and the shared vocabulary.
+(`engine`: spec <-> `vllm serve` arguments, vLLM's defaults per GPU), how vLLM reads a command line
+(`serve_args`: which flag each argument lands on) and the shared vocabulary.
 
 This package is the bottom layer of kvpilot: it imports nothing else from kvpilot.
 """

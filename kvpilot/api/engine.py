@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from functools import lru_cache
 from typing import Any
 
-from kvpilot.api import vllm
+from kvpilot.api import serve_args, vllm
 
 GiB = 1 << 30
 
@@ -52,6 +53,62 @@ FLAG_OF: dict[str, str] = {f.field: f.flag for f in ENGINE_FLAGS}
 _BY_FLAG: dict[str, EngineFlag] = {name: f for f in ENGINE_FLAGS for name in (f.flag, *f.aliases)}
 # Flags the operator always owns, besides the typed ones.
 OWNED_FLAGS: tuple[str, ...] = ("--port", "--host", "--served-model-name", "--model")
+# Flags extraArgs may not reach either, and why.
+REFUSED_EXTRA_FLAGS: dict[str, str] = {
+    "--config": "reads flags from a YAML file kvpilot cannot see, so it could set any typed or owned flag; "
+    "write the flags themselves in extraArgs",
+    "--help": "makes vLLM print its help and exit instead of serving",
+    "--uds": "makes vLLM listen on a Unix socket instead of the port the probes and the Service use",
+    "--headless": "runs vLLM without its API server: nothing would answer the probes or clients",
+    # vLLM V1 builds no stat loggers then, so /metrics carries no vllm: series.
+    "--disable-log-stats": "turns off vLLM's metrics, which the SLO alerts and the tuner read",
+}
+# The model and the served name are arguments of their own; one starting with `-` would be read as a flag.
+NOT_A_FLAG_PATTERN = r"^[^-]"
+PATTERN_MESSAGES: dict[str, str] = {
+    NOT_A_FLAG_PATTERN: "must not start with '-' (vLLM would read it as a flag)",
+}
+
+
+_TYPED_FIELD_OF: dict[str, str] = {f.flag: f.field for f in ENGINE_FLAGS}
+# kvpilot renders these, so the vLLM it runs has them even where the committed option list is older.
+_RENDERED: tuple[str, ...] = (*_BY_FLAG, *OWNED_FLAGS, *REFUSED_EXTRA_FLAGS)
+
+
+_MAX_SHOWN = 12
+
+
+@lru_cache(maxsize=1024)
+def extra_args_problems(args: tuple[str, ...]) -> tuple[tuple[int, str], ...]:
+    """(index, why) for each of `args` (engine.extraArgs) that vLLM would read as a typed, owned,
+    removed or refused flag, or as an ambiguous prefix; read as vLLM reads them (`serve_args`), so
+    `--max-num-s=512` and `--gpu_mem 0.5` count as the flags they resolve to."""
+    problems: list[tuple[int, str]] = []
+    for use in serve_args.vllm_resolver(_RENDERED).resolve(args):
+        if use.ambiguous:
+            # vLLM's own words; a very short prefix (`--=x` matches every flag) gets the first few only.
+            shown = use.ambiguity if len(use.matches) <= _MAX_SHOWN else (
+                f"ambiguous option: {use.seen} could match {', '.join(use.matches[:_MAX_SHOWN])}, ... "
+                f"({len(use.matches)} flags)")
+            problems.append((use.index, f"{shown}: vLLM refuses to start; write the flag in full"))
+            continue
+        name, seen = use.arg.partition("=")[0], use.seen.partition("=")[0]
+        if seen in vllm.REMOVED_FLAGS:  # vLLM no longer has it, so it matches nothing: say why
+            problems.append((use.index, f"{name} was {vllm.REMOVED_FLAGS[seen]}"))
+            continue
+        flag = use.flag
+        if flag is None:
+            continue  # not a flag this vLLM has: a newer image's, or vLLM says so at start-up
+        reading = flag if name == flag else f"{name} (vLLM reads it as {flag})"
+        if flag in _TYPED_FIELD_OF:
+            problems.append((use.index, f"{reading} is set by the typed field engine.{_TYPED_FIELD_OF[flag]}; "
+                                        "set it there instead"))
+        elif flag in OWNED_FLAGS:
+            problems.append((use.index, f"{reading} is set by kvpilot (the model, port and served name come "
+                                        "from spec.model, spec.servedModelName and the Service)"))
+        elif flag in REFUSED_EXTRA_FLAGS:
+            problems.append((use.index, f"{reading} {REFUSED_EXTRA_FLAGS[flag]}"))
+    return tuple(problems)
 
 
 class EngineArgsError(ValueError):

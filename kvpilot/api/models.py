@@ -21,6 +21,7 @@ from kvpilot.api.engine import (
     MAX_KV_CACHE_MEMORY_BYTES,
     MAX_MODEL_LEN_LIMIT,
     MAX_NUM_SEQS_LIMIT,
+    NOT_A_FLAG_PATTERN,
 )
 from kvpilot.api.slo import MIN_ERROR_BUDGET
 
@@ -96,7 +97,10 @@ class EngineSpec(_Wire):
     extra_args: list[Annotated[str, Field(max_length=4096)]] = Field(
         default_factory=list,
         max_length=256,
-        description="More `vllm serve` arguments, passed through after the typed flags; may not repeat a typed flag.",
+        description="More `vllm serve` arguments, passed through after the typed flags. Read as vLLM reads them "
+        "(any unambiguous prefix of a flag, `_` for `-`): none may land on a typed flag, one kvpilot sets "
+        "(--port, --host, --model, --served-model-name) or one that breaks what it relies on (--config, --help, "
+        "--uds, --headless, --disable-log-stats), nor be an ambiguous prefix.",
     )
     twin: TwinSpec = Field(default_factory=TwinSpec, description="Settings for engine.kind twin only.")
 
@@ -239,10 +243,18 @@ class ObservabilitySpec(_Wire):
 
 class InferenceServiceSpec(_Wire):
     model: str = Field(
-        ..., min_length=1, max_length=512, description="Model to serve: a Hugging Face id or a path in the image."
+        ...,
+        min_length=1,
+        max_length=512,
+        pattern=NOT_A_FLAG_PATTERN,
+        description="Model to serve: a Hugging Face id or a path in the image (not starting with '-').",
     )
     served_model_name: str | None = Field(
-        None, min_length=1, max_length=512, description="Name clients use in requests; defaults to model."
+        None,
+        min_length=1,
+        max_length=512,
+        pattern=NOT_A_FLAG_PATTERN,
+        description="Name clients use in requests (not starting with '-'); defaults to model.",
     )
     replicas: int = Field(1, ge=0, le=1000, description="Engine replicas (pods).")
     engine: EngineSpec = Field(default_factory=EngineSpec, description="The inference engine and its flags.")

@@ -30,8 +30,6 @@ _ITL_EDGES = frozenset(vllm.ITL_BUCKETS)
 _TTFT_EDGES_TEXT = ", ".join(f"{e:g}" for e in vllm.TTFT_BUCKETS)
 _ITL_EDGES_TEXT = ", ".join(f"{e:g}" for e in vllm.ITL_BUCKETS)
 
-_TYPED_FLAG_FIELDS = {name: f.field for f in engine_codec.ENGINE_FLAGS for name in (f.flag, *f.aliases)}
-
 # Legal ranges of the tuned fields (the models' own bounds), used to check the tuning space.
 _SPACE_LIMITS: dict[str, tuple[float, float]] = {
     "maxNumBatchedTokens": (1, engine_codec.MAX_BATCHED_TOKENS_LIMIT),
@@ -57,22 +55,15 @@ def raise_issues(title: str, issues: list[Issue]) -> None:
 
 
 _NONE: list[Issue] = []  # shared, never mutated: the common case allocates nothing
-_FORBIDDEN_FLAGS = frozenset(_TYPED_FLAG_FIELDS) | frozenset(vllm.REMOVED_FLAGS) | frozenset(engine_codec.OWNED_FLAGS)
-
-
-def _flag_name(arg: str) -> str:
-    return arg.partition("=")[0]
-
-
-def _extra_args_clean(args: list[str]) -> bool:
-    return not any(arg.partition("=")[0] in _FORBIDDEN_FLAGS for arg in args)
 
 
 def engine_issues(engine: EngineSpec) -> list[Issue]:
+    # extraArgs are read as vLLM reads them (prefixes, `_` for `-`, ...); the answer is cached per list.
+    extra = engine_codec.extra_args_problems(tuple(engine.extra_args)) if engine.extra_args else ()
     if (
         engine.max_num_batched_tokens >= engine.max_num_seqs
         and (engine.gpu_memory_utilization is None or engine.kv_cache_memory_bytes is None)
-        and _extra_args_clean(engine.extra_args)
+        and not extra
     ):
         return _NONE
     issues: list[Issue] = []
@@ -94,30 +85,7 @@ def engine_issues(engine: EngineSpec) -> list[Issue]:
                 engine.kv_cache_memory_bytes,
             )
         )
-    if engine.extra_args:
-        for i, arg in enumerate(engine.extra_args):
-            if not arg.startswith("-"):
-                continue
-            flag = _flag_name(arg)
-            if flag in _TYPED_FLAG_FIELDS:
-                issues.append(
-                    (
-                        ("extraArgs", i),
-                        f"{flag} is set by the typed field engine.{_TYPED_FLAG_FIELDS[flag]}; set it there instead",
-                        arg,
-                    )
-                )
-            elif flag in vllm.REMOVED_FLAGS:
-                issues.append((("extraArgs", i), f"{flag} was {vllm.REMOVED_FLAGS[flag]}", arg))
-            elif flag in engine_codec.OWNED_FLAGS:
-                issues.append(
-                    (
-                        ("extraArgs", i),
-                        f"{flag} is set by kvpilot (the model, port and served name come from spec.model, "
-                        "spec.servedModelName and the Service)",
-                        arg,
-                    )
-                )
+    issues += [(("extraArgs", i), message, engine.extra_args[i]) for i, message in extra]
     return issues
 
 

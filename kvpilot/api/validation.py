@@ -15,11 +15,13 @@ from typing import Any, get_args, get_origin
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
+from kvpilot.api import engine, kube
 from kvpilot.api.documents import DocumentError, brief
 from kvpilot.api.documents import load_documents as load_documents
-from kvpilot.api.kube import PATTERN_MESSAGES
 from kvpilot.api.models import InferenceService
 from kvpilot.api.vocabulary import API_VERSION, KIND
+
+PATTERN_MESSAGES: dict[str, str] = {**kube.PATTERN_MESSAGES, **engine.PATTERN_MESSAGES}
 
 # Past this many problems in one document, the rest are counted, not listed: a document with
 # thousands of wrong values needs its first few fixed, not a screenful.

@@ -28,6 +28,23 @@ def test_validate_reports_paths_and_exits_one(tmp_path, capsys):
     assert "document 2 (b): valid" in out
 
 
+def test_validate_refuses_extra_args_by_the_flag_vllm_reads_them_as(tmp_path, capsys):
+    # Each of these used to pass: vLLM takes unambiguous prefixes and `_` for `-`, and --config reads a file.
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "apiVersion: kvpilot.dev/v1alpha1\nkind: InferenceService\nmetadata: {name: a}\n"
+        "spec: {model: m, replicas: 2, engine: {extraArgs: [--max-num-batched=4096, --enforce-eager, --max_num_se, '512',"
+        " --gpu-mem=0.5, --config, /etc/vllm.yaml]}}\n"
+    )
+    assert main(["validate", "-f", str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert "spec.engine.extraArgs[0]: --max-num-batched (vLLM reads it as --max-num-batched-tokens)" in out
+    assert "spec.engine.extraArgs[2]: --max_num_se (vLLM reads it as --max-num-seqs)" in out
+    assert "spec.engine.extraArgs[4]: --gpu-mem (vLLM reads it as --gpu-memory-utilization)" in out
+    assert "spec.engine.extraArgs[5]: --config reads flags from a YAML file" in out
+    assert "extraArgs[1]" not in out and "extraArgs[3]" not in out and "extraArgs[6]" not in out
+
+
 def test_validate_stdin_non_yaml_never_tracebacks():
     proc = subprocess.run(
         [sys.executable, "-m", "kvpilot.cli", "validate", "-f", "-"],
