@@ -52,6 +52,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     op.add_argument("--max-workers", type=_positive, default=128, metavar="N",
                     help="objects reconciled at once; a burst beyond that waits its turn, bounding memory "
                     "(default: %(default)s)")
+    op.add_argument("--crash-loop-restarts", type=_positive, default=3, metavar="N",
+                    help="roll a new revision back at once when a pod's engine has restarted N times; vLLM's own "
+                    "start-up failure text rolls it back at the first exit (default: %(default)s)")
     op.add_argument("-v", "--verbose", action="store_true", help="log more")
     op.set_defaults(handler=_operator)
 
@@ -81,7 +84,7 @@ def _operator(args: argparse.Namespace) -> int:
     settings = OperatorSettings(
         namespaces=tuple(args.namespace), all_namespaces=args.all_namespaces, twin_image=args.twin_image,
         metrics_host=args.metrics_host, metrics_port=args.metrics_port, log_format=args.log_format,
-        verbose=args.verbose, max_workers=args.max_workers,
+        verbose=args.verbose, max_workers=args.max_workers, crash_loop_restarts=args.crash_loop_restarts,
     )
     configure_logging(settings)
     try:

@@ -67,11 +67,11 @@ class KubeClient:
 
     async def request(self, method: str, path: str, body: Any = None, *,
                       content_type: str = "application/json", params: dict[str, str] | None = None,
-                      retry_conflicts: bool = True) -> Any:
+                      retry_conflicts: bool = True, text: bool = False) -> Any:
         attempts = len(self._backoff) + 1
         for attempt in range(attempts):
             try:
-                return await self._request_once(method, path, body, content_type, params)
+                return await self._request_once(method, path, body, content_type, params, text)
             except ApiError as exc:
                 conflict_ends_it = exc.status == 409 and not retry_conflicts
                 if not exc.retriable or conflict_ends_it or attempt == attempts - 1:
@@ -82,16 +82,20 @@ class KubeClient:
         raise AssertionError("unreachable")
 
     async def _request_once(self, method: str, path: str, body: Any, content_type: str,
-                            params: dict[str, str] | None) -> Any:
+                            params: dict[str, str] | None, text_answer: bool = False) -> Any:
         session = self._session_now()
         url = self._info.server.rstrip("/") + path
         data = None if body is None else json.dumps(body)
-        headers = {"Content-Type": content_type} if data is not None else None
+        headers = {"Content-Type": content_type} if data is not None else {}
+        if text_answer:  # a log is text/plain; ask for it as kubectl does
+            headers["Accept"] = "text/plain, */*"
         try:
             async with session.request(method, url, data=data, headers=headers, params=params) as resp:
                 text = await resp.text()
                 if resp.status >= 400:
                     raise ApiError.from_response(resp.status, resp.reason or "", text, method=method, path=path)
+                if text_answer:
+                    return text
                 return json.loads(text) if text else None
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise ApiError(0, type(exc).__name__, str(exc) or "connection failed", method=method, path=path) from exc
@@ -107,6 +111,10 @@ class KubeClient:
             if exc.not_found:
                 return None
             raise
+
+    async def get_text(self, path: str, params: dict[str, str] | None = None) -> str:
+        """A plain-text answer, e.g. a container's log (`pods/NAME/log`)."""
+        return str(await self.request("GET", path, params=params, text=True) or "")
 
     async def create(self, path: str, body: dict[str, Any]) -> Any:
         # 409 on create means AlreadyExists: retrying the same create cannot help.

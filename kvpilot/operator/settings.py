@@ -30,6 +30,11 @@ class OperatorSettings:
     max_workers: int = 128
     # kopf's delay before it runs a handler again after a transient failure.
     handler_retry_delay_seconds: float = 30.0
+    # A pod of a new revision whose engine restarted this often is crash-looping: roll back at once
+    # rather than at the progress deadline.  vLLM's own start-up failure text needs no restarts at
+    # all (builders.pods); this catches the rest (a crash without vLLM's words, an OOM kill).  Three:
+    # the kubelet's back-off has then spent about 70 s (10 + 20 + 40), long past a flaky first start.
+    crash_loop_restarts: int = 3
 
     @property
     def watched_namespaces(self) -> tuple[str, ...]:

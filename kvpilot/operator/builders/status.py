@@ -4,7 +4,11 @@ the engine in force, and lastGoodEngine.  Pure functions: the handlers pass in w
 Conditions (type, status, reason, message, lastTransitionTime, observedGeneration):
 - Ready: True when the rollout is complete (every desired replica runs the current config and is ready).
 - Progressing: True while a rollout is under way; False with RolloutComplete or ProgressDeadlineExceeded.
-- Degraded: True with InvalidSpec, RolledBack, ApplyFailed or ProgressDeadlineExceeded; else AsExpected.
+- Degraded: True with InvalidSpec, RolledBack, ApplyFailed, or (nothing to roll back to) ProgressDeadlineExceeded,
+  EngineStartupFailed or CrashLoopBackOff; else AsExpected.
+
+status.lastFailure {reason, message, configHash, observedGeneration, pod, time} keeps the last failed
+rollout in the engine's own words, for the tuner to grade the config it tried.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ REASON_INVALID_SPEC = Reason.INVALID_SPEC.value
 REASON_APPLY_FAILED = Reason.APPLY_FAILED.value
 REASON_DEADLINE = Reason.PROGRESS_DEADLINE_EXCEEDED.value
 REASON_COMPLETE = Reason.ROLLOUT_COMPLETE.value
+# A pod of the new revision showed its engine cannot run (builders.pods).
+ENGINE_FAILURE_REASONS = (Reason.ENGINE_STARTUP_FAILED.value, Reason.CRASH_LOOP_BACK_OFF.value)
 
 
 def now_rfc3339() -> str:
@@ -142,10 +148,25 @@ def rolled_back_at(previous: dict[str, Any] | None, generation: int | None) -> b
                 and cond.get("observedGeneration") == generation)
 
 
+def _kept_degraded(previous: dict[str, Any], generation: int | None, rollout: Rollout) -> tuple[str, str] | None:
+    """A Degraded this generation keeps until the spec changes: RolledBack; and an engine that could
+    not start with nothing to roll back to (EngineStartupFailed, CrashLoopBackOff), until its
+    rollout completes after all.  Only the pod watch sees these, so a Deployment event must not clear them."""
+    kept = find_condition(previous.get("conditions"), DEGRADED) or {}
+    if kept.get("status") != "True" or kept.get("observedGeneration") != generation:
+        return None
+    reason = kept.get("reason")
+    if reason == REASON_ROLLED_BACK or (reason in ENGINE_FAILURE_REASONS and not rollout.complete):
+        return str(reason), str(kept.get("message", ""))
+    return None
+
+
 def desired_status(*, generation: int | None, previous: dict[str, Any] | None, deployment: dict[str, Any] | None,
-                   degraded: tuple[str, str] | None = None, now: str | None = None) -> dict[str, Any]:
+                   degraded: tuple[str, str] | None = None, last_failure: dict[str, Any] | None = None,
+                   now: str | None = None) -> dict[str, Any]:
     """The status an InferenceService should show, given its Deployment as it is now.  `previous` is
-    the status as last read; its conditions of types the operator does not own are kept as they are."""
+    the status as last read; its conditions of types the operator does not own are kept as they are.
+    `last_failure` (a failed rollout just handled) replaces status.lastFailure; else it stays as it is."""
     now = now or now_rfc3339()
     previous = previous or {}
     rollout = rollout_of(deployment)
@@ -165,9 +186,8 @@ def desired_status(*, generation: int | None, previous: dict[str, Any] | None, d
         ready = ("False", "RollingOut", rollout.counts())
         progressing = ("True", "RollingOut", f"rolling out configHash {rollout.config_hash}: {rollout.counts()}")
 
-    if degraded is None and rolled_back_at(previous, generation):
-        kept = find_condition(previous.get("conditions"), DEGRADED) or {}
-        degraded = (REASON_ROLLED_BACK, str(kept.get("message", "")))
+    if degraded is None:
+        degraded = _kept_degraded(previous, generation, rollout)
     conditions = set_condition(conditions, READY, *ready, generation, now)
     conditions = set_condition(conditions, PROGRESSING, *progressing, generation, now)
     if degraded is not None:
@@ -185,6 +205,8 @@ def desired_status(*, generation: int | None, previous: dict[str, Any] | None, d
     if rollout.exists:
         status["engineArgs"] = list(rollout.engine_args)
         status["configHash"] = rollout.config_hash
+    if last_failure is not None:
+        status["lastFailure"] = last_failure
     if rollout.complete and rollout.engine is not None:
         status["lastGoodEngine"] = rollout.engine
     elif previous.get("lastGoodEngine") is not None:
