@@ -410,7 +410,12 @@ async def track_pod(rt: Runtime, pod: dict[str, Any], emit_on: Callable[[dict[st
     if not name or not namespace:
         return
     async with rt.lock_for(namespace, name):
-        await _track_pod(rt, namespace, name, failure, emit_on, logger)
+        try:
+            await _track_pod(rt, namespace, name, failure, emit_on, logger)
+        except ApiError as exc:
+            # The API kept failing through the client's retries; the pod's next status change (its
+            # next restart) brings the failure here again.
+            logger.warning("engine failure of %s/%s not handled yet: %s", namespace, name, exc)
 
 
 def _engine_failure_said(previous: dict[str, Any], generation: int) -> bool:
