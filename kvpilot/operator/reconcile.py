@@ -473,7 +473,8 @@ async def _track_pod(rt: Runtime, namespace: str, name: str, failure: EngineFail
         emit_on(parent, "Warning", REASON_ROLLED_BACK, message)
         logger.warning("rolled back %s/%s: %s", namespace, name, message)
     else:
-        why = "no lastGoodEngine to roll back to" if not last_good else "it is lastGoodEngine itself"
+        why = ("no lastGoodEngine to roll back to" if not last_good
+               else "its engine is lastGoodEngine (what changed is outside spec.engine): nothing to roll back to")
         message = f"engine of configHash {rollout.config_hash} failed: {described}; {why}"
         degraded = (failure.reason, message)
         emit_on(parent, "Warning", failure.reason, message)

@@ -175,3 +175,22 @@ def test_a_first_rollout_that_cannot_start_says_why_and_keeps_its_deployment(api
     assert condition(isvc(api, "fresh"), "Degraded")["reason"] == "EngineStartupFailed"
     # The log was not needed: the message held the root cause.
     assert ("GET", f"/api/v1/namespaces/{NS}/pods/fresh-1/log") not in api.calls
+
+
+def test_a_failing_change_outside_the_engine_has_no_other_engine_to_go_back_to(api: KMockAPI,
+                                                                              operator: OperatorProcess) -> None:
+    """lastGoodEngine is spec.engine: when what changed is elsewhere (here the memory limit), the
+    failing revision already runs lastGoodEngine, so the operator says so rather than 'rolling back'."""
+    ready_service(api, "phi")
+    before = config_hash(api.get(dep_path("phi")))
+    api.patch(api.isvc_path(NS, "phi"), {"spec": {"resources": {"memory": "1Gi"}}})
+    dep = wait_for(lambda: (d := api.get(dep_path("phi"))) and config_hash(d) != before and d, what="the new template")
+    api.create_engine_pod(dep, "phi-new-1", crash_looping("", restarts=CRASH_LOOP_RESTARTS, exit_code=137,
+                                                          reason="OOMKilled"))
+    obj = wait_for(lambda: condition(o := isvc(api, "phi"), "Degraded").get("status") == "True" and o,
+                   what="Degraded/CrashLoopBackOff")
+    degraded = condition(obj, "Degraded")
+    assert degraded["reason"] == "CrashLoopBackOff"
+    assert "its engine is lastGoodEngine" in degraded["message"]
+    assert config_hash(api.get(dep_path("phi"))) == config_hash(dep)  # nothing applied
+    assert events_for(api, "phi", "RolledBack") == []
