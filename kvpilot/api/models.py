@@ -339,6 +339,16 @@ class TuningStatus(_Status):
     message: str | None = None
 
 
+class LastFailure(_Status):
+    reason: str = Field(..., description="EngineStartupFailed, CrashLoopBackOff or ProgressDeadlineExceeded.")
+    message: str = Field("", description="Why, in the engine's own words where it gave them (vLLM's start-up "
+                         "error line).")
+    config_hash: str | None = Field(None, description="configHash of the pod template that failed.")
+    observed_generation: int | None = Field(None, description="The spec generation whose engine failed.")
+    pod: str | None = Field(None, description="The pod that showed the failure.")
+    time: str | None = Field(None, description="RFC 3339 time the operator saw it.")
+
+
 class InferenceServiceStatus(_Status):
     observed_generation: int | None = None
     conditions: list[Condition] = Field(default_factory=list)
@@ -350,6 +360,8 @@ class InferenceServiceStatus(_Status):
     last_good_engine: dict[str, Any] | None = Field(
         None, description="spec.engine of the last rollout that completed with every replica ready."
     )
+    last_failure: LastFailure | None = Field(
+        None, description="The last rollout that failed (and was rolled back where a lastGoodEngine existed).")
     slo: SLOStatus | None = None
     tuning: TuningStatus | None = None
 

@@ -87,6 +87,11 @@ class Reason(StrEnum):
     APPLY_FAILED = "ApplyFailed"
     PROGRESS_DEADLINE_EXCEEDED = "ProgressDeadlineExceeded"
     AS_EXPECTED = "AsExpected"
+    # A pod of the new revision: its engine exited with vLLM's start-up failure text.
+    ENGINE_STARTUP_FAILED = "EngineStartupFailed"
+    # A pod of the new revision: its engine restarted past the operator's --crash-loop-restarts
+    # (the kubelet's own word for a container it is backing off from restarting).
+    CRASH_LOOP_BACK_OFF = "CrashLoopBackOff"
 
 
 class TuningPhase(StrEnum):

@@ -82,6 +82,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "default: %(default)s)")
     op.add_argument("--retry-seed", type=int, default=None, metavar="N",
                     help="seed of the retries' jitter, for a reproducible run (default: from the OS)")
+    op.add_argument("--crash-loop-restarts", type=_positive, default=3, metavar="N",
+                    help="roll a new revision back at once when a pod's engine has restarted N times; vLLM's own "
+                    "start-up failure text rolls it back at the first exit (default: %(default)s)")
     op.add_argument("-v", "--verbose", action="store_true", help="log more")
     op.set_defaults(handler=_operator)
 
@@ -116,6 +119,7 @@ def _operator(args: argparse.Namespace) -> int:
         verbose=args.verbose, max_workers=args.max_workers, api_timeout_seconds=args.api_timeout,
         api_backoff=Backoff(retries=args.api_retries), retry_seed=args.retry_seed,
         handler_retry_delay_seconds=args.retry_delay,
+        crash_loop_restarts=args.crash_loop_restarts,
     )
     configure_logging(settings)
     try:

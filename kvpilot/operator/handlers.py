@@ -13,12 +13,14 @@ import kopf
 
 from kvpilot.api.vocabulary import GROUP, PLURAL, VERSION
 from kvpilot.operator.builders.common import LABEL_ISVC, LABEL_MANAGED_BY, MANAGED_BY
-from kvpilot.operator.reconcile import RetryLater, Runtime, reconcile_service, track_rollout
+from kvpilot.operator.reconcile import RetryLater, Runtime, reconcile_service, track_pod, track_rollout
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
 
 # kopf keeps its bookkeeping annotations under our group.
 ANNOTATION_PREFIX = GROUP
+# The engine pods of every InferenceService (a label selector, as the API server reads it).
+ENGINE_POD_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY},{LABEL_ISVC}"
 
 
 def configure_kopf(settings: kopf.OperatorSettings, max_workers: int | None = None, *,
@@ -34,6 +36,9 @@ def configure_kopf(settings: kopf.OperatorSettings, max_workers: int | None = No
     settings.queueing.worker_limit = max_workers
     # A worker holds its slot until idle this long; kopf's 5 s would cap a burst at workers/5 per second.
     settings.queueing.idle_timeout = 0.5
+    # Watch only the engine pods kvpilot made (server-side: a namespace's other pods never reach the
+    # operator); the pod handler's own label filter is the same, for an API that ignores selectors.
+    settings.watching.label_selectors["v1", "pods"] = ENGINE_POD_SELECTOR
     # Standalone: no peering objects to watch or write.
     settings.peering.standalone = True
     # Watching namespaces by exact name there is nothing to discover: kopf then neither lists and
@@ -110,6 +115,16 @@ def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
                 rt.forget(body.metadata.namespace, parent)  # no engine runs any more
             return
         await track_rollout(rt, dict(body), emit_on, logger)
+
+    # The engine pods: a new revision whose vLLM cannot start (or crash-loops) is rolled back at
+    # once, not at the Deployment's progress deadline.  kopf filters by label in the operator (its
+    # watch is of every pod in the namespace); `track_pod` calls the API only for a failed engine.
+    @kopf.on.event("", "v1", "pods", registry=registry, id="track-engine-pods",
+                   labels={LABEL_MANAGED_BY: MANAGED_BY, LABEL_ISVC: kopf.PRESENT})
+    async def pod_event(body: kopf.Body, type: str, logger: Logger, **_: Any) -> None:
+        if type == "DELETED":
+            return
+        await track_pod(rt, dict(body), emit_on, logger)
 
     # No finalizer (a delete handler would add one): the children go with the garbage collector,
     # and all that is left to do is to stop exporting the object's engine and drop its lock.

@@ -79,11 +79,11 @@ class KubeClient:
 
     async def request(self, method: str, path: str, body: Any = None, *,
                       content_type: str = "application/json", params: dict[str, str] | None = None,
-                      retry_conflicts: bool = True) -> Any:
+                      retry_conflicts: bool = True, text: bool = False) -> Any:
         retry = 0
         while True:
             try:
-                return await self._request_once(method, path, body, content_type, params)
+                return await self._request_once(method, path, body, content_type, params, text)
             except ApiError as exc:
                 if not exc.retriable or (exc.status == 409 and not retry_conflicts):
                     raise
@@ -96,17 +96,21 @@ class KubeClient:
                 retry += 1
 
     async def _request_once(self, method: str, path: str, body: Any, content_type: str,
-                            params: dict[str, str] | None) -> Any:
+                            params: dict[str, str] | None, text_answer: bool = False) -> Any:
         session = self._session_now()
         url = self._info.server.rstrip("/") + path
         data = None if body is None else json.dumps(body)
-        headers = {"Content-Type": content_type} if data is not None else None
+        headers = {"Content-Type": content_type} if data is not None else {}
+        if text_answer:  # a log is text/plain; ask for it as kubectl does
+            headers["Accept"] = "text/plain, */*"
         try:
             async with session.request(method, url, data=data, headers=headers, params=params) as resp:
                 text = await resp.text()
                 if resp.status >= 400:
                     raise ApiError.from_response(resp.status, resp.reason or "", text, method=method, path=path,
                                                  headers=resp.headers)
+                if text_answer:
+                    return text
                 return json.loads(text) if text else None
         except TimeoutError as exc:
             raise ApiError(0, "Timeout", f"no answer within {self.timeout_s:g}s", method=method, path=path) from exc
@@ -124,6 +128,10 @@ class KubeClient:
             if exc.not_found:
                 return None
             raise
+
+    async def get_text(self, path: str, params: dict[str, str] | None = None) -> str:
+        """A plain-text answer, e.g. a container's log (`pods/NAME/log`)."""
+        return str(await self.request("GET", path, params=params, text=True) or "")
 
     async def create(self, path: str, body: dict[str, Any]) -> Any:
         # 409 on create means AlreadyExists: retrying the same create cannot help.

@@ -35,6 +35,11 @@ RULES: tuple[Rule, ...] = (
     # Children: create-or-patch; Deployments are watched to map rollout progress back to the parent.
     Rule(("apps",), ("deployments",), ("get", "list", "watch", "create", "patch")),
     Rule(("",), ("services",), ("get", "create", "patch")),
+    # The engine pods are watched (kopf lists and watches them) to roll a revision back as soon as
+    # its engine fails to start; the dead container's log is read when its termination message
+    # names no root cause (vLLM's "See root cause above").
+    Rule(("",), ("pods",), ("list", "watch")),
+    Rule(("",), ("pods/log",), ("get",)),
     # A PDB is deleted again when replicas drop to 1.
     Rule(("policy",), ("poddisruptionbudgets",), ("get", "create", "patch", "delete")),
     Rule(("monitoring.coreos.com",), ("prometheusrules",), ("get", "create", "patch")),

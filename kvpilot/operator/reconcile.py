@@ -3,7 +3,9 @@
 `reconcile_service` runs for a created, changed or resumed InferenceService: validate, render,
 create-or-patch the children, and write the status.  `track_rollout` runs for every event of a
 Deployment kvpilot manages: it maps the Deployment back to its InferenceService, rolls back a
-rollout that passed its progress deadline, and writes the parent's status.
+rollout that passed its progress deadline, and writes the parent's status.  `track_pod` runs for
+every event of an engine pod that shows its engine failed (builders.pods): a pod of the revision
+being rolled out whose vLLM could not start, or that crash-loops, rolls back at once.
 
 Both hold the InferenceService's lock (`Runtime.lock_for`) from their first read to their status
 write, and write the status themselves, inside the lock (not through kopf's patch, which kopf
@@ -42,12 +44,14 @@ from kvpilot.api.validation import validate_object
 from kvpilot.api.vocabulary import GROUP, PLURAL, VERSION
 from kvpilot.operator.apply import MonitoringDiscovery, NotOwned, ensure, ensure_absent
 from kvpilot.operator.builders.common import ANNOTATION_CONFIG_HASH, LABEL_ISVC, RenderOptions
-from kvpilot.operator.builders.deployment import build_deployment
+from kvpilot.operator.builders.deployment import CONTAINER_NAME, build_deployment
 from kvpilot.operator.builders.monitoring import MONITOR_PLURALS
+from kvpilot.operator.builders.pods import EngineFailure, engine_failure
 from kvpilot.operator.builders.render import render_manifests, unwanted_monitors, wanted_monitor
 from kvpilot.operator.builders.service import build_pdb, wants_pdb
 from kvpilot.operator.builders.status import (
     DEGRADED,
+    ENGINE_FAILURE_REASONS,
     REASON_APPLY_FAILED,
     REASON_DEADLINE,
     REASON_INVALID_SPEC,
@@ -429,6 +433,7 @@ async def _track_rollout(rt: Runtime, namespace: str, name: str, deployment: dic
 
     rollout = rollout_of(deployment)
     degraded: tuple[str, str] | None = None
+    last_failure: dict[str, Any] | None = None
     last_good = previous.get("lastGoodEngine")
     if rollout.deadline_exceeded and rollout.engine is not None:
         if last_good and last_good != rollout.engine:
@@ -455,19 +460,24 @@ async def _track_rollout(rt: Runtime, namespace: str, name: str, deployment: dic
                                        f"{exc}", exc)
             deployment = applied.live or deployment
             degraded = (REASON_ROLLED_BACK, message)
+            last_failure = _last_failure(REASON_DEADLINE, rollout.message or REASON_DEADLINE, rollout.config_hash,
+                                         generation)
             rt.metrics.rollbacks.inc()
             emit_on(parent, "Warning", REASON_ROLLED_BACK, message)
             logger.warning("rolled back %s/%s: %s", namespace, name, message)
-        elif not last_good:
+        elif not last_good and not _engine_failure_said(previous, generation):
             degraded = (REASON_DEADLINE, f"rollout of configHash {rollout.config_hash} did not progress: "
                         f"{rollout.message or REASON_DEADLINE}; no lastGoodEngine to roll back to")
             old = find_condition(previous.get("conditions"), DEGRADED) or {}
             if old.get("reason") != REASON_DEADLINE:
                 emit_on(parent, "Warning", REASON_DEADLINE, degraded[1])
+                last_failure = _last_failure(REASON_DEADLINE, rollout.message or REASON_DEADLINE,
+                                             rollout.config_hash, generation)
     rt.metrics.set_engine(namespace, name, engine_info(rollout_of(deployment)))
 
     def compute(fresh: dict[str, Any]) -> dict[str, Any]:
-        return desired_status(generation=generation, previous=fresh, deployment=deployment, degraded=degraded)
+        return desired_status(generation=generation, previous=fresh, deployment=deployment, degraded=degraded,
+                              last_failure=last_failure)
 
     # A failure here (the API kept failing through the retries) is handled again by track_rollout:
     # this may be the last event the Deployment sends (its rollout completed).
@@ -498,3 +508,140 @@ async def _rollback_failed(rt: Runtime, namespace: str, name: str, parent: dict[
     except ApiError as status_exc:  # the API is failing: the next try writes it
         logger.warning("status of %s/%s not written: %s", namespace, name, status_exc)
     raise HandleAgain(delay) from exc
+
+
+# --- a new revision's engine failed: roll back at once ----------------------------------------------
+
+# How much of a dead engine's log to read when its termination message names no root cause: vLLM V1's
+# API-server traceback after the engine core's root cause is a few KiB (builders.pods).
+LOG_TAIL_LINES = 400
+LOG_LIMIT_BYTES = 256 * 1024
+
+
+def _last_failure(reason: str, message: str, config_hash: str | None, generation: int | None,
+                  pod: str | None = None) -> dict[str, Any]:
+    failure: dict[str, Any] = {"reason": reason, "message": message, "configHash": config_hash,
+                               "observedGeneration": generation, "time": now_rfc3339()}
+    if pod is not None:
+        failure["pod"] = pod
+    return failure
+
+
+async def _restore_last_good(rt: Runtime, parent: dict[str, Any],
+                             last_good: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    """Put the Deployment back on `last_good`: the Deployment as applied, and its config hash."""
+    isvc = InferenceService.model_validate({k: v for k, v in parent.items() if k != "status"})
+    options = _render_options(rt, await rt.discovery.served())
+    restored = build_deployment(isvc, options, EngineSpec.model_validate(last_good))
+    applied = await ensure(rt.client, restored)
+    return applied.live, str(restored["metadata"]["annotations"][ANNOTATION_CONFIG_HASH])
+
+
+async def _with_log(rt: Runtime, namespace: str, failure: EngineFailure, logger: Logger) -> EngineFailure:
+    """The failure with its root cause read from the dead instance's log (as `kubectl logs [--previous]`)."""
+    params = {"container": CONTAINER_NAME, "tailLines": str(LOG_TAIL_LINES), "limitBytes": str(LOG_LIMIT_BYTES)}
+    if failure.previous:
+        params["previous"] = "true"
+    try:
+        log = await rt.client.get_text(resource_path("v1", "pods", namespace, failure.pod, "log"), params)
+    except ApiError as exc:  # the message's own line still says that it could not start
+        logger.info("log of pod %s/%s not read: %s", namespace, failure.pod, exc)
+        return failure
+    return failure.with_log(log)
+
+
+async def track_pod(rt: Runtime, pod: dict[str, Any], emit_on: Callable[[dict[str, Any], str, str, str], None],
+                    logger: Logger) -> None:
+    """An engine pod changed: if it shows its engine failed, handle that for its InferenceService."""
+    failure = engine_failure(pod, crash_loop_restarts=rt.settings.crash_loop_restarts)
+    if failure is None:
+        return  # most pod events: no API call at all
+    meta = pod.get("metadata", {})
+    name = (meta.get("labels") or {}).get(LABEL_ISVC)
+    namespace = meta.get("namespace")
+    if not name or not namespace:
+        return
+    async with rt.lock_for(namespace, name):
+        try:
+            await _track_pod(rt, namespace, name, failure, emit_on, logger)
+        except ApiError as exc:
+            # The API kept failing through the client's retries; the pod's next status change (its
+            # next restart) brings the failure here again.
+            logger.warning("engine failure of %s/%s not handled yet: %s", namespace, name, exc)
+
+
+def _engine_failure_said(previous: dict[str, Any], generation: int) -> bool:
+    """Degraded already says, for this generation, why its engine cannot run (in the engine's words,
+    which a later progress deadline would only replace with less)."""
+    cond = find_condition(previous.get("conditions"), DEGRADED) or {}
+    return (cond.get("status") == "True" and cond.get("reason") in ENGINE_FAILURE_REASONS
+            and cond.get("observedGeneration") == generation)
+
+
+def _already_told(previous: dict[str, Any], generation: int, config_hash: str | None) -> bool:
+    """This generation was rolled back already, or its engine failure is on the status already."""
+    if rolled_back_at(previous, generation):
+        return True
+    told = previous.get("lastFailure") or {}
+    return _engine_failure_said(previous, generation) and told.get("configHash") == config_hash
+
+
+async def _track_pod(rt: Runtime, namespace: str, name: str, failure: EngineFailure,
+                     emit_on: Callable[[dict[str, Any], str, str, str], None], logger: Logger) -> None:
+    deployment = await rt.client.get_or_none(resource_path("apps/v1", "deployments", namespace, name))
+    if deployment is None:
+        return
+    rollout = rollout_of(deployment)
+    if failure.config_hash is None or failure.config_hash != rollout.config_hash or rollout.complete:
+        # A pod of another revision (the one rolled back from, or the old one going away), or of a
+        # rollout that completed (its engine is lastGoodEngine itself: nothing to go back to).
+        return
+    parent = await rt.client.get_or_none(isvc_path(namespace, name))
+    if parent is None:
+        return
+    owners = {ref.get("uid") for ref in deployment.get("metadata", {}).get("ownerReferences") or []
+              if ref.get("controller")}
+    if parent.get("metadata", {}).get("uid") not in owners:
+        return
+    previous = dict(parent.get("status") or {})
+    generation = previous.get("observedGeneration")
+    if generation is None or validate_object({k: v for k, v in parent.items() if k != "status"}):
+        return
+    if _already_told(previous, generation, failure.config_hash):
+        return
+    if failure.cause_above:
+        failure = await _with_log(rt, namespace, failure, logger)
+    described = failure.describe()
+    last_failure = _last_failure(failure.reason, described, failure.config_hash, generation, failure.pod)
+    last_good = previous.get("lastGoodEngine")
+    if last_good and last_good != rollout.engine:
+        live, restored_hash = await _restore_last_good(rt, parent, last_good)
+        deployment = live or deployment
+        message = (f"rollout of configHash {rollout.config_hash} ({_engine_summary(rollout.engine, last_good)}) "
+                   f"failed: {described}; put lastGoodEngine back (configHash {restored_hash}); "
+                   f"a new spec generation tries again")
+        degraded = (REASON_ROLLED_BACK, message)
+        rt.metrics.rollbacks.inc()
+        emit_on(parent, "Warning", REASON_ROLLED_BACK, message)
+        logger.warning("rolled back %s/%s: %s", namespace, name, message)
+    else:
+        why = ("no lastGoodEngine to roll back to" if not last_good
+               else "its engine is lastGoodEngine (what changed is outside spec.engine): nothing to roll back to")
+        message = f"engine of configHash {rollout.config_hash} failed: {described}; {why}"
+        degraded = (failure.reason, message)
+        emit_on(parent, "Warning", failure.reason, message)
+        logger.warning("engine of %s/%s failed: %s", namespace, name, message)
+    rt.metrics.set_engine(namespace, name, engine_info(rollout_of(deployment)))
+
+    def compute(fresh: dict[str, Any]) -> dict[str, Any]:
+        return desired_status(generation=generation, previous=fresh, deployment=deployment, degraded=degraded,
+                              last_failure=last_failure)
+
+    try:
+        await update_status(rt, namespace, name, compute, parent=parent)
+    except ApiError as exc:
+        logger.warning("status of %s/%s not written: %s", namespace, name, exc)
+        return
+    version = (deployment.get("metadata") or {}).get("resourceVersion")
+    if version is not None:
+        rt.status_basis[f"{namespace}/{name}"] = str(version)

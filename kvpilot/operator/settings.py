@@ -39,6 +39,11 @@ class OperatorSettings:
     # doubles, up to event_retry_cap_seconds, until it succeeds: a rollback is never dropped.
     handler_retry_delay_seconds: float = 30.0
     event_retry_cap_seconds: float = 300.0
+    # A pod of a new revision whose engine restarted this often is crash-looping: roll back at once
+    # rather than at the progress deadline.  vLLM's own start-up failure text needs no restarts at
+    # all (builders.pods); this catches the rest (a crash without vLLM's words, an OOM kill).  Three:
+    # the kubelet's back-off has then spent about 70 s (10 + 20 + 40), long past a flaky first start.
+    crash_loop_restarts: int = 3
 
     @property
     def watched_namespaces(self) -> tuple[str, ...]:

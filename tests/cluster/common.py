@@ -11,4 +11,6 @@ SERVING = "serving"
 # kwok's default pod stages plus a "bad engine" image whose pods never become Ready.
 KWOK_STAGES = Path(__file__).resolve().parent / "kwok-stages.yaml"
 NEVER_READY_IMAGE = "vllm/vllm-openai:kvpilot-never-ready"
+# kwok shows its engine container as vLLM refusing to start (tests.support.vllm_text.KV_SHORT's words).
+START_UP_FAILS_IMAGE = "vllm/vllm-openai:kvpilot-start-up-fails"
 CRD_FILE = ROOT / "crds" / "inferenceservices.kvpilot.dev.yaml"

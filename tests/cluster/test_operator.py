@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.common import NEVER_READY_IMAGE, SERVING
+from tests.cluster.common import NEVER_READY_IMAGE, SERVING, START_UP_FAILS_IMAGE
 from tests.support.cluster import ControlPlane, Operator, Watch, wait_for
+from tests.support.vllm_text import KV_SHORT
 
 pytestmark = pytest.mark.cluster
 
@@ -180,3 +181,34 @@ def test_a_never_ready_engine_is_rolled_back_at_the_real_progress_deadline_acros
     assert len(events_for(control_plane, "beta", "Created")) == 1
     assert len(events_for(control_plane, "beta", "RolledBack")) == 1
     control_plane.delete(f"{ISVCS}/beta")
+
+
+def test_an_engine_that_cannot_start_is_rolled_back_at_once_in_vllms_words(control_plane: ControlPlane,
+                                                                           operator: Operator) -> None:
+    """kwok shows the new revision's engine container as a kubelet shows vLLM refusing to start (its
+    log's tail as the termination message); the operator, watching pods through the chart's RBAC with
+    a server-side label selector, puts lastGoodEngine back at once: the Deployment controller's
+    progress deadline (the default hour) is never reached."""
+    control_plane.create(ISVCS, make("gamma", replicas=1))
+    good = wait_for(lambda: ready_for_generation(control_plane, "gamma", 1), timeout=90, what="gamma Ready")
+    good_image = good["status"]["lastGoodEngine"]["image"]
+    control_plane.merge_patch(f"{ISVCS}/gamma", {"spec": {"engine": {"image": START_UP_FAILS_IMAGE}}})
+
+    obj = wait_for(lambda: condition(o := control_plane.get(f"{ISVCS}/gamma"), "Degraded").get("reason")
+                   == "RolledBack" and o, timeout=90, what="gamma Degraded/RolledBack")
+    degraded = condition(obj, "Degraded")
+    assert KV_SHORT in degraded["message"], degraded["message"]
+    failure = obj["status"]["lastFailure"]
+    assert failure["reason"] == "EngineStartupFailed" and failure["pod"].startswith("gamma-")
+    assert failure["observedGeneration"] == obj["metadata"]["generation"] == 2
+    assert obj["spec"]["engine"]["image"] == START_UP_FAILS_IMAGE  # the user's spec stays as written
+    dep = control_plane.get(f"{DEPLOYMENTS}/gamma")
+    assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == good_image
+    assert condition(dep, "Progressing").get("reason") != "ProgressDeadlineExceeded"
+    # The rollback rolls back for real: the failing pod goes, one good pod serves.
+    wait_for(lambda: [p["spec"]["containers"][0]["image"] for p in pods_of(control_plane, "gamma")] == [good_image],
+             timeout=60, what="only the good pod left")
+    wait_for(lambda: ready_for_generation(control_plane, "gamma", 2), timeout=60, what="gamma Ready again")
+    assert len(events_for(control_plane, "gamma", "RolledBack")) == 1
+    assert KV_SHORT in events_for(control_plane, "gamma", "RolledBack")[0]["message"]
+    control_plane.delete(f"{ISVCS}/gamma")

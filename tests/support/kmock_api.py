@@ -18,6 +18,10 @@ Besides, for resources with a `status` subresource, a write to the main resource
 A write whose body carries `metadata.resourceVersion` is refused with 409 Conflict when the object
 has moved on, as a real API server does (optimistic concurrency).
 
+KMock does not serve `pods/NAME/log`: a test puts a container's log in `pod_logs` (keyed by
+namespace, pod, container, and whether it is the previous instance's) and it is served as the API
+server does (text/plain; `tailLines`, `limitBytes`; 400 for a container or instance it has no log of).
+
 Every request is recorded as (method, path) in `calls`, so a test can compare what the operator
 really calls with the RBAC it declares.  `KMockAPI.fail(method, path, Fault(...), ...)` answers the
 next matching requests with API faults instead (a Status error with an optional `Retry-After`, a
@@ -63,6 +67,7 @@ ISVC_GROUP, ISVC_VERSION, ISVC_PLURAL = "kvpilot.dev", "v1alpha1", "inferenceser
 ISVC_PATH = f"/apis/{ISVC_GROUP}/{ISVC_VERSION}"
 
 _NAMESPACES_PATH = re.compile(r"^/api/v1/namespaces/?(?P<name>[^/]+)?/?$")
+_POD_LOG_PATH = re.compile(r"^/api/v1/namespaces/(?P<namespace>[^/]+)/pods/(?P<name>[^/]+)/log$")
 
 
 def _merge_patch(value: Any, patch: Any) -> Any:
@@ -149,6 +154,8 @@ class KvpilotEmulator(kmock.KubernetesEmulator):
     _rv: int = attrs.field(default=0)
     hooks: list[Hook] = attrs.field(factory=list)
     fault_rules: list[FaultRule] = attrs.field(factory=list)
+    # (namespace, pod, container, previous) -> the log text (see the module docstring).
+    pod_logs: dict[tuple[str, str, str, bool], str] = attrs.field(factory=dict)
 
     def _next_rv(self) -> str:
         self._rv += 1
@@ -172,6 +179,9 @@ class KvpilotEmulator(kmock.KubernetesEmulator):
         match = _NAMESPACES_PATH.match(raw_request.path)
         if match and raw_request.method == "GET":
             return await self._serve_namespaces(raw_request, match.group("name"))
+        match = _POD_LOG_PATH.match(raw_request.path)
+        if match and raw_request.method == "GET":
+            return self._serve_pod_log(raw_request, match.group("namespace"), match.group("name"))
         response = await super().__call__(raw_request)
         for hook in list(self.hooks):
             if hook.method == raw_request.method and hook.path.search(raw_request.path):
@@ -248,6 +258,24 @@ class KvpilotEmulator(kmock.KubernetesEmulator):
         finally:
             self._namespace_watchers.remove(queue)
         return response
+
+    def _serve_pod_log(self, raw_request: Any, namespace: str, name: str) -> Any:
+        import aiohttp.web
+
+        container = raw_request.query.get("container", "")
+        previous = raw_request.query.get("previous") == "true"
+        log = self.pod_logs.get((namespace, name, container, previous))
+        if log is None:
+            which = "previous terminated container" if previous else "container"
+            return aiohttp.web.json_response({
+                "apiVersion": "v1", "kind": "Status", "status": "Failure", "code": 400, "reason": "BadRequest",
+                "message": f'{which} "{container}" in pod "{name}" not found'}, status=400)
+        if "tailLines" in raw_request.query:
+            log = "".join(log.splitlines(keepends=True)[-int(raw_request.query["tailLines"]):])
+        data = log.encode()
+        if "limitBytes" in raw_request.query:
+            data = data[:int(raw_request.query["limitBytes"])]
+        return aiohttp.web.Response(body=data, content_type="text/plain")
 
     async def _handle(self, request: Any) -> Any:
         self._dispatching.append(request)
@@ -547,6 +575,30 @@ class KMockAPI:
 
     def events(self, namespace: str) -> list[dict[str, Any]]:
         return list(self.get(f"/api/v1/namespaces/{namespace}/events").get("items", []))
+
+    def create_engine_pod(self, deployment: Mapping[str, Any], name: str, container_status: Mapping[str, Any],
+                          *, log: str | None = None, previous_log: str | None = None) -> Any:
+        """Play the ReplicaSet controller and the kubelet: a pod of the Deployment's current template
+        (its labels and config-hash annotation) whose engine container has this status; `log` and
+        `previous_log` are what `kubectl logs [--previous]` would show of it."""
+        namespace = deployment["metadata"]["namespace"]
+        template = deployment["spec"]["template"]
+        container = template["spec"]["containers"][0]["name"]
+        pods = f"/api/v1/namespaces/{namespace}/pods"
+        self.create(pods, {"apiVersion": "v1", "kind": "Pod",
+                           "metadata": {"name": name, "namespace": namespace,
+                                        "labels": dict(template["metadata"]["labels"]),
+                                        "annotations": dict(template["metadata"]["annotations"])},
+                           "spec": template["spec"]})
+        for previous, text in ((False, log), (True, previous_log)):
+            if text is not None:
+                self.emulator.pod_logs[(namespace, name, container, previous)] = text
+        return self.set_engine_status(namespace, name, {"name": container, **container_status})
+
+    def set_engine_status(self, namespace: str, name: str, container_status: Mapping[str, Any]) -> Any:
+        """Play the kubelet: the engine container's status (a pod has one container)."""
+        return self.patch(f"/api/v1/namespaces/{namespace}/pods/{name}/status",
+                          {"status": {"phase": "Running", "containerStatuses": [dict(container_status)]}})
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05,

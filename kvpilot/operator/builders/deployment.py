@@ -47,6 +47,7 @@ REVISION_HISTORY_LIMIT = 5
 # only be proven for a numeric id.
 TWIN_UID = 65532
 TWIN_TMP_SIZE = "64Mi"
+TERMINATION_MESSAGE_POLICY = "FallbackToLogsOnError"
 
 
 def twin_security_contexts() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -126,6 +127,10 @@ def pod_template(isvc: InferenceService, options: RenderOptions, engine: EngineS
         "ports": [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}],
         "resources": _resources(isvc),
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+        # vLLM writes no termination-log file: with this the kubelet keeps the tail of its log (2048
+        # bytes or 80 lines) as the terminated container's message, where the operator reads vLLM's
+        # start-up error and rolls back at once (builders.pods) instead of at the progress deadline.
+        "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
         **probes(isvc),
     }
     env = _env(isvc)

@@ -5,7 +5,11 @@ Conditions (type, status, reason, message, lastTransitionTime, observedGeneratio
 - Ready: True when the rollout is complete (every desired replica runs the current config and is ready).
 - Progressing: True while a rollout is under way; False with RolloutComplete or ProgressDeadlineExceeded.
 - Degraded: True with InvalidSpec, RolledBack, RollbackFailed (the rollback's patch failed and is being
-  tried again), ApplyFailed or ProgressDeadlineExceeded; else AsExpected.
+  tried again), ApplyFailed, or (nothing to roll back to) ProgressDeadlineExceeded, EngineStartupFailed or
+  CrashLoopBackOff; else AsExpected.
+
+status.lastFailure {reason, message, configHash, observedGeneration, pod, time} keeps the last failed
+rollout in the engine's own words, for the tuner to grade the config it tried.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ REASON_INVALID_SPEC = Reason.INVALID_SPEC.value
 REASON_APPLY_FAILED = Reason.APPLY_FAILED.value
 REASON_DEADLINE = Reason.PROGRESS_DEADLINE_EXCEEDED.value
 REASON_COMPLETE = Reason.ROLLOUT_COMPLETE.value
+# A pod of the new revision showed its engine cannot run (builders.pods).
+ENGINE_FAILURE_REASONS = (Reason.ENGINE_STARTUP_FAILED.value, Reason.CRASH_LOOP_BACK_OFF.value)
 
 
 def now_rfc3339() -> str:
@@ -146,10 +152,33 @@ def rolled_back_at(previous: dict[str, Any] | None, generation: int | None) -> b
                 and cond.get("observedGeneration") == generation)
 
 
+def _kept_degraded(previous: dict[str, Any], generation: int | None, rollout: Rollout) -> tuple[str, str] | None:
+    """A Degraded this generation keeps until the spec changes: RolledBack (and RollbackFailed until
+    the rollback holds); and an engine that could
+    not start with nothing to roll back to (EngineStartupFailed, CrashLoopBackOff), until its
+    rollout completes after all.  Only the pod watch sees these, so a Deployment event must not clear them."""
+    kept = find_condition(previous.get("conditions"), DEGRADED) or {}
+    if kept.get("status") != "True" or kept.get("observedGeneration") != generation:
+        return None
+    reason = kept.get("reason")
+    if reason == REASON_ROLLBACK_FAILED:
+        good = previous.get("lastGoodEngine")
+        if good is not None and rollout.engine == good:
+            # A failed rollback patch that has since held (a later reconcile rendered lastGoodEngine).
+            return (REASON_ROLLED_BACK, f"put lastGoodEngine back (configHash {rollout.config_hash}) after "
+                    "a failed attempt; a new spec generation tries again")
+        return str(reason), str(kept.get("message", ""))
+    if reason == REASON_ROLLED_BACK or (reason in ENGINE_FAILURE_REASONS and not rollout.complete):
+        return str(reason), str(kept.get("message", ""))
+    return None
+
+
 def desired_status(*, generation: int | None, previous: dict[str, Any] | None, deployment: dict[str, Any] | None,
-                   degraded: tuple[str, str] | None = None, now: str | None = None) -> dict[str, Any]:
+                   degraded: tuple[str, str] | None = None, last_failure: dict[str, Any] | None = None,
+                   now: str | None = None) -> dict[str, Any]:
     """The status an InferenceService should show, given its Deployment as it is now.  `previous` is
-    the status as last read; its conditions of types the operator does not own are kept as they are."""
+    the status as last read; its conditions of types the operator does not own are kept as they are.
+    `last_failure` (a failed rollout just handled) replaces status.lastFailure; else it stays as it is."""
     now = now or now_rfc3339()
     previous = previous or {}
     rollout = rollout_of(deployment)
@@ -169,14 +198,8 @@ def desired_status(*, generation: int | None, previous: dict[str, Any] | None, d
         ready = ("False", "RollingOut", rollout.counts())
         progressing = ("True", "RollingOut", f"rolling out configHash {rollout.config_hash}: {rollout.counts()}")
 
-    if degraded is None and rolled_back_at(previous, generation):
-        kept = find_condition(previous.get("conditions"), DEGRADED) or {}
-        degraded = (str(kept.get("reason")), str(kept.get("message", "")))
-        good = previous.get("lastGoodEngine")
-        if degraded[0] == REASON_ROLLBACK_FAILED and good is not None and rollout.engine == good:
-            # A failed rollback patch that has since held (a later reconcile rendered lastGoodEngine).
-            degraded = (REASON_ROLLED_BACK, f"put lastGoodEngine back (configHash {rollout.config_hash}) after "
-                        f"a failed attempt; a new spec generation tries again")
+    if degraded is None:
+        degraded = _kept_degraded(previous, generation, rollout)
     conditions = set_condition(conditions, READY, *ready, generation, now)
     conditions = set_condition(conditions, PROGRESSING, *progressing, generation, now)
     if degraded is not None:
@@ -194,6 +217,8 @@ def desired_status(*, generation: int | None, previous: dict[str, Any] | None, d
     if rollout.exists:
         status["engineArgs"] = list(rollout.engine_args)
         status["configHash"] = rollout.config_hash
+    if last_failure is not None:
+        status["lastFailure"] = last_failure
     if rollout.complete and rollout.engine is not None:
         status["lastGoodEngine"] = rollout.engine
     elif previous.get("lastGoodEngine") is not None:

@@ -10,7 +10,14 @@ told to ignore precisely them (Argo CD `managedFieldsManagers: [kvpilot-tuner]`,
 observedGeneration has caught up with the generation the patch produced, and Progressing is
 False with reason RolloutComplete (every replica updated and ready).  Degraded with reason
 RolledBack for that generation means the operator gave the config up (crash loop, OOM, progress
-deadline): the trial is infeasible.
+deadline): the trial is infeasible; so is Degraded with EngineStartupFailed or CrashLoopBackOff
+(a service with no lastGoodEngine to go back to).
+
+Why, in the engine's own words: the operator keeps the failed rollout in status.lastFailure
+({reason, message, observedGeneration}); for a pod whose vLLM could not start its message holds
+vLLM's start-up error line, so the trial is graded by the memory it missed (`core.objective.infeasible`
+reads the numbers) and its memory floor rules out the configs that cannot start either, in a
+cluster as on a local engine.
 """
 
 from __future__ import annotations
@@ -52,13 +59,27 @@ def _condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
     return {}
 
 
+# Degraded reasons that end a rollout: the operator rolled the config back, or its engine cannot run.
+_GAVE_UP = (Reason.ROLLED_BACK, Reason.ENGINE_STARTUP_FAILED, Reason.CRASH_LOOP_BACK_OFF)
+# status.lastFailure reasons whose message is the engine's own (the others keep "RolloutFailed").
+_ENGINE_FAILED = (Reason.ENGINE_STARTUP_FAILED, Reason.CRASH_LOOP_BACK_OFF)
+
+
+def failure_of(obj: dict[str, Any], generation: int, message: str) -> ApplyFailed:
+    """The failed rollout of `generation`, in the engine's words where status.lastFailure has them."""
+    last = (obj.get("status") or {}).get("lastFailure") or {}
+    if last.get("observedGeneration") == generation and last.get("reason") in _ENGINE_FAILED:
+        return ApplyFailed(str(last["reason"]), str(last.get("message") or message))
+    return ApplyFailed("RolloutFailed", message)
+
+
 def rollout_state(obj: dict[str, Any], generation: int) -> tuple[str, str]:
     """('complete' | 'failed' | 'progressing', message) for the rollout of `generation`."""
     status = obj.get("status") or {}
     if int(status.get("observedGeneration") or 0) < generation:
         return "progressing", f"the operator has not seen generation {generation} yet"
     degraded = _condition(obj, ConditionType.DEGRADED)
-    if degraded.get("status") == "True" and degraded.get("reason") == Reason.ROLLED_BACK:
+    if degraded.get("status") == "True" and degraded.get("reason") in _GAVE_UP:
         return "failed", degraded.get("message", "rolled back")
     prog = _condition(obj, ConditionType.PROGRESSING)
     if prog.get("reason") == Reason.ROLLOUT_COMPLETE and prog.get("status") == "False":
@@ -105,11 +126,12 @@ class KubernetesApplier:
         generation = int(obj["metadata"].get("generation") or 0)
         deadline = time.monotonic() + self.timeout_s
         while True:
-            state, message = rollout_state(self.get(), generation)
+            obj = self.get()
+            state, message = rollout_state(obj, generation)
             if state == "complete":
                 return
             if state == "failed":
-                raise ApplyFailed("RolloutFailed", message)
+                raise failure_of(obj, generation, message)
             if time.monotonic() >= deadline:
                 raise ApplyFailed("RolloutTimeout", f"not complete after {self.timeout_s:g}s: {message}")
             time.sleep(self.poll_s)

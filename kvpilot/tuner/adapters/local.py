@@ -30,9 +30,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvpilot.api.engine import EngineArgsError, ServeDefaults, parse_engine_args, resolve
+from kvpilot.api.startup import cause_line
 from kvpilot.tuner.core.loop import ApplyFailed
 from kvpilot.tuner.core.space import TUNED_FIELDS, EngineParams
-from kvpilot.tuner.core.startup import memory_shortfall
 
 log = logging.getLogger(__name__)
 
@@ -257,13 +257,9 @@ FAILURE_LOG_CHARS = 20_000
 
 
 def _failure_line(text: str) -> str:
-    """The line that says why the engine died: the last one reporting a memory shortfall (its numbers
-    grade the infeasible trial, see `core.startup`), else the last line."""
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if memory_shortfall(ln) is not None:
-            return ln[:600]
-    return lines[-1][:300] if lines else "(no output)"
+    """The line that says why the engine died (`kvpilot.api.startup.cause_line`: a memory failure's
+    line first, its numbers grade the infeasible trial)."""
+    return cause_line(text)
 
 
 def _reason_from_log(text: str) -> str:

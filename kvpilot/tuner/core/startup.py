@@ -23,121 +23,14 @@ with none of these shapes (a crash, a failed rollout) gives None: the caller kee
 
 from __future__ import annotations
 
-import re
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
-_UNIT = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
-_SIZE = r"([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B)"
+# vLLM's start-up text is read in one place (kvpilot.api.startup): the operator reads the same
+# words from a pod's termination message.
+from kvpilot.api.startup import TIERS, Shortfall, StartupMemory, memory_report
 
-_KV_SHORT = re.compile(
-    _SIZE + r" KV cache is needed, which is larger than the available KV cache memory \(" + _SIZE + r"\)",
-    re.IGNORECASE,
-)
-_MAX_LEN = re.compile(
-    r"max seq len \(([0-9]+)\) is larger than the maximum number of tokens that can be stored in KV cache "
-    r"\(([0-9]+)\)",
-    re.IGNORECASE,
-)
-_NO_CACHE = re.compile(r"No available memory for the cache blocks", re.IGNORECASE)
-_NO_CACHE_NUMBERS = re.compile(
-    r"requested " + _SIZE + r"; model weights take " + _SIZE + r"; PyTorch activation peak memory takes "
-    + _SIZE + r"; non-torch memory takes " + _SIZE,
-    re.IGNORECASE,
-)
-# The twin's weights message, and PyTorch's / vLLM's CUDA OOM wording.
-_WEIGHTS = re.compile(r"they need " + _SIZE + r" per GPU .*? of which " + _SIZE + r" is free", re.IGNORECASE)
-_CUDA_OOM = re.compile(r"Tried to allocate " + _SIZE + r".*? of which " + _SIZE + r" is free", re.IGNORECASE)
-_UTIL_TOO_HIGH = re.compile(
-    r"Free memory on device \S+ \(" + r"([0-9.]+)/[0-9.]+ GiB\) on startup is less than desired GPU memory "
-    r"utilization \([0-9.]+, " + _SIZE + r"\)",
-    re.IGNORECASE,
-)
-_OOM = re.compile(r"out of memory", re.IGNORECASE)
-
-TIERS = 3  # tiers 0..2 above
-
-
-@dataclass(frozen=True)
-class Shortfall:
-    tier: int  # 0: KV cache short of one sequence, 1: no KV cache at all, 2: GPU memory short
-    fraction: float  # 0..1 within the tier: the share of what was needed that was missing
-
-    @property
-    def distance(self) -> float:
-        """One number ordering every memory failure: tier + fraction, in [0, TIERS]."""
-        return self.tier + self.fraction
-
-
-def _bytes(number: str, unit: str) -> float:
-    return float(number) * _UNIT[unit.lower()]
-
-
-def _share(missing: float, needed: float) -> float:
-    return 0.0 if needed <= 0 else min(max(missing / needed, 0.0), 1.0)
-
-
-@dataclass(frozen=True)
-class StartupMemory:
-    """The numbers a memory start-up failure reports, in bytes (None where it reports none).
-
-    kind: "kv_short" (tier 0: `needed` for one max_model_len sequence vs `available`),
-    "no_cache" (tier 1: `requested` vs weights + activation + non-torch), "gpu_short" (tier 2:
-    `needed` vs `available` on the GPU).  The twin raises these numbers as fields; a real vLLM's
-    are read from its log (`memory_report`).
-    """
-
-    kind: str
-    needed: float | None = None
-    available: float | None = None
-    requested: float | None = None
-    weights: float | None = None
-    activation: float | None = None
-    non_torch: float | None = None
-    # A kv_short message cut short may say it in tokens only: max_model_len vs the tokens that fit.
-    max_model_len: float | None = None
-    tokens_fit: float | None = None
-
-    def shortfall(self) -> Shortfall:
-        if self.kind == "kv_short":
-            if self.needed is None and self.max_model_len:
-                return Shortfall(0, _share(self.max_model_len - (self.tokens_fit or 0.0), self.max_model_len))
-            return Shortfall(0, _share((self.needed or 0.0) - (self.available or 0.0), self.needed or 0.0))
-        if self.kind == "no_cache":
-            if self.requested is None or self.weights is None:
-                return Shortfall(1, 0.0)
-            fixed = self.weights + (self.activation or 0.0) + (self.non_torch or 0.0)
-            return Shortfall(1, _share(fixed - self.requested, fixed))
-        if self.needed is None or self.available is None:
-            return Shortfall(2, 1.0)
-        return Shortfall(2, _share(self.needed - self.available, self.needed))
-
-    def as_dict(self) -> dict[str, float | str]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> StartupMemory:
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
-
-
-def memory_report(message: str) -> StartupMemory | None:
-    """The memory failure a real vLLM's start-up log reports, or None where it reports none."""
-    if m := _KV_SHORT.search(message):
-        return StartupMemory("kv_short", needed=_bytes(*m.group(1, 2)), available=_bytes(*m.group(3, 4)))
-    if m := _MAX_LEN.search(message):  # the same failure in tokens (a message cut short still has these)
-        return StartupMemory("kv_short", max_model_len=float(m.group(1)), tokens_fit=float(m.group(2)))
-    if _NO_CACHE.search(message):
-        if m := _NO_CACHE_NUMBERS.search(message):
-            return StartupMemory("no_cache", requested=_bytes(*m.group(1, 2)), weights=_bytes(*m.group(3, 4)),
-                                 activation=_bytes(*m.group(5, 6)), non_torch=_bytes(*m.group(7, 8)))
-        return StartupMemory("no_cache")
-    if m := _WEIGHTS.search(message) or _CUDA_OOM.search(message):
-        return StartupMemory("gpu_short", needed=_bytes(*m.group(1, 2)), available=_bytes(*m.group(3, 4)))
-    if m := _UTIL_TOO_HIGH.search(message):
-        return StartupMemory("gpu_short", needed=_bytes(*m.group(2, 3)), available=float(m.group(1)) * 2**30)
-    if _OOM.search(message):
-        return StartupMemory("gpu_short")
-    return None
+__all__ = ["TIERS", "MemoryFailure", "Shortfall", "StartupMemory", "UtilFloor", "memory_floor", "memory_report",
+           "memory_shortfall", "read_memory_failure"]
 
 
 def memory_shortfall(message: str) -> Shortfall | None:

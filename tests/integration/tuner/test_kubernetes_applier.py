@@ -206,3 +206,84 @@ def test_status_and_events(api: KMockAPI, client: Any, ready: str) -> None:
     assert [e["reason"] for e in events][-2:] == ["TrialStarted", "TrialPruned"]
     assert events[-1]["type"] == "Warning"
     assert events[-1]["involvedObject"]["name"] == ready
+
+
+class _Flowing:
+    """Signals that say traffic flows: this trial never gets as far as measuring."""
+
+    def burn_rate(self, window_s: float) -> float:
+        return 0.0
+
+    def measure(self, window_s: float) -> Any:
+        raise AssertionError("a config that could not start is never measured")
+
+
+def test_an_engine_that_could_not_start_is_graded_by_vllms_numbers_and_raises_the_memory_floor(
+    api: KMockAPI, client: Any, operator: OperatorProcess
+) -> None:
+    """The in-cluster path end to end: a trial's pod fails with vLLM's start-up error, the operator rolls
+    it back at once and keeps vLLM's words in status.lastFailure, and the tuner's loop tells the study
+    an infeasible trial with vLLM's memory figures, so its memory floor rules out what cannot start either."""
+    import optuna
+
+    from kvpilot.tuner.core.loop import LiveSettings, LiveTuner
+    from kvpilot.tuner.core.objective import INFEASIBLE_VIOLATION, SLO, Goal
+    from kvpilot.tuner.core.space import SearchSpace
+    from kvpilot.tuner.core.study import ATTR_MEMORY, TunerStudy
+    from tests.support.vllm_text import KV_SHORT, startup_failure_log, termination_message
+
+    name = "qwen"
+    api.create_isvc({**_isvc(name), "metadata": {"name": name, "namespace": NS}})
+    wait_for(lambda: api.get_or_none(dep_path(name)), what="the Deployment")
+    play_deployment_controller(api, name, **COMPLETE)
+    wait_for(lambda: api.get_isvc(NS, name).get("status", {}).get("lastGoodEngine"), what="lastGoodEngine")
+    good_hash = api.get(dep_path(name))["spec"]["template"]["metadata"]["annotations"]["kvpilot.dev/config-hash"]
+
+    applier = KubernetesApplier(client, NS, name, timeout_s=60, poll_s=0.1)
+    study = TunerStudy(storage=optuna.storages.InMemoryStorage(), name="qwen", goal=Goal.LATENCY,
+                       space=SearchSpace(util_step=0.05), slo=SLO(), seed=0, n_trials=10)
+    tuner = LiveTuner(study, applier, _Flowing(), LiveSettings(warmup_s=0, window_s=1))
+    trial = EngineParams(2048, 0.75, 256)
+    assert study.enqueue(trial, "test")
+    number, params = study.ask()
+    assert params == trial
+    result: list[str] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(tuner.run_trial(number, params))
+        except BaseException as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    dep = wait_for(lambda: (d := api.get(dep_path(name))) and engine_arg(d, "--gpu-memory-utilization") == "0.75"
+                   and d, what="the trial's template")
+    log = startup_failure_log(KV_SHORT)
+    api.create_engine_pod(dep, f"{name}-trial-1", {
+        "restartCount": 1, "ready": False, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+        "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": termination_message(log)}}},
+        previous_log=log)
+    # The loop then puts the starting engine back (a new generation): play its rollout to the end.
+    wait_for(lambda: api.get_isvc(NS, name)["metadata"]["annotations"].get(TRIAL_ANNOTATION) == "restore",
+             what="the tuner restoring its starting engine")
+    restore_generation = api.get_isvc(NS, name)["metadata"]["generation"]
+    wait_for(lambda: api.get_isvc(NS, name)["status"]["observedGeneration"] == restore_generation,
+             what="the operator reconciling the restore")
+    assert api.get(dep_path(name))["spec"]["template"]["metadata"]["annotations"]["kvpilot.dev/config-hash"] == \
+        good_hash
+    play_deployment_controller(api, name, **COMPLETE)
+    worker.join(30)
+    assert not worker.is_alive() and not errors, errors
+    assert result == ["infeasible"]
+
+    told = study.study.get_trials(deepcopy=False)[number]
+    assert told.user_attrs["reason"] == "EngineStartupFailed"
+    assert KV_SHORT in told.user_attrs["message"]
+    memory = told.user_attrs[ATTR_MEMORY]
+    assert memory["kind"] == "kv_short"
+    assert memory["needed"] == pytest.approx(16.0 * 2**30) and memory["available"] == pytest.approx(3.64 * 2**30)
+    # Graded (nearer than an unexplained failure), and the floor now rules the failed fraction out.
+    assert 0 < max(told.constraints.values()) < INFEASIBLE_VIOLATION
+    assert study.util_floor()(2048, 256) > 0.75

@@ -33,13 +33,14 @@ def test_operator_help_names_every_option() -> None:
     code, out, _ = run(["operator", "--help"])
     assert code == 0
     for option in ("--namespace", "--all-namespaces", "--twin-image", "--metrics-port", "--log-format",
-                   "--max-workers"):
+                   "--max-workers", "--crash-loop-restarts"):
         assert option in out
 
 
 @pytest.mark.parametrize(("argv", "complaint"), [
     (["operator", "--metrics-port", "70000"], "must be a port number 1-65535"),
     (["operator", "--log-format", "xml"], "invalid choice"),
+    (["operator", "--crash-loop-restarts", "0"], "--crash-loop-restarts: must be a whole number >= 1 (got 0)"),
     (["operator", "-n", "a", "--all-namespaces"], "not allowed with argument"),
     (["render"], "required: -f/--filename"),
 ])

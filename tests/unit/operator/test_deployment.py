@@ -224,3 +224,11 @@ def test_vllm_pods_keep_what_vllm_needs() -> None:
     pod = build_deployment(isvc())["spec"]["template"]["spec"]
     assert "securityContext" not in pod and "securityContext" not in pod["containers"][0]
     assert restricted_violations(pod) != []
+
+
+@pytest.mark.parametrize("kind", ["vllm", "twin"])
+def test_the_engines_termination_message_is_its_log_tail_on_error(kind: str) -> None:
+    """vLLM writes no termination-log file: the kubelet keeps its log's tail, where the operator
+    reads vLLM's start-up error (builders.pods)."""
+    assert container(build_deployment(isvc(engine={"kind": kind})))["terminationMessagePolicy"] == \
+        "FallbackToLogsOnError"

@@ -153,3 +153,21 @@ def test_conditions_of_other_writers_are_kept_as_they_are() -> None:
         assert types == [*OWN_CONDITIONS, "SLOBurning", "Tuning"]
         assert cond(status, "Tuning") == tuning and cond(status, "SLOBurning") == burning
         assert cond(status, "Ready")["observedGeneration"] == 2
+
+
+def test_an_engine_failure_with_nothing_to_roll_back_to_is_kept_until_its_rollout_completes() -> None:
+    """Only the pod watch sees an engine that cannot start: a Deployment event (or a reconcile) of
+    the same generation must not clear what it said, and must keep status.lastFailure."""
+    failing = deployment(updated=1, ready=0, replicas=1)
+    failure = {"reason": "EngineStartupFailed", "message": "pod p: ... KV cache is needed ...",
+               "configHash": "abc123", "observedGeneration": 5}
+    prev = desired_status(generation=5, previous={}, deployment=failing,
+                          degraded=("EngineStartupFailed", "engine failed"), last_failure=failure, now="T1")
+    assert prev["lastFailure"] == failure
+    again = desired_status(generation=5, previous=prev, deployment=failing, now="T2")
+    assert (cond(again, "Degraded")["status"], cond(again, "Degraded")["reason"]) == ("True", "EngineStartupFailed")
+    assert "lastFailure" not in status_patch(prev, again)
+    done = desired_status(generation=5, previous=prev, deployment=deployment(), now="T3")
+    assert cond(done, "Degraded")["status"] == "False"
+    newer = desired_status(generation=6, previous=prev, deployment=failing, now="T4")
+    assert cond(newer, "Degraded")["status"] == "False"

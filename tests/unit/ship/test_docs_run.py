@@ -154,6 +154,20 @@ def test_the_kind_rollback_demo_is_valid_yet_refused_by_the_twin(tmp_path: Path,
                            "--startup-delay", "0"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode != 0
     assert "KV cache" in proc.stderr and "Traceback" not in proc.stderr
+    # ... at once, not at the deadline: the kubelet's termination message of that output (the engine
+    # container's FallbackToLogsOnError) is vLLM's start-up failure, with the numbers the tuner grades by.
+    from kvpilot.api.startup import memory_report
+    from kvpilot.operator.builders.pods import engine_failure
+    from tests.support.vllm_text import termination_message
+
+    status = {"name": container["name"], "restartCount": 0,
+              "state": {"terminated": {"exitCode": proc.returncode, "reason": "Error",
+                                       "message": termination_message(proc.stdout + proc.stderr)}}}
+    failure = engine_failure({"metadata": {"name": "llama-8b-twin-1"}, "status": {"containerStatuses": [status]}},
+                             crash_loop_restarts=3)
+    assert failure is not None and failure.reason == "EngineStartupFailed" and not failure.cause_above
+    report = memory_report(failure.cause)
+    assert report is not None and report.kind == "kv_short", failure.cause
 
 
 def test_the_operators_twin_image_is_the_charts_image() -> None:

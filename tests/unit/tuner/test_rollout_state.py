@@ -33,3 +33,23 @@ def test_rolled_back_or_past_the_deadline_is_failed() -> None:
     state, message = rollout_state(obj(5, 5, degraded=("True", "RolledBack")), 5)
     assert state == "failed" and "oom" in message
     assert rollout_state(obj(5, 5, progressing=("False", "ProgressDeadlineExceeded")), 5)[0] == "failed"
+
+
+def test_an_engine_that_cannot_start_with_nothing_to_roll_back_to_is_failed() -> None:
+    for reason in ("EngineStartupFailed", "CrashLoopBackOff"):
+        assert rollout_state(obj(5, 5, progressing=("True", "RollingOut"), degraded=("True", reason)), 5)[0] == "failed"
+
+
+def test_the_failure_is_told_in_the_engines_words_for_its_own_generation_only() -> None:
+    from kvpilot.tuner.adapters.kubernetes import failure_of
+
+    o = obj(5, 5, degraded=("True", "RolledBack"))
+    words = "pod p: container engine could not start (exit code 1): ValueError: ... KV cache is needed ..."
+    o["status"]["lastFailure"] = {"reason": "EngineStartupFailed", "message": words, "observedGeneration": 5}
+    failed = failure_of(o, 5, "rolled back: oom")
+    assert (failed.reason, failed.message) == ("EngineStartupFailed", words)
+    # An older generation's failure is not this one's; a deadline's keeps the operator's sentence.
+    assert failure_of(o, 6, "rolled back: oom").reason == "RolloutFailed"
+    o["status"]["lastFailure"] = {"reason": "ProgressDeadlineExceeded", "message": "timed out", "observedGeneration": 5}
+    assert (failure_of(o, 5, "rolled back: oom").reason, failure_of(o, 5, "rolled back: oom").message) == (
+        "RolloutFailed", "rolled back: oom")
