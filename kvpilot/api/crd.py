@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from kvpilot.api import vllm
+from kvpilot.api import rules, vllm
 from kvpilot.api.models import InferenceServiceSpec, InferenceServiceStatus
 from kvpilot.api.vocabulary import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, TUNED_ENGINE_FIELDS, VERSION
 
@@ -93,6 +93,13 @@ _CEL_RULES: dict[tuple[str, ...], list[dict[str, str]]] = {
             "message": "itlSeconds must be a bucket edge of vllm:inter_token_latency_seconds: "
             + ", ".join(f"{e:g}" for e in vllm.ITL_BUCKETS),
             "fieldPath": ".itlSeconds",
+        },
+    ],
+    ("spec", "tuning"): [
+        {
+            "rule": "!has(self.storage)",
+            "message": f"removed: {rules.STORAGE_REMOVED}",
+            "fieldPath": ".storage",
         },
     ],
     # The size test first: minItems/maxItems already refuse a range that is not a pair, but the
@@ -198,11 +205,11 @@ def _object_defaults(node: dict[str, Any]) -> None:
 
 
 def _attach_rules(spec_schema: dict[str, Any]) -> None:
-    for path, rules in _CEL_RULES.items():
+    for path, cel in _CEL_RULES.items():
         node = spec_schema
         for part in path[1:]:
             node = node["properties"][part]
-        node["x-kubernetes-validations"] = rules
+        node["x-kubernetes-validations"] = cel
 
 
 def openapi_schema() -> dict[str, Any]:

@@ -67,7 +67,9 @@ class Worker:
             observer = Fanout(LogObserver(target), self.metrics.observer(self.namespace, self.name), status)
             from kvpilot.tuner.jobs import sqlite_url
 
-            storage = sqlite_url(spec.tuning.storage or self.args.storage)
+            # The tuner's own storage, never the resource's: a tenant must not choose which database
+            # (or which file) a cluster-wide process opens.
+            storage = sqlite_url(self.args.storage)
             study = TunerStudy(storage=storage, name=name, goal=Goal.LATENCY if goal is Goal.CAPACITY else goal,
                                space=space, slo=slo, seed=0, n_trials=spec.tuning.max_trials)
             applier = KubernetesApplier(self.api_client, self.namespace, self.name,
