@@ -40,6 +40,11 @@ ANNOTATION_TUNING_TRIAL = f"{GROUP}/tuning-trial"
 # The tuner's server-side-apply field manager: a GitOps tool ignores exactly this manager's fields.
 FIELD_MANAGER_TUNER = "kvpilot-tuner"
 
+# ---- configuration from the environment ---------------------------------------------------------
+# The tuner's study storage URL.  A PostgreSQL URL carries a password: the chart puts it here from a
+# Secret, never on the command line (where `ps` and /proc/PID/cmdline show it to the whole pod).
+ENV_TUNER_STORAGE = "KVPILOT_TUNER_STORAGE"
+
 _NOT_LABEL_CHAR = re.compile(r"[^a-zA-Z0-9_]")
 
 

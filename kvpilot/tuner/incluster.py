@@ -168,7 +168,10 @@ def run_tuner(args: Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    log.info("kvpilot tuner: watching InferenceServices in %s", args.namespace or "all namespaces")
+    from kvpilot.tuner.storage import redacted
+
+    log.info("kvpilot tuner: watching InferenceServices in %s; studies in %s",
+             args.namespace or "all namespaces", redacted(args.storage))
     while not stopping.is_set():
         items: list[dict[str, Any]] | None
         try:
