@@ -28,6 +28,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _uid(text: str) -> int:
+    try:
+        uid = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a numeric user id 1-2147483647 (got {text!r})") from None
+    if not 1 <= uid <= 2147483647:
+        raise argparse.ArgumentTypeError(f"must be a non-root numeric user id 1-2147483647 (got {uid})")
+    return uid
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     op = subparsers.add_parser(
         "operator",
@@ -52,6 +62,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     op.add_argument("--max-workers", type=_positive, default=128, metavar="N",
                     help="objects reconciled at once; a burst beyond that waits its turn, bounding memory "
                     "(default: %(default)s)")
+    op.add_argument("--engine-run-as-user", type=_uid, default=None, metavar="UID",
+                    help="run vLLM containers as this non-root uid, with HOME and /tmp on emptyDirs and a "
+                    "read-only root (what the restricted Pod Security Standard needs); default: the "
+                    "image's own user, with every capability dropped")
     op.add_argument("-v", "--verbose", action="store_true", help="log more")
     op.set_defaults(handler=_operator)
 
@@ -65,6 +79,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     render.add_argument("-f", "--filename", required=True, metavar="FILE", help="a YAML file, or - for stdin")
     render.add_argument("--twin-image", default=DEFAULT_TWIN_IMAGE, metavar="IMG",
                         help="kvpilot image for engine.kind twin (default: %(default)s)")
+    render.add_argument("--engine-run-as-user", type=_uid, default=None, metavar="UID",
+                        help="as `kvpilot operator --engine-run-as-user`")
     render.add_argument("--no-monitoring", action="store_true",
                         help="leave out ServiceMonitor and PrometheusRule, as on a cluster without the "
                         "Prometheus Operator CRDs")
@@ -82,6 +98,7 @@ def _operator(args: argparse.Namespace) -> int:
         namespaces=tuple(args.namespace), all_namespaces=args.all_namespaces, twin_image=args.twin_image,
         metrics_host=args.metrics_host, metrics_port=args.metrics_port, log_format=args.log_format,
         verbose=args.verbose, max_workers=args.max_workers,
+        engine_run_as_user=args.engine_run_as_user,
     )
     configure_logging(settings)
     try:
@@ -114,7 +131,7 @@ def _render(args: argparse.Namespace) -> int:
                 print(f"{args.filename}: {result.label}: {issue}", file=sys.stderr)
         return 1
     options = RenderOptions(twin_image=args.twin_image, service_monitors=not args.no_monitoring,
-                            prometheus_rules=not args.no_monitoring)
+                            prometheus_rules=not args.no_monitoring, engine_run_as_user=args.engine_run_as_user)
     # One service at a time: a bundle of a thousand is 27 MB of YAML, never all in memory at once.
     first = True
     for p in parsed:

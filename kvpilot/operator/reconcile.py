@@ -159,6 +159,13 @@ async def update_status(rt: Runtime, namespace: str, name: str, compute: Compute
                    f"{STATUS_CONFLICT_ATTEMPTS} read-modify-write attempts")
 
 
+def render_options(settings: OperatorSettings, served: frozenset[str]) -> RenderOptions:
+    """What the builders need from the settings and from discovery (the monitoring kinds served)."""
+    return RenderOptions(twin_image=settings.twin_image, service_monitors="servicemonitors" in served,
+                         prometheus_rules="prometheusrules" in served,
+                         engine_run_as_user=settings.engine_run_as_user)
+
+
 async def reconcile_service(rt: Runtime, body: dict[str, Any], emit: Emit, logger: Logger) -> None:
     """Reconcile one InferenceService and write its status (raises RetryLater on transient failures)."""
     started = time.perf_counter()
@@ -224,9 +231,7 @@ async def _reconcile(rt: Runtime, body: dict[str, Any], emit: Emit,
 
     try:
         served = await rt.discovery.served()
-        options = RenderOptions(twin_image=rt.settings.twin_image,
-                                service_monitors="servicemonitors" in served,
-                                prometheus_rules="prometheusrules" in served)
+        options = render_options(rt.settings, served)
         missing = [kind for plural, kind in _MONITORING_KINDS.items() if plural not in served]
         if missing and isvc.metadata.uid not in rt.skip_noted:
             rt.skip_noted.add(str(isvc.metadata.uid))
@@ -316,9 +321,7 @@ async def _track_rollout(rt: Runtime, namespace: str, name: str, deployment: dic
         if last_good and last_good != rollout.engine:
             isvc = InferenceService.model_validate({k: v for k, v in parent.items() if k != "status"})
             served = await rt.discovery.served()
-            options = RenderOptions(twin_image=rt.settings.twin_image,
-                                    service_monitors="servicemonitors" in served,
-                                    prometheus_rules="prometheusrules" in served)
+            options = render_options(rt.settings, served)
             restored = build_deployment(isvc, options, EngineSpec.model_validate(last_good))
             applied = await ensure(rt.client, restored)
             deployment = applied.live or deployment

@@ -30,6 +30,10 @@ class OperatorSettings:
     max_workers: int = 128
     # kopf's delay before it runs a handler again after a transient failure.
     handler_retry_delay_seconds: float = 30.0
+    # Run vLLM engine containers as this numeric uid (runAsNonRoot, caches on emptyDirs), so they are
+    # admitted where the "restricted" Pod Security Standard is enforced; None keeps the image's own
+    # user (root in vllm/vllm-openai).  See builders/deployment.py for what each choice costs.
+    engine_run_as_user: int | None = None
 
     @property
     def watched_namespaces(self) -> tuple[str, ...]:

@@ -33,7 +33,7 @@ def test_operator_help_names_every_option() -> None:
     code, out, _ = run(["operator", "--help"])
     assert code == 0
     for option in ("--namespace", "--all-namespaces", "--twin-image", "--metrics-port", "--log-format",
-                   "--max-workers"):
+                   "--max-workers", "--engine-run-as-user"):
         assert option in out
 
 
@@ -42,6 +42,8 @@ def test_operator_help_names_every_option() -> None:
     (["operator", "--log-format", "xml"], "invalid choice"),
     (["operator", "-n", "a", "--all-namespaces"], "not allowed with argument"),
     (["render"], "required: -f/--filename"),
+    (["operator", "--engine-run-as-user", "0"], "must be a non-root numeric user id"),
+    (["operator", "--engine-run-as-user", "vllm"], "must be a numeric user id"),
 ])
 def test_bad_options_are_refused_with_a_reason(argv: list[str], complaint: str) -> None:
     code, _, err = run(argv)
