@@ -44,6 +44,8 @@ FIELD_MANAGER_TUNER = "kvpilot-tuner"
 # The tuner's study storage URL.  A PostgreSQL URL carries a password: the chart puts it here from a
 # Secret, never on the command line (where `ps` and /proc/PID/cmdline show it to the whole pod).
 ENV_TUNER_STORAGE = "KVPILOT_TUNER_STORAGE"
+# The operator's image allowlist: patterns separated by commas (the chart writes --allowed-image flags).
+ENV_ALLOWED_IMAGES = "KVPILOT_ALLOWED_IMAGES"
 
 _NOT_LABEL_CHAR = re.compile(r"[^a-zA-Z0-9_]")
 
@@ -76,6 +78,8 @@ class Reason(StrEnum):
     APPLY_FAILED = "ApplyFailed"
     PROGRESS_DEADLINE_EXCEEDED = "ProgressDeadlineExceeded"
     AS_EXPECTED = "AsExpected"
+    # spec.engine.image matches none of the operator's allowed image patterns: nothing is applied.
+    IMAGE_NOT_ALLOWED = "ImageNotAllowed"
 
 
 class TuningPhase(StrEnum):

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from kvpilot.api.vocabulary import ENV_ALLOWED_IMAGES
 from kvpilot.operator.builders.common import DEFAULT_TWIN_IMAGE
 
 
@@ -62,6 +64,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     op.add_argument("--max-workers", type=_positive, default=128, metavar="N",
                     help="objects reconciled at once; a burst beyond that waits its turn, bounding memory "
                     "(default: %(default)s)")
+    op.add_argument("--allowed-image", action="append", default=[], metavar="PATTERN",
+                    help=f"a vLLM image tenants may run (repeatable; also ${ENV_ALLOWED_IMAGES}, comma-separated): a glob "
+                    "over the full reference starting with the registry, e.g. docker.io/vllm/vllm-openai:* "
+                    "or registry.example.com/*; others are refused with condition Degraded/ImageNotAllowed. "
+                    "Default: any image")
     op.add_argument("--engine-run-as-user", type=_uid, default=None, metavar="UID",
                     help="run vLLM containers as this non-root uid, with HOME and /tmp on emptyDirs and a "
                     "read-only root (what the restricted Pod Security Standard needs); default: the "
@@ -91,13 +98,19 @@ def _operator(args: argparse.Namespace) -> int:
     import asyncio
 
     from kvpilot.operator.handlers import CredentialsError
+    from kvpilot.operator.images import AllowlistError, ImageAllowlist
     from kvpilot.operator.runner import configure_logging, run_operator
     from kvpilot.operator.settings import OperatorSettings
 
+    try:
+        allowed = ImageAllowlist.parse([os.environ.get(ENV_ALLOWED_IMAGES, ""), *args.allowed_image])
+    except AllowlistError as exc:
+        print(f"kvpilot operator: {exc}", file=sys.stderr)
+        return 2
     settings = OperatorSettings(
         namespaces=tuple(args.namespace), all_namespaces=args.all_namespaces, twin_image=args.twin_image,
         metrics_host=args.metrics_host, metrics_port=args.metrics_port, log_format=args.log_format,
-        verbose=args.verbose, max_workers=args.max_workers,
+        verbose=args.verbose, max_workers=args.max_workers, allowed_images=allowed,
         engine_run_as_user=args.engine_run_as_user,
     )
     configure_logging(settings)

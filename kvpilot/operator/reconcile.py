@@ -38,6 +38,7 @@ from kvpilot.operator.builders.status import (
     DEGRADED,
     REASON_APPLY_FAILED,
     REASON_DEADLINE,
+    REASON_IMAGE_NOT_ALLOWED,
     REASON_INVALID_SPEC,
     REASON_ROLLED_BACK,
     desired_status,
@@ -166,6 +167,14 @@ def render_options(settings: OperatorSettings, served: frozenset[str]) -> Render
                          engine_run_as_user=settings.engine_run_as_user)
 
 
+def image_refusal(rt: Runtime, engine: EngineSpec, field: str = "spec.engine.image") -> str | None:
+    """Why the operator will not run this engine's image (the allowlist's message), or None.  Only
+    vLLM images are the tenant's choice; the twin runs the operator's own --twin-image."""
+    if engine.kind != "vllm" or rt.settings.allowed_images.allows(engine.image):
+        return None
+    return rt.settings.allowed_images.refusal(engine.image, field)
+
+
 async def reconcile_service(rt: Runtime, body: dict[str, Any], emit: Emit, logger: Logger) -> None:
     """Reconcile one InferenceService and write its status (raises RetryLater on transient failures)."""
     started = time.perf_counter()
@@ -228,6 +237,15 @@ async def _reconcile(rt: Runtime, body: dict[str, Any], emit: Emit,
     if rolled_back_at(previous, generation) and previous.get("lastGoodEngine"):
         # This generation already failed its rollout: keep the last good engine until the spec changes.
         engine = EngineSpec.model_validate(previous["lastGoodEngine"])
+
+    refusal = image_refusal(rt, engine or isvc.spec.engine)
+    if refusal is not None:
+        old = find_condition(previous.get("conditions"), DEGRADED) or {}
+        if old.get("reason") != REASON_IMAGE_NOT_ALLOWED or old.get("message") != refusal:
+            emit("Warning", REASON_IMAGE_NOT_ALLOWED, refusal)
+        logger.warning("image not allowed, nothing deployed or changed: %s", refusal)
+        return ((lambda fresh: invalid_status(generation=generation, previous=fresh, message=refusal,
+                                              reason=REASON_IMAGE_NOT_ALLOWED)), "invalid", None)
 
     try:
         served = await rt.discovery.served()
@@ -318,7 +336,16 @@ async def _track_rollout(rt: Runtime, namespace: str, name: str, deployment: dic
     degraded: tuple[str, str] | None = None
     last_good = previous.get("lastGoodEngine")
     if rollout.deadline_exceeded and rollout.engine is not None:
-        if last_good and last_good != rollout.engine:
+        refusal = image_refusal(rt, EngineSpec.model_validate(last_good), "status.lastGoodEngine.image") \
+            if last_good else None
+        if refusal is not None:
+            # The allowlist changed since that engine ran: putting it back would run a refused image.
+            degraded = (REASON_IMAGE_NOT_ALLOWED, f"rollout of configHash {rollout.config_hash} did not progress "
+                        f"and lastGoodEngine is not put back: {refusal}")
+            old = find_condition(previous.get("conditions"), DEGRADED) or {}
+            if old.get("reason") != REASON_IMAGE_NOT_ALLOWED:
+                emit_on(parent, "Warning", REASON_IMAGE_NOT_ALLOWED, degraded[1])
+        elif last_good and last_good != rollout.engine:
             isvc = InferenceService.model_validate({k: v for k, v in parent.items() if k != "status"})
             served = await rt.discovery.served()
             options = render_options(rt.settings, served)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvpilot.operator.builders.common import DEFAULT_TWIN_IMAGE
+from kvpilot.operator.images import ImageAllowlist
 
 FIELD_MANAGER = "kvpilot-operator"
 
@@ -30,6 +31,9 @@ class OperatorSettings:
     max_workers: int = 128
     # kopf's delay before it runs a handler again after a transient failure.
     handler_retry_delay_seconds: float = 30.0
+    # The vLLM images tenants may run (engine.kind vllm); empty allows any.  The twin's image is
+    # twin_image above, the admin's own choice, and is not checked.
+    allowed_images: ImageAllowlist = field(default_factory=ImageAllowlist)
     # Run vLLM engine containers as this numeric uid (runAsNonRoot, caches on emptyDirs), so they are
     # admitted where the "restricted" Pod Security Standard is enforced; None keeps the image's own
     # user (root in vllm/vllm-openai).  See builders/deployment.py for what each choice costs.
