@@ -224,7 +224,7 @@ def test_chart_args_parse_with_the_real_cli() -> None:
     from kvpilot.cli import build_parser
 
     parser = build_parser()
-    for value_set in ("default", "namespace-scoped", "namespaces-operator-only", "postgresql"):
+    for value_set in ("default", "namespace-scoped", "namespaces-operator-only", "postgresql", "multi-tenant"):
         objects = render(value_set)
         for _, pod in _pod_specs(objects):
             for c in pod["containers"]:
