@@ -20,14 +20,16 @@ Security contexts, as tight as each engine allows:
   read-only root, no capabilities, RuntimeDefault seccomp.
 - vLLM pods, by default: no privilege escalation, ALL capabilities dropped, RuntimeDefault seccomp
   (the "baseline" standard and then some), but the image's own user.  vllm/vllm-openai has no USER
-  (it runs as root) and writes its caches under /root/.cache (Hugging Face downloads, vLLM's
-  torch.compile cache, Triton's) and /tmp (TorchInductor); under a uid the image does not know,
-  torch's cache set-up calls getpass.getuser(), which fails without a passwd entry or $USER.
-  Dropping the capabilities costs vLLM nothing (root still owns what it writes), so that is the default.
+  (it runs as root) and writes its caches under $HOME/.cache (Hugging Face downloads, vLLM's
+  torch.compile cache, Triton's) and /tmp (TorchInductor).  Dropping the capabilities costs vLLM
+  nothing (root still owns what it writes): benchmarks/vllm_pod_security.py serves real vLLM that way.
 - vLLM pods with RenderOptions.engine_run_as_user (an operator setting, for clusters that enforce
   "restricted"): that uid, runAsNonRoot, a read-only root, HOME on an emptyDir (so every cache above
-  lands there), /tmp on another, and USER set so getpass has a name.  Not the default because it
-  relies on those paths staying vLLM's only writes, which each vLLM and torch release may change.
+  lands there), /tmp on another, and USER set: torch names its cache directory with getpass.getuser(),
+  which older torch releases let fail for a uid without a passwd entry (torch 2.13 falls back to the
+  uid).  The same script measured real vLLM writing nowhere but HOME, /tmp and /dev/shm under such a uid.  Not the default:
+  the model files an image carries must then be readable by that uid (a weights file written through
+  a temporary file is mode 0600, as the tiny test model's is), and the GPU image was not measured.
 """
 
 from __future__ import annotations
