@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from kvpilot.api import engine as engine_codec
-from kvpilot.api import vllm
+from kvpilot.api import rules, vllm
 from kvpilot.api.models import InferenceServiceSpec, InferenceServiceStatus
 from kvpilot.api.vocabulary import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, TUNED_ENGINE_FIELDS, VERSION
 
@@ -96,6 +96,13 @@ _CEL_RULES: dict[tuple[str, ...], list[dict[str, str]]] = {
             "fieldPath": ".itlSeconds",
         },
     ],
+    ("spec", "tuning"): [
+        {
+            "rule": "!has(self.storage)",
+            "message": f"removed: {rules.STORAGE_REMOVED}",
+            "fieldPath": ".storage",
+        },
+    ],
     # The size test first: minItems/maxItems already refuse a range that is not a pair, but the
     # API server runs the rule anyway, and self.x[1] of a one-item list adds a confusing
     # "index out of bounds" error to the plain "should have at least 2 items".
@@ -150,7 +157,7 @@ _CEL_RULES[("spec",)] += [
         "fieldPath": ".engine.kvCacheMemoryBytes",
     },
 ]
-_CEL_RULES[("spec", "tuning")] = [
+_CEL_RULES[("spec", "tuning")] += [
     {
         "rule": "self.warmupSeconds < self.trialSeconds",
         "message": "warmupSeconds must be shorter than trialSeconds so a trial measures anything",
@@ -279,11 +286,11 @@ def _object_defaults(node: dict[str, Any]) -> None:
 
 
 def _attach_rules(spec_schema: dict[str, Any]) -> None:
-    for path, rules in _CEL_RULES.items():
+    for path, cel in _CEL_RULES.items():
         node = spec_schema
         for part in path[1:]:
             node = node["properties"][part]
-        node["x-kubernetes-validations"] = rules
+        node["x-kubernetes-validations"] = cel
 
 
 def openapi_schema() -> dict[str, Any]:

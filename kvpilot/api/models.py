@@ -221,8 +221,10 @@ class TuningSpec(_Wire):
     max_trials: int = Field(30, ge=1, le=1000, description="Trials before the tuner settles on the best.")
     trial_seconds: int = Field(600, ge=10, le=86400, description="Measurement window of one trial.")
     warmup_seconds: int = Field(120, ge=0, le=86400, description="Wait after a rollout before measuring.")
+    # Removed from the resource: a tenant chose where the cluster-wide tuner opened a database (or
+    # wrote a SQLite file).  Kept in the schema only so the refusal can say where the setting went.
     storage: str | None = Field(
-        None, max_length=2048, description="Optuna storage URL (sqlite:///..., postgresql://...); unset = the tuner's default."
+        None, max_length=2048, description="Removed (must be unset): " + rules.STORAGE_REMOVED
     )
 
     @model_validator(mode="after")

@@ -54,6 +54,14 @@ def raise_issues(title: str, issues: list[Issue]) -> None:
     )
 
 
+# spec.tuning.storage is gone from the resource (v1alpha1 promises no compatibility, and a field
+# that silently stopped working would leave a user looking for their study in the wrong database).
+# The CRD's rule says the same (crd.py).
+STORAGE_REMOVED = (
+    "where studies are stored is the tuner's own configuration, not the resource's: the Helm value "
+    "tuner.storage, or `kvpilot tuner --storage` / $KVPILOT_TUNER_STORAGE; delete spec.tuning.storage"
+)
+
 _NONE: list[Issue] = []  # shared, never mutated: the common case allocates nothing
 
 
@@ -122,9 +130,12 @@ def tuning_issues(tuning: TuningSpec) -> list[Issue]:
         and 1 <= seqs[0] < seqs[1] <= engine_codec.MAX_NUM_SEQS_LIMIT
         and tokens[1] >= seqs[0]
         and tuning.warmup_seconds < tuning.trial_seconds
+        and tuning.storage is None
     ):
         return _NONE
     issues: list[Issue] = []
+    if tuning.storage is not None:
+        issues.append((("storage",), f"removed: {STORAGE_REMOVED}", tuning.storage))
     ranges = space.model_dump(by_alias=True)
     for name in TUNED_ENGINE_FIELDS:
         bounds = ranges[name]

@@ -40,6 +40,13 @@ ANNOTATION_TUNING_TRIAL = f"{GROUP}/tuning-trial"
 # The tuner's server-side-apply field manager: a GitOps tool ignores exactly this manager's fields.
 FIELD_MANAGER_TUNER = "kvpilot-tuner"
 
+# ---- configuration from the environment ---------------------------------------------------------
+# The tuner's study storage URL.  A PostgreSQL URL carries a password: the chart puts it here from a
+# Secret, never on the command line (where `ps` and /proc/PID/cmdline show it to the whole pod).
+ENV_TUNER_STORAGE = "KVPILOT_TUNER_STORAGE"
+# The operator's image allowlist: patterns separated by commas (the chart writes --allowed-image flags).
+ENV_ALLOWED_IMAGES = "KVPILOT_ALLOWED_IMAGES"
+
 _NOT_LABEL_CHAR = re.compile(r"[^a-zA-Z0-9_]")
 
 
@@ -92,6 +99,8 @@ class Reason(StrEnum):
     # A pod of the new revision: its engine restarted past the operator's --crash-loop-restarts
     # (the kubelet's own word for a container it is backing off from restarting).
     CRASH_LOOP_BACK_OFF = "CrashLoopBackOff"
+    # spec.engine.image matches none of the operator's allowed image patterns: nothing is applied.
+    IMAGE_NOT_ALLOWED = "ImageNotAllowed"
 
 
 class TuningPhase(StrEnum):

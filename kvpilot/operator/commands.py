@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 
+from kvpilot.api.vocabulary import ENV_ALLOWED_IMAGES
 from kvpilot.operator.builders.common import DEFAULT_TWIN_IMAGE
 
 
@@ -44,6 +46,16 @@ def _seconds(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0 (got {text})")
     return value
+
+
+def _uid(text: str) -> int:
+    try:
+        uid = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a numeric user id 1-2147483647 (got {text!r})") from None
+    if not 1 <= uid <= 2147483647:
+        raise argparse.ArgumentTypeError(f"must be a non-root numeric user id 1-2147483647 (got {uid})")
+    return uid
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -85,6 +97,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     op.add_argument("--crash-loop-restarts", type=_positive, default=3, metavar="N",
                     help="roll a new revision back at once when a pod's engine has restarted N times; vLLM's own "
                     "start-up failure text rolls it back at the first exit (default: %(default)s)")
+    op.add_argument("--allowed-image", action="append", default=[], metavar="PATTERN",
+                    help=f"a vLLM image tenants may run (repeatable; also ${ENV_ALLOWED_IMAGES}, comma-separated): a glob "
+                    "over the full reference starting with the registry, e.g. docker.io/vllm/vllm-openai:* "
+                    "or registry.example.com/*; others are refused with condition Degraded/ImageNotAllowed. "
+                    "Default: any image")
+    op.add_argument("--engine-run-as-user", type=_uid, default=None, metavar="UID",
+                    help="run vLLM containers as this non-root uid, with HOME and /tmp on emptyDirs and a "
+                    "read-only root (what the restricted Pod Security Standard needs); default: the "
+                    "image's own user, with every capability dropped")
     op.add_argument("-v", "--verbose", action="store_true", help="log more")
     op.set_defaults(handler=_operator)
 
@@ -99,6 +120,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     render.add_argument("-f", "--filename", required=True, metavar="FILE", help="a YAML file, or - for stdin")
     render.add_argument("--twin-image", default=DEFAULT_TWIN_IMAGE, metavar="IMG",
                         help="kvpilot image for engine.kind twin (default: %(default)s)")
+    render.add_argument("--engine-run-as-user", type=_uid, default=None, metavar="UID",
+                        help="as `kvpilot operator --engine-run-as-user`")
     render.add_argument("--no-monitoring", action="store_true",
                         help="leave out ServiceMonitor, PodMonitor and PrometheusRule, as on a cluster without the "
                         "Prometheus Operator CRDs")
@@ -110,9 +133,15 @@ def _operator(args: argparse.Namespace) -> int:
 
     from kvpilot.api.retry import Backoff
     from kvpilot.operator.handlers import CredentialsError
+    from kvpilot.operator.images import AllowlistError, ImageAllowlist
     from kvpilot.operator.runner import configure_logging, run_operator
     from kvpilot.operator.settings import OperatorSettings
 
+    try:
+        allowed = ImageAllowlist.parse([os.environ.get(ENV_ALLOWED_IMAGES, ""), *args.allowed_image])
+    except AllowlistError as exc:
+        print(f"kvpilot operator: {exc}", file=sys.stderr)
+        return 2
     settings = OperatorSettings(
         namespaces=tuple(args.namespace), all_namespaces=args.all_namespaces, twin_image=args.twin_image,
         metrics_host=args.metrics_host, metrics_port=args.metrics_port, log_format=args.log_format,
@@ -120,6 +149,7 @@ def _operator(args: argparse.Namespace) -> int:
         api_backoff=Backoff(retries=args.api_retries), retry_seed=args.retry_seed,
         handler_retry_delay_seconds=args.retry_delay,
         crash_loop_restarts=args.crash_loop_restarts,
+        allowed_images=allowed, engine_run_as_user=args.engine_run_as_user,
     )
     configure_logging(settings)
     try:
@@ -152,7 +182,8 @@ def _render(args: argparse.Namespace) -> int:
                 print(f"{args.filename}: {result.label}: {issue}", file=sys.stderr)
         return 1
     options = RenderOptions(twin_image=args.twin_image, service_monitors=not args.no_monitoring,
-                            pod_monitors=not args.no_monitoring, prometheus_rules=not args.no_monitoring)
+                            pod_monitors=not args.no_monitoring, prometheus_rules=not args.no_monitoring,
+                            engine_run_as_user=args.engine_run_as_user)
     # One service at a time: a bundle of a thousand is 27 MB of YAML, never all in memory at once.
     first = True
     for p in parsed:

@@ -28,7 +28,7 @@ class OperatorMetrics:
     def __post_init__(self) -> None:
         self.reconciles = Counter(
             METRIC_RECONCILES_TOTAL, "InferenceService reconciles, by result "
-            "(success, invalid: InvalidSpec, error: permanent failure, retry: transient failure).",
+            "(success, invalid: InvalidSpec or ImageNotAllowed, error: permanent failure, retry: transient failure).",
             ["result"], registry=self.registry)
         for result in RESULTS:
             self.reconciles.labels(result=result)  # export zeros so rate() works from the start

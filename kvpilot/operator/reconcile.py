@@ -54,6 +54,7 @@ from kvpilot.operator.builders.status import (
     ENGINE_FAILURE_REASONS,
     REASON_APPLY_FAILED,
     REASON_DEADLINE,
+    REASON_IMAGE_NOT_ALLOWED,
     REASON_INVALID_SPEC,
     REASON_ROLLBACK_FAILED,
     REASON_ROLLED_BACK,
@@ -75,13 +76,6 @@ Logger = logging.Logger | logging.LoggerAdapter[Any]
 
 # emit(type, reason, message): an Event on the InferenceService being handled.
 Emit = Callable[[str, str, str], None]
-
-
-def _render_options(rt: Runtime, served: frozenset[str]) -> RenderOptions:
-    return RenderOptions(twin_image=rt.settings.twin_image,
-                         service_monitors="servicemonitors" in served,
-                         pod_monitors="podmonitors" in served,
-                         prometheus_rules="prometheusrules" in served)
 
 
 def _unserved_kinds(isvc: InferenceService, served: frozenset[str]) -> list[str]:
@@ -245,6 +239,21 @@ async def update_status(rt: Runtime, namespace: str, name: str, compute: Compute
                    f"{STATUS_CONFLICT_ATTEMPTS} read-modify-write attempts")
 
 
+def render_options(settings: OperatorSettings, served: frozenset[str]) -> RenderOptions:
+    """What the builders need from the settings and from discovery (the monitoring kinds served)."""
+    return RenderOptions(twin_image=settings.twin_image, service_monitors="servicemonitors" in served,
+                         pod_monitors="podmonitors" in served, prometheus_rules="prometheusrules" in served,
+                         engine_run_as_user=settings.engine_run_as_user)
+
+
+def image_refusal(rt: Runtime, engine: EngineSpec, field: str = "spec.engine.image") -> str | None:
+    """Why the operator will not run this engine's image (the allowlist's message), or None.  Only
+    vLLM images are the tenant's choice; the twin runs the operator's own --twin-image."""
+    if engine.kind != "vllm" or rt.settings.allowed_images.allows(engine.image):
+        return None
+    return rt.settings.allowed_images.refusal(engine.image, field)
+
+
 async def reconcile_service(rt: Runtime, body: dict[str, Any], emit: Emit, logger: Logger) -> None:
     """Reconcile one InferenceService and write its status (raises RetryLater on transient failures)."""
     started = time.perf_counter()
@@ -308,9 +317,18 @@ async def _reconcile(rt: Runtime, body: dict[str, Any], emit: Emit,
         # This generation already failed its rollout: keep the last good engine until the spec changes.
         engine = EngineSpec.model_validate(previous["lastGoodEngine"])
 
+    refusal = image_refusal(rt, engine or isvc.spec.engine)
+    if refusal is not None:
+        old = find_condition(previous.get("conditions"), DEGRADED) or {}
+        if old.get("reason") != REASON_IMAGE_NOT_ALLOWED or old.get("message") != refusal:
+            emit("Warning", REASON_IMAGE_NOT_ALLOWED, refusal)
+        logger.warning("image not allowed, nothing deployed or changed: %s", refusal)
+        return ((lambda fresh: invalid_status(generation=generation, previous=fresh, message=refusal,
+                                              reason=REASON_IMAGE_NOT_ALLOWED)), "invalid", None)
+
     try:
         served = await rt.discovery.served()
-        options = _render_options(rt, served)
+        options = render_options(rt.settings, served)
         missing = _unserved_kinds(isvc, served)
         if missing and isvc.metadata.uid not in rt.skip_noted:
             rt.skip_noted.add(str(isvc.metadata.uid))
@@ -436,9 +454,18 @@ async def _track_rollout(rt: Runtime, namespace: str, name: str, deployment: dic
     last_failure: dict[str, Any] | None = None
     last_good = previous.get("lastGoodEngine")
     if rollout.deadline_exceeded and rollout.engine is not None:
-        if last_good and last_good != rollout.engine:
+        refusal = image_refusal(rt, EngineSpec.model_validate(last_good), "status.lastGoodEngine.image") \
+            if last_good else None
+        if refusal is not None:
+            # The allowlist changed since that engine ran: putting it back would run a refused image.
+            degraded = (REASON_IMAGE_NOT_ALLOWED, f"rollout of configHash {rollout.config_hash} did not progress "
+                        f"and lastGoodEngine is not put back: {refusal}")
+            old = find_condition(previous.get("conditions"), DEGRADED) or {}
+            if old.get("reason") != REASON_IMAGE_NOT_ALLOWED:
+                emit_on(parent, "Warning", REASON_IMAGE_NOT_ALLOWED, degraded[1])
+        elif last_good and last_good != rollout.engine:
             isvc = InferenceService.model_validate({k: v for k, v in parent.items() if k != "status"})
-            options = _render_options(rt, await rt.discovery.served())
+            options = render_options(rt.settings, await rt.discovery.served())
             restored = build_deployment(isvc, options, EngineSpec.model_validate(last_good))
             failed = (f"rollout of configHash {rollout.config_hash} ({_engine_summary(rollout.engine, last_good)}) "
                       f"did not progress: {rollout.message or REASON_DEADLINE}")
@@ -531,7 +558,7 @@ async def _restore_last_good(rt: Runtime, parent: dict[str, Any],
                              last_good: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
     """Put the Deployment back on `last_good`: the Deployment as applied, and its config hash."""
     isvc = InferenceService.model_validate({k: v for k, v in parent.items() if k != "status"})
-    options = _render_options(rt, await rt.discovery.served())
+    options = render_options(rt.settings, await rt.discovery.served())
     restored = build_deployment(isvc, options, EngineSpec.model_validate(last_good))
     applied = await ensure(rt.client, restored)
     return applied.live, str(restored["metadata"]["annotations"][ANNOTATION_CONFIG_HASH])

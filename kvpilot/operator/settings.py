@@ -7,6 +7,7 @@ from typing import Literal
 
 from kvpilot.api.retry import Backoff
 from kvpilot.operator.builders.common import DEFAULT_TWIN_IMAGE
+from kvpilot.operator.images import ImageAllowlist
 
 FIELD_MANAGER = "kvpilot-operator"
 
@@ -44,6 +45,13 @@ class OperatorSettings:
     # all (builders.pods); this catches the rest (a crash without vLLM's words, an OOM kill).  Three:
     # the kubelet's back-off has then spent about 70 s (10 + 20 + 40), long past a flaky first start.
     crash_loop_restarts: int = 3
+    # The vLLM images tenants may run (engine.kind vllm); empty allows any.  The twin's image is
+    # twin_image above, the admin's own choice, and is not checked.
+    allowed_images: ImageAllowlist = field(default_factory=ImageAllowlist)
+    # Run vLLM engine containers as this numeric uid (runAsNonRoot, caches on emptyDirs), so they are
+    # admitted where the "restricted" Pod Security Standard is enforced; None keeps the image's own
+    # user (root in vllm/vllm-openai).  See builders/deployment.py for what each choice costs.
+    engine_run_as_user: int | None = None
 
     @property
     def watched_namespaces(self) -> tuple[str, ...]:

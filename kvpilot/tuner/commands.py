@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Any
+
+from kvpilot.api.vocabulary import ENV_TUNER_STORAGE
+
+DEFAULT_TUNER_STORAGE = "sqlite:////var/lib/kvpilot/tuner.db"
 
 TUNE_EPILOG = """\
 examples:
@@ -106,7 +111,10 @@ def register(subparsers: Any) -> None:
     )
     t.add_argument("--prometheus", required=True, metavar="URL", help="the cluster's Prometheus")
     t.add_argument("--namespace", help="only this namespace (default: all)")
-    t.add_argument("--storage", default="sqlite:////var/lib/kvpilot/tuner.db", help="Optuna storage URL")
+    t.add_argument("--storage", default=None, metavar="URL",
+                   help=f"Optuna storage URL without a password (default: ${ENV_TUNER_STORAGE}, else "
+                        f"{DEFAULT_TUNER_STORAGE}); a URL with a password belongs in ${ENV_TUNER_STORAGE}, "
+                        "where no process listing shows it")
     t.add_argument("--metrics-port", type=int, default=9109, help="default %(default)s; 0 disables")
     t.add_argument("--resync", type=float, default=30.0, help="seconds between scans for services")
     t.add_argument("--poll", type=float, default=15.0, help="burn-rate poll interval, seconds")
@@ -141,6 +149,21 @@ def _tune(args: argparse.Namespace) -> int:
         return 2
 
 
+def tuner_storage(args: argparse.Namespace, environ: dict[str, str] | None = None) -> str:
+    """The in-cluster tuner's storage URL: --storage, else $KVPILOT_TUNER_STORAGE, else SQLite on the
+    chart's volume.  A password on the command line is refused: every process that can read
+    /proc/PID/cmdline (or `kubectl get pod -o yaml`, where the chart wrote args) would see it."""
+    from kvpilot.tuner.storage import StorageError, has_password
+
+    if args.storage is not None:
+        if has_password(args.storage):
+            raise StorageError(f"--storage carries a password, which the command line shows to every process "
+                               f"that can list processes: pass the URL in ${ENV_TUNER_STORAGE} instead")
+        return str(args.storage)
+    env = os.environ if environ is None else environ
+    return env.get(ENV_TUNER_STORAGE) or DEFAULT_TUNER_STORAGE
+
+
 def _tuner(args: argparse.Namespace) -> int:
     _setup_logging(verbose=True)
     from kvpilot.tuner.incluster import run_tuner
@@ -148,7 +171,8 @@ def _tuner(args: argparse.Namespace) -> int:
     from kvpilot.tuner.storage import StorageError, check_storage_url
 
     try:
-        check_storage_url(args.storage)
+        flag = "--storage" if args.storage is not None else f"${ENV_TUNER_STORAGE}"
+        args.storage = check_storage_url(tuner_storage(args), flag=flag)
         return run_tuner(args)
     except (KubeCredentialsError, StorageError) as exc:
         print(f"kvpilot tuner: {exc}", file=sys.stderr)

@@ -124,8 +124,9 @@ class Worker:
         return None  # the loop's real clock
 
     def _plan(self) -> tuple[SearchSpace, SLO, Goal, str]:
-        """What the spec asks for: the space, SLO, goal and storage URL.  Raises ValueError (or
-        SpaceError) for a spec no restart can fix."""
+        """What the spec asks for (the space, SLO and goal) and the study's storage, which is the
+        tuner's own: a tenant must not choose which database a cluster-wide process opens.  Raises
+        ValueError (or SpaceError) for a spec no restart can fix."""
         from kvpilot.tuner.jobs import sqlite_url
 
         spec = self.isvc.spec
@@ -133,7 +134,7 @@ class Worker:
         goal = Goal(spec.tuning.goal)
         self._study = study_name(self.namespace, self.name, space, goal)
         return (space, SLO(spec.slo.ttft_seconds, spec.slo.itl_seconds), goal,
-                sqlite_url(spec.tuning.storage or self.args.storage))
+                sqlite_url(self.args.storage))
 
     def _tune(self, plan: tuple[SearchSpace, SLO, Goal, str]) -> None:
         from kvpilot.tuner.adapters.kubernetes import KubernetesApplier, KubeStatusObserver
@@ -242,7 +243,10 @@ def run_tuner(args: Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    log.info("kvpilot tuner: watching InferenceServices in %s", args.namespace or "all namespaces")
+    from kvpilot.tuner.storage import redacted
+
+    log.info("kvpilot tuner: watching InferenceServices in %s; studies in %s",
+             args.namespace or "all namespaces", redacted(args.storage))
     while not stopping.is_set():
         items: list[dict[str, Any]] | None
         try:

@@ -6,14 +6,28 @@ would otherwise surface as a SQLAlchemy traceback from deep inside `create_study
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 # Drivers kvpilot knows how to get: the extra that installs each.
 _EXTRAS = {"psycopg": "kvpilot[postgresql]", "psycopg2": "kvpilot[postgresql]"}
 
 
+# user:password@ in a URL's authority (what SQLAlchemy's hide_password masks, for text it cannot parse too).
+_PASSWORD = re.compile(r"(?<=://)([^:/@]*):[^@/]*@")
+
+
 class StorageError(ValueError):
-    """An unusable storage URL: says what was given and what is allowed."""
+    """An unusable storage URL: says what was given (its password masked) and what is allowed."""
+
+
+def redacted(url: str) -> str:
+    """The URL with its password replaced by ***, fit for a log line or an error message."""
+    return _PASSWORD.sub(r"\1:***@", url)
+
+
+def has_password(url: str) -> bool:
+    return _PASSWORD.search(url) is not None
 
 
 def check_storage_url(url: str, flag: str = "--storage") -> str:
@@ -24,13 +38,13 @@ def check_storage_url(url: str, flag: str = "--storage") -> str:
     if "://" not in url:
         hint = f" (for a SQLite file: sqlite:///{url})" if url else ""
         raise StorageError(f"{flag}: expected a database URL such as sqlite:///out/study.db or "
-                           f"postgresql://user:pass@host/db, got {url!r}{hint}")
+                           f"postgresql://user:pass@host/db, got {redacted(url)!r}{hint}")
     try:
         parsed = make_url(url)
         dialect = parsed.get_dialect()
     except (ArgumentError, NoSuchModuleError, ValueError) as exc:
-        raise StorageError(f"{flag}: {url!r} is not a database URL SQLAlchemy knows "
-                           f"(sqlite:///PATH, postgresql://..., mysql+pymysql://...): {exc}") from None
+        raise StorageError(f"{flag}: {redacted(url)!r} is not a database URL SQLAlchemy knows "
+                           f"(sqlite:///PATH, postgresql://..., mysql+pymysql://...): {redacted(str(exc))}") from None
     try:
         dialect.import_dbapi()
     except ImportError as exc:

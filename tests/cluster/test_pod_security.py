@@ -90,3 +90,50 @@ def test_twin_engine_pods_are_admitted_where_restricted_is_enforced(
     assert refused.value.status == 403
     assert 'violates PodSecurity "restricted:latest"' in refused.value.message
     control_plane.delete(f"{path}/twin")
+
+
+BASELINE = {"pod-security.kubernetes.io/enforce": "baseline",
+            "pod-security.kubernetes.io/enforce-version": "latest"}
+
+
+def _namespace(cp: ControlPlane, name: str, labels: dict[str, str]) -> None:
+    if cp.get_or_none(f"/api/v1/namespaces/{name}") is None:
+        cp.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
+                                         "metadata": {"name": name, "labels": labels}})
+    # Pod admission looks the pod's ServiceAccount up, token or not.
+    wait_for(lambda: cp.get_or_none(f"/api/v1/namespaces/{name}/serviceaccounts/default"),
+             timeout=30, what=f"the default ServiceAccount of {name}")
+
+
+def _vllm_pod(namespace: str, options: RenderOptions) -> dict[str, Any]:
+    isvc = InferenceService.model_validate({"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService",
+                                            "metadata": {"name": "vllm", "namespace": namespace},
+                                            "spec": {"model": "Qwen/Qwen2.5-0.5B-Instruct"}})
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "vllm", "namespace": namespace},
+            "spec": pod_template(isvc, options)["spec"]}
+
+
+def test_vllm_engine_pods_pass_baseline_and_with_an_engine_uid_restricted(control_plane: ControlPlane) -> None:
+    """The default vLLM pod (the image's root user, no capabilities) is admitted where "baseline"
+    is enforced; with the operator's --engine-run-as-user, where "restricted" is."""
+    _namespace(control_plane, "baseline", BASELINE)
+    _namespace(control_plane, "restricted-vllm", RESTRICTED)
+    for namespace, options in (("baseline", RenderOptions()),
+                               ("restricted-vllm", RenderOptions(engine_run_as_user=1001))):
+        created = control_plane.create(f"/api/v1/namespaces/{namespace}/pods", _vllm_pod(namespace, options),
+                                       params={"dryRun": "All"})
+        assert created["spec"]["automountServiceAccountToken"] is False
+        # No token volume was injected: the ServiceAccount admission honours the pod's opt-out.
+        assert not [v for v in created["spec"].get("volumes", []) if v["name"].startswith("kube-api-access")]
+
+
+def test_the_charts_network_policies_are_accepted_by_the_api_server(control_plane: ControlPlane) -> None:
+    objects = [r.obj for r in chart.render("multi-tenant") if r.kind == "NetworkPolicy"]
+    assert {o["metadata"]["namespace"] for o in objects} == {chart.NAMESPACE, "team-a"}
+    for namespace in {o["metadata"]["namespace"] for o in objects}:
+        _namespace(control_plane, namespace, {})
+    for obj in objects:
+        ns = obj["metadata"]["namespace"]
+        created = control_plane.create(f"/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies", obj,
+                                       params={"dryRun": "All"})
+        assert created["spec"]["podSelector"] == obj["spec"]["podSelector"]

@@ -105,8 +105,10 @@ seccompProfile:
 {{- end -}}
 
 {{/*
-The tuner's command line. The storage URL comes from the environment (KVPILOT_TUNER_STORAGE):
-Kubernetes expands $(VAR) in args, so a PostgreSQL password never sits in the pod spec.
+The tuner's command line. The storage URL is not on it: `kvpilot tuner` reads KVPILOT_TUNER_STORAGE
+from its environment (set from a Secret for PostgreSQL). A `--storage=$(VAR)` argument would have
+the kubelet expand the password into the process's command line, which `ps` and
+/proc/PID/cmdline show; the tuner refuses a URL with a password there.
 `kvpilot tuner` watches one namespace or all of them.
 */}}
 {{- define "kvpilot.tunerArgs" -}}
@@ -119,6 +121,5 @@ Kubernetes expands $(VAR) in args, so a PostgreSQL password never sits in the po
 {{- end }}
 - --namespace={{ first $namespaces }}
 {{- end }}
-- --storage=$(KVPILOT_TUNER_STORAGE)
 - --metrics-port={{ .Values.tuner.metricsPort }}
 {{- end -}}

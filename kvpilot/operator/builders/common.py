@@ -40,6 +40,8 @@ class RenderOptions:
     service_monitors: bool = True
     pod_monitors: bool = True
     prometheus_rules: bool = True
+    # A numeric uid to run vLLM containers as (OperatorSettings.engine_run_as_user); None: the image's user.
+    engine_run_as_user: int | None = None
 
 
 def app_name(isvc: InferenceService) -> str:

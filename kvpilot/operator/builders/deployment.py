@@ -11,6 +11,25 @@ Why each setting is what it is:
   drain in-flight requests; the grace period covers both, plus a margin for the process to exit.
 - The config-hash annotation on the pod template is a hash of the template itself, so it changes
   exactly when what the pods run changes; slo/tuning are not inputs of the template at all.
+- No service-account token (automountServiceAccountToken false): an engine never calls the API
+  server, and a token in a pod that runs tenant-chosen images and serves the network is a credential
+  to lose.
+
+Security contexts, as tight as each engine allows:
+- twin pods fit the "restricted" Pod Security Standard: the kvpilot image's non-root USER,
+  read-only root, no capabilities, RuntimeDefault seccomp.
+- vLLM pods, by default: no privilege escalation, ALL capabilities dropped, RuntimeDefault seccomp
+  (the "baseline" standard and then some), but the image's own user.  vllm/vllm-openai has no USER
+  (it runs as root) and writes its caches under $HOME/.cache (Hugging Face downloads, vLLM's
+  torch.compile cache, Triton's) and /tmp (TorchInductor).  Dropping the capabilities costs vLLM
+  nothing (root still owns what it writes): benchmarks/vllm_pod_security.py serves real vLLM that way.
+- vLLM pods with RenderOptions.engine_run_as_user (an operator setting, for clusters that enforce
+  "restricted"): that uid, runAsNonRoot, a read-only root, HOME on an emptyDir (so every cache above
+  lands there), /tmp on another, and USER set: torch names its cache directory with getpass.getuser(),
+  which older torch releases let fail for a uid without a passwd entry (torch 2.13 falls back to the
+  uid).  The same script measured real vLLM writing nowhere but HOME, /tmp and /dev/shm under such a uid.  Not the default:
+  the model files an image carries must then be readable by that uid (a weights file written through
+  a temporary file is mode 0600, as the tiny test model's is), and the GPU image was not measured.
 """
 
 from __future__ import annotations
@@ -50,15 +69,40 @@ TWIN_TMP_SIZE = "64Mi"
 TERMINATION_MESSAGE_POLICY = "FallbackToLogsOnError"
 
 
+# vLLM run as a non-root uid: HOME (every cache under ~/.cache and ~/.config) and /tmp on emptyDirs.
+# No size limit: the model download lands in HOME and a limit would evict the pod mid-download;
+# the node's ephemeral storage bounds it, as it bounds the image's writable layer otherwise.
+VLLM_HOME = "/home/vllm"
+VLLM_USER = "vllm"
+
+_SECCOMP = {"type": "RuntimeDefault"}
+
+
+def _non_root(uid: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(pod, container) security contexts for a numeric non-root uid: the "restricted" standard."""
+    pod = {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": uid, "fsGroup": uid,
+           "seccompProfile": dict(_SECCOMP)}
+    container = {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": uid,
+                 "allowPrivilegeEscalation": False, "privileged": False, "readOnlyRootFilesystem": True,
+                 "capabilities": {"drop": ["ALL"]}, "seccompProfile": dict(_SECCOMP)}
+    return pod, container
+
+
 def twin_security_contexts() -> tuple[dict[str, Any], dict[str, Any]]:
     """(pod, container) security contexts for twin pods, fit for the "restricted" Pod Security
-    Standard, so the twin runs in namespaces that enforce it.  vLLM pods get none: the vLLM image
-    runs as root and writes its caches (Hugging Face, torch.compile) into the root filesystem."""
-    pod = {"runAsNonRoot": True, "runAsUser": TWIN_UID, "runAsGroup": TWIN_UID,
-           "seccompProfile": {"type": "RuntimeDefault"}}
-    container = {"runAsNonRoot": True, "runAsUser": TWIN_UID, "runAsGroup": TWIN_UID,
-                 "allowPrivilegeEscalation": False, "privileged": False, "readOnlyRootFilesystem": True,
-                 "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+    Standard, so the twin runs in namespaces that enforce it."""
+    pod, container = _non_root(TWIN_UID)
+    del pod["fsGroup"]  # the twin writes only to its /tmp emptyDir, which needs no group
+    return pod, container
+
+
+def vllm_security_contexts(run_as_user: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(pod, container) security contexts for vLLM pods (see the module docstring for why)."""
+    if run_as_user is not None:
+        return _non_root(run_as_user)
+    pod = {"seccompProfile": dict(_SECCOMP)}
+    container = {"allowPrivilegeEscalation": False, "privileged": False, "capabilities": {"drop": ["ALL"]},
+                 "seccompProfile": dict(_SECCOMP)}
     return pod, container
 
 
@@ -143,13 +187,21 @@ def pod_template(isvc: InferenceService, options: RenderOptions, engine: EngineS
     # NCCL and PyTorch workers share tensors through /dev/shm; the container default is 64 MiB.
     volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory",
                                                                    "sizeLimit": isvc.spec.resources.shm_size}}]
-    pod_spec: dict[str, Any] = {"terminationGracePeriodSeconds": termination_grace_period(isvc)}
+    pod_spec: dict[str, Any] = {"terminationGracePeriodSeconds": termination_grace_period(isvc),
+                                "automountServiceAccountToken": False}
     if engine.kind == "twin":
         pod_spec["securityContext"], container["securityContext"] = twin_security_contexts()
         # The root filesystem is read-only; HOME is /tmp in the image, so whatever a library
         # caches there (and Python's tempfile) lands in a small writable emptyDir.
         container["volumeMounts"].append({"name": "tmp", "mountPath": "/tmp"})
         volumes.append({"name": "tmp", "emptyDir": {"sizeLimit": TWIN_TMP_SIZE}})
+    else:
+        pod_spec["securityContext"], container["securityContext"] = vllm_security_contexts(options.engine_run_as_user)
+        if options.engine_run_as_user is not None:
+            container["volumeMounts"] += [{"name": "home", "mountPath": VLLM_HOME}, {"name": "tmp", "mountPath": "/tmp"}]
+            volumes += [{"name": "home", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
+            container["env"] = [{"name": "HOME", "value": VLLM_HOME}, {"name": "USER", "value": VLLM_USER},
+                                *container.get("env", [])]
     labels = common_labels(isvc)
     labels["app.kubernetes.io/name"] = "vllm" if engine.kind == "vllm" else "kvpilot-twin"
     return {

@@ -4,9 +4,9 @@ the engine in force, and lastGoodEngine.  Pure functions: the handlers pass in w
 Conditions (type, status, reason, message, lastTransitionTime, observedGeneration):
 - Ready: True when the rollout is complete (every desired replica runs the current config and is ready).
 - Progressing: True while a rollout is under way; False with RolloutComplete or ProgressDeadlineExceeded.
-- Degraded: True with InvalidSpec, RolledBack, RollbackFailed (the rollback's patch failed and is being
-  tried again), ApplyFailed, or (nothing to roll back to) ProgressDeadlineExceeded, EngineStartupFailed or
-  CrashLoopBackOff; else AsExpected.
+- Degraded: True with InvalidSpec, ImageNotAllowed, RolledBack, RollbackFailed (the rollback's patch failed
+  and is being tried again), ApplyFailed, or (nothing to roll back to) ProgressDeadlineExceeded,
+  EngineStartupFailed or CrashLoopBackOff; else AsExpected.
 
 status.lastFailure {reason, message, configHash, observedGeneration, pod, time} keeps the last failed
 rollout in the engine's own words, for the tuner to grade the config it tried.
@@ -37,6 +37,7 @@ REASON_DEADLINE = Reason.PROGRESS_DEADLINE_EXCEEDED.value
 REASON_COMPLETE = Reason.ROLLOUT_COMPLETE.value
 # A pod of the new revision showed its engine cannot run (builders.pods).
 ENGINE_FAILURE_REASONS = (Reason.ENGINE_STARTUP_FAILED.value, Reason.CRASH_LOOP_BACK_OFF.value)
+REASON_IMAGE_NOT_ALLOWED = Reason.IMAGE_NOT_ALLOWED.value
 
 
 def now_rfc3339() -> str:
@@ -227,14 +228,15 @@ def desired_status(*, generation: int | None, previous: dict[str, Any] | None, d
 
 
 def invalid_status(*, generation: int | None, previous: dict[str, Any] | None, message: str,
-                   now: str | None = None) -> dict[str, Any]:
-    """Status for an object that failed validation: nothing deployed or changed, Degraded/InvalidSpec."""
+                   now: str | None = None, reason: str = REASON_INVALID_SPEC) -> dict[str, Any]:
+    """Status for an object the operator refuses (failed validation: InvalidSpec; an image outside the
+    allowlist: ImageNotAllowed): nothing deployed or changed, Degraded with the reason."""
     now = now or now_rfc3339()
     conditions = [dict(c) for c in (previous or {}).get("conditions") or [] if isinstance(c, dict)]
-    conditions = set_condition(conditions, READY, "False", REASON_INVALID_SPEC, message, generation, now)
-    conditions = set_condition(conditions, PROGRESSING, "False", REASON_INVALID_SPEC,
+    conditions = set_condition(conditions, READY, "False", reason, message, generation, now)
+    conditions = set_condition(conditions, PROGRESSING, "False", reason,
                                "nothing deployed or changed until the spec is fixed", generation, now)
-    conditions = set_condition(conditions, DEGRADED, "True", REASON_INVALID_SPEC, message, generation, now)
+    conditions = set_condition(conditions, DEGRADED, "True", reason, message, generation, now)
     return {"observedGeneration": generation, "conditions": conditions}
 
 

@@ -433,3 +433,46 @@ def test_a_restarted_operator_keeps_the_rollback_and_its_namespaces(tmp_path: Pa
         scanned = sorted({p for _, p in api2.calls
                           if "/customresourcedefinitions" in p or p.rstrip("/") == "/api/v1/namespaces"})
         assert scanned == []
+
+
+def test_an_image_outside_the_allowlist_is_refused_with_a_condition_and_an_event(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real operator given an allowlist (one pattern by flag, one from the environment) and an
+    engine uid: an allowed image is deployed as that uid; another is refused and nothing is created
+    or changed, until the spec names an allowed image again."""
+    monkeypatch.setenv("KVPILOT_ALLOWED_IMAGES", "registry.example.com/ml/*")
+    allowlist = "registry.example.com/ml/*, docker.io/vllm/vllm-openai:*"  # the environment's first
+    with KMockAPI() as api3, kopf_operator(api3, tmp_path, "--allowed-image", "docker.io/vllm/vllm-openai:*",
+                                           "--engine-run-as-user", "1001"):
+        api3.create_isvc(make("allowed", replicas=1, engine={"image": "vllm/vllm-openai:v0.33.0"}))
+        api3.create_isvc(make("refused", replicas=1, engine={"image": "evil.example/miner:v1"}))
+        dep = wait_for(lambda: api3.get_or_none(dep_path("allowed")), what="the allowed service's Deployment")
+        pod = dep["spec"]["template"]["spec"]
+        assert pod["automountServiceAccountToken"] is False
+        assert pod["securityContext"]["runAsUser"] == 1001 and pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+
+        obj = wait_for(lambda: condition(o := api3.get_isvc(NS, "refused"), "Degraded").get("reason")
+                       == "ImageNotAllowed" and o, what="refused: Degraded/ImageNotAllowed")
+        message = condition(obj, "Degraded")["message"]
+        assert message.startswith(f"spec.engine.image evil.example/miner:v1 matches none of the images this "
+                                  f"operator may run: {allowlist}; ")
+        assert condition(obj, "Ready")["status"] == "False" and obj["status"]["observedGeneration"] == 1
+        (event,) = wait_for(lambda: [e for e in events_for(api3, "refused", "ImageNotAllowed")], what="the Event")
+        assert event["type"] == "Warning" and event["message"] == message
+        assert api3.get_or_none(dep_path("refused")) is None
+        assert api3.get_or_none(f"/api/v1/namespaces/{NS}/services/refused") is None
+
+        # An allowed service switched to a refused image keeps running what it ran.
+        api3.patch(api3.isvc_path(NS, "allowed"), {"spec": {"engine": {"image": "docker.io/evil/vllm:v1"}}})
+        wait_for(lambda: condition(api3.get_isvc(NS, "allowed"), "Degraded").get("reason") == "ImageNotAllowed",
+                 what="allowed: ImageNotAllowed after the switch")
+        assert api3.get(dep_path("allowed"))["spec"]["template"]["spec"]["containers"][0]["image"] == \
+            "vllm/vllm-openai:v0.33.0"
+
+        # Fixed: deployed, and the condition clears.
+        api3.patch(api3.isvc_path(NS, "refused"), {"spec": {"engine": {"image": "registry.example.com/ml/vllm:v2"}}})
+        dep = wait_for(lambda: api3.get_or_none(dep_path("refused")), what="the fixed service's Deployment")
+        assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.example.com/ml/vllm:v2"
+        wait_for(lambda: condition(api3.get_isvc(NS, "refused"), "Degraded").get("reason") == "AsExpected",
+                 what="refused: Degraded back to AsExpected")

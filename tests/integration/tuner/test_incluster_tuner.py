@@ -40,13 +40,13 @@ def operator(api: KMockAPI, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         yield op
 
 
-def _isvc(name: str, enabled: bool) -> dict[str, Any]:
+def _isvc(name: str, enabled: bool, **tuning: Any) -> dict[str, Any]:
     return {
         "apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService",
         "metadata": {"name": name, "namespace": NS},
         "spec": {"model": "meta-llama/Meta-Llama-3-8B-Instruct", "replicas": 1,
                  "engine": {"maxNumBatchedTokens": 2048, "gpuMemoryUtilization": 0.9, "maxNumSeqs": 256},
-                 "tuning": {"enabled": enabled, "maxTrials": 3, "trialSeconds": 10, "warmupSeconds": 0}},
+                 "tuning": {"enabled": enabled, "maxTrials": 3, "trialSeconds": 10, "warmupSeconds": 0, **tuning}},
     }
 
 
@@ -57,16 +57,21 @@ def test_tuner_process_pauses_without_traffic_and_leaves_the_engine_alone(
     with PrometheusServer(targets=[]) as prom:
         api.create_isvc(_isvc("tuned", True))
         api.create_isvc(_isvc("untouched", False))
+        # A tenant naming a database of its choosing (KMock has no CRD schema to refuse the field):
+        # the cluster-wide tuner must never open it.
+        tenant_db = tmp_path / "tenant" / "chosen.db"
+        api.create_isvc(_isvc("tenant", True, storage=f"sqlite:///{tenant_db}"))
         kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig", namespace=NS)
         metrics_port = free_port()
         log_path = tmp_path / "tuner.log"
         with log_path.open("wb") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "kvpilot.cli", "tuner", "--prometheus", prom.url,
-                 "--storage", f"sqlite:///{tmp_path / 'tuner.db'}", "--metrics-port", str(metrics_port),
-                 "--resync", "1", "--poll", "1"],
+                 "--metrics-port", str(metrics_port), "--resync", "1", "--poll", "1"],
                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                env={**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1"},
+                # The storage comes from the environment, as the chart passes it (test_chart_tenancy.py).
+                env={**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1",
+                     "KVPILOT_TUNER_STORAGE": f"sqlite:///{tmp_path / 'tuner.db'}"},
             )
         try:
             def tuning(name: str) -> dict[str, Any]:
@@ -82,6 +87,14 @@ def test_tuner_process_pauses_without_traffic_and_leaves_the_engine_alone(
             assert t["study"].startswith("tuning.tuned.latency.")
             assert "NoTraffic" in t["message"] or "NoData" in t["message"], t
             assert tuning("untouched") == {}
+            wait_for(lambda: f"not tuning {NS}/tenant" in log_path.read_text(), timeout=30,
+                     what="the tuner skipping the tenant's service")
+            assert "spec.tuning.storage" in log_path.read_text()
+            assert not tenant_db.parent.exists() and tuning("tenant") == {}
+            import optuna
+
+            studies = [s.study_name for s in optuna.get_all_study_summaries(f"sqlite:///{tmp_path / 'tuner.db'}")]
+            assert studies == [t["study"]]
             engine = api.get_isvc(NS, "tuned")["spec"]["engine"]
             assert engine == {"maxNumBatchedTokens": 2048, "gpuMemoryUtilization": 0.9, "maxNumSeqs": 256}
             with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as resp:

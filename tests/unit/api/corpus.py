@@ -118,6 +118,9 @@ CASES: list[tuple[str, Any, str, str]] = [
     ("tuning-with-kv-bytes", _merge(engine={"kvCacheMemoryBytes": 1 << 34}, tuning={"enabled": True}),
      "spec.engine.kvCacheMemoryBytes", "disable tuning"),
     ("goal-unknown", _with("spec.tuning", {"goal": "throughput"}), "spec.tuning.goal", "'latency' or 'capacity'"),
+    # Removed: a tenant chose which database (or file) the cluster-wide tuner opened.
+    ("tuning-storage-removed", _with("spec.tuning", {"enabled": True, "storage": "sqlite:////var/lib/kvpilot/x.db"}),
+     "spec.tuning.storage", "the tuner's own configuration"),
     ("warmup-ge-trial", _with("spec.tuning", {"trialSeconds": 60, "warmupSeconds": 60}), "spec.tuning.warmupSeconds",
      "shorter than trialSeconds"),
     ("downtime-rollout", _merge(replicas=1, rollout={"maxSurge": 0}), "spec.rollout.maxSurge", "allowDowntime"),

@@ -33,7 +33,7 @@ def test_operator_help_names_every_option() -> None:
     code, out, _ = run(["operator", "--help"])
     assert code == 0
     for option in ("--namespace", "--all-namespaces", "--twin-image", "--metrics-port", "--log-format",
-                   "--max-workers", "--crash-loop-restarts"):
+                   "--max-workers", "--crash-loop-restarts", "--allowed-image", "--engine-run-as-user"):
         assert option in out
 
 
@@ -43,6 +43,9 @@ def test_operator_help_names_every_option() -> None:
     (["operator", "--crash-loop-restarts", "0"], "--crash-loop-restarts: must be a whole number >= 1 (got 0)"),
     (["operator", "-n", "a", "--all-namespaces"], "not allowed with argument"),
     (["render"], "required: -f/--filename"),
+    (["operator", "--engine-run-as-user", "0"], "must be a non-root numeric user id"),
+    (["operator", "--engine-run-as-user", "vllm"], "must be a numeric user id"),
+    (["operator", "--allowed-image", "vllm/*"], "allowed image pattern 'vllm/*' must start with a registry host"),
 ])
 def test_bad_options_are_refused_with_a_reason(argv: list[str], complaint: str) -> None:
     code, _, err = run(argv)
@@ -54,6 +57,15 @@ def test_bad_options_are_refused_with_a_reason(argv: list[str], complaint: str) 
 def test_settings_from_arguments() -> None:
     args = build_parser().parse_args(["operator", "-n", "a", "-n", "b", "--metrics-port", "9100"])
     assert (args.namespace, args.all_namespaces, args.metrics_port, args.log_format) == (["a", "b"], False, 9100, "text")
+
+
+def test_a_bad_allowed_image_pattern_from_the_environment_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpilot.api.vocabulary import ENV_ALLOWED_IMAGES
+
+    monkeypatch.setenv(ENV_ALLOWED_IMAGES, "docker.io/vllm/*,ubuntu")
+    code, _, err = run(["operator"])
+    assert code == 2
+    assert "'ubuntu' must start with a registry host" in err and "Traceback" not in err
 
 
 def test_rbac_rules_are_well_formed() -> None:

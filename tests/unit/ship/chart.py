@@ -46,6 +46,22 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         },
         "image": {"digest": "sha256:" + "ab" * 32},
     },
+    # A shared cluster (docs/multi-tenant.md): an image allowlist, vLLM as a non-root uid,
+    # NetworkPolicies, the study in PostgreSQL reached through an extra egress rule.
+    "multi-tenant": {
+        "rbac": {"scope": "namespace"},
+        "watch": {"allNamespaces": False, "namespaces": ["team-a"]},
+        "operator": {"allowedImages": ["docker.io/vllm/vllm-openai:*", "registry.example.com/ml/*"],
+                     "engineRunAsUser": 1001},
+        "tuner": {"storage": {"type": "postgresql", "postgresql": {"existingSecret": "kvpilot-optuna-db"}}},
+        "networkPolicy": {
+            "enabled": True,
+            "apiServer": {"cidrs": ["10.0.0.1/32"], "ports": [6443]},
+            "tuner": {"extraEgress": [{"to": [{"ipBlock": {"cidr": "10.0.5.7/32"}}],
+                                       "ports": [{"port": 5432, "protocol": "TCP"}]}]},
+            "engine": {"clients": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}]},
+        },
+    },
     # Operator only: no tuner Deployment, no tuner RBAC, no PVC, no dashboard.
     "operator-only": {
         "tuner": {"enabled": False},

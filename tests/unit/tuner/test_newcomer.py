@@ -199,3 +199,55 @@ def test_an_unknown_report_format_is_refused_before_tuning(tmp_path: Path, capsy
     err = capsys.readouterr().err
     assert "--report:" in err and ".html, .png, .pdf, .svg" in err
     assert not (tmp_path / "s.db").exists() or _studies(tmp_path) == []
+
+
+# -- the in-cluster tuner's storage: its own configuration, the password never on its command line -----
+
+def test_the_tuner_refuses_a_password_on_its_command_line(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "kvpilot.cli", "tuner", "--prometheus", "http://127.0.0.1:1",
+                           "--storage", "postgresql://kv:s3cret@db:5432/kv"], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2, proc.stderr
+    assert "--storage carries a password" in proc.stderr and "$KVPILOT_TUNER_STORAGE" in proc.stderr
+    assert "s3cret" not in proc.stderr + proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_the_tuner_reads_its_storage_from_the_environment_and_masks_the_password(tmp_path: Path) -> None:
+    from kvpilot.api.vocabulary import ENV_TUNER_STORAGE
+
+    # A URL SQLAlchemy cannot read, from the environment: the error names the variable, not a flag,
+    # and shows the URL with its password masked.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), ENV_TUNER_STORAGE: "postgres ql://kv:s3cret@db/kv"}
+    proc = subprocess.run([sys.executable, "-m", "kvpilot.cli", "tuner", "--prometheus", "http://127.0.0.1:1"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert f"${ENV_TUNER_STORAGE}: 'postgres ql://kv:***@db/kv' is not a database URL" in proc.stderr
+    assert "s3cret" not in proc.stderr + proc.stdout and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("argv", "environ", "url"), [
+    ([], {}, "sqlite:////var/lib/kvpilot/tuner.db"),
+    ([], {"KVPILOT_TUNER_STORAGE": "postgresql://kv:pw@db/kv"}, "postgresql://kv:pw@db/kv"),
+    (["--storage", "sqlite:////data/t.db"], {"KVPILOT_TUNER_STORAGE": "postgresql://kv:pw@db/kv"},
+     "sqlite:////data/t.db"),
+])
+def test_the_tuners_storage_is_the_flag_then_the_environment_then_the_default(
+        argv: list[str], environ: dict[str, str], url: str) -> None:
+    from kvpilot.cli import build_parser
+    from kvpilot.tuner.commands import tuner_storage
+
+    args = build_parser().parse_args(["tuner", "--prometheus", "http://p:9090", *argv])
+    assert tuner_storage(args, environ) == url
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("postgresql://kv:s3cret@db:5432/kv", "postgresql://kv:***@db:5432/kv"),
+    ("postgresql+psycopg://kv:p%40ss@db/kv?sslmode=require", "postgresql+psycopg://kv:***@db/kv?sslmode=require"),
+    ("postgresql://kv@db/kv", "postgresql://kv@db/kv"),
+    ("sqlite:////var/lib/kvpilot/tuner.db", "sqlite:////var/lib/kvpilot/tuner.db"),
+])
+def test_redacted_masks_only_the_password(url: str, shown: str) -> None:
+    from kvpilot.tuner.storage import has_password, redacted
+
+    assert redacted(url) == shown
+    assert has_password(url) == (shown != url)
