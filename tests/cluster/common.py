@@ -11,4 +11,7 @@ SERVING = "serving"
 # kwok's default pod stages plus a "bad engine" image whose pods never become Ready.
 KWOK_STAGES = Path(__file__).resolve().parent / "kwok-stages.yaml"
 NEVER_READY_IMAGE = "vllm/vllm-openai:kvpilot-never-ready"
+# ... and one whose pods stay Pending until a test annotates them with RELEASE_ANNOTATION.
+HELD_IMAGE = "vllm/vllm-openai:kvpilot-held"
+RELEASE_ANNOTATION = "kvpilot.dev/test-release"
 CRD_FILE = ROOT / "crds" / "inferenceservices.kvpilot.dev.yaml"
