@@ -6,7 +6,9 @@ one stand-in is the engine's traffic: pods under kwok serve nothing, so a synthe
 (steady requests, every latency in the lowest bucket, well inside the SLO) is scraped by a real
 Prometheus that labels the series as a cluster's Prometheus labels an InferenceService's pods.
 
-SIGKILL lands between a trial's apply and its tell: the study keeps that trial RUNNING. The new
+The engine image is kwok's "held" one (tests/cluster/kwok-stages.yaml): its pods stay Pending until
+the test releases them, so the tuner is killed, deterministically, while its trial's rollout is
+in progress (between the trial's apply and its tell): the study keeps that trial RUNNING. The new
 process must fail it, measure its config again under a new number without changing the
 InferenceService (server-side apply of the same values does not move metadata.generation, so the
 operator writes no Deployment), tell each trial once, and count only told trials to the budget.
@@ -29,6 +31,7 @@ import pytest
 
 from kvpilot.api import vllm
 from kvpilot.api.vocabulary import ANNOTATION_TUNING_TRIAL, SERIES_LABEL_INFERENCESERVICE, TuningPhase
+from tests.cluster.common import HELD_IMAGE, RELEASE_ANNOTATION
 from tests.support.cluster import ROOT, ControlPlane, Operator, Watch, wait_for
 from tests.support.prometheus import PrometheusServer, require_prometheus
 from tests.unit.ship import chart
@@ -158,6 +161,22 @@ def trial_events(cp: ControlPlane) -> list[tuple[str, str]]:
     return [(e["reason"], e["message"]) for e in sorted(mine, key=lambda e: e["metadata"]["creationTimestamp"])]
 
 
+def held_pods(cp: ControlPlane) -> list[dict[str, Any]]:
+    """Pods of the InferenceService that kwok holds Pending (not yet released)."""
+    pods = cp.get(f"/api/v1/namespaces/{NS}/pods")["items"]
+    return [p for p in pods if p["spec"]["containers"][0]["image"] == HELD_IMAGE
+            and RELEASE_ANNOTATION not in (p["metadata"].get("annotations") or {})
+            and not p["metadata"].get("deletionTimestamp")]
+
+
+def release_held(cp: ControlPlane) -> bool:
+    """Let every held pod turn Ready; True (for polling predicates)."""
+    for pod in held_pods(cp):
+        cp.merge_patch(f"/api/v1/namespaces/{NS}/pods/{pod['metadata']['name']}",
+                       {"metadata": {"annotations": {RELEASE_ANNOTATION: "true"}}})
+    return True
+
+
 def tuned(engine: dict[str, Any]) -> tuple[float, ...]:
     return tuple(float(engine[k]) for k in TUNED)
 
@@ -184,9 +203,11 @@ def test_a_tuner_killed_mid_trial_resumes_its_study_telling_and_applying_nothing
         control_plane.create(f"/apis/kvpilot.dev/v1alpha1/namespaces/{NS}/inferenceservices", {
             "apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService",
             "metadata": {"name": NAME, "namespace": NS},
-            "spec": {"model": "meta-llama/Meta-Llama-3-8B-Instruct", "replicas": 1, "engine": dict(START),
+            "spec": {"model": "meta-llama/Meta-Llama-3-8B-Instruct", "replicas": 1,
+                     "engine": {**START, "image": HELD_IMAGE},
                      "tuning": {"enabled": True, "maxTrials": 2, "trialSeconds": 10, "warmupSeconds": 0}}})
-        wait_for(lambda: (control_plane.get(ISVC).get("status") or {}).get("readyReplicas") == 1, timeout=90,
+        wait_for(lambda: release_held(control_plane)
+                 and (control_plane.get(ISVC).get("status") or {}).get("readyReplicas") == 1, timeout=90,
                  what=f"{NAME} Ready")
         rv = control_plane.get(f"/apis/kvpilot.dev/v1alpha1/namespaces/{NS}/inferenceservices")["metadata"]["resourceVersion"]
         isvc_history = Watch(control_plane, f"/apis/kvpilot.dev/v1alpha1/namespaces/{NS}/inferenceservices",
@@ -200,17 +221,27 @@ def test_a_tuner_killed_mid_trial_resumes_its_study_telling_and_applying_nothing
                 obj = control_plane.get(ISVC)
                 return obj if obj["metadata"].get("annotations", {}).get(ANNOTATION_TUNING_TRIAL) == str(number) else None
 
-            # Trial 0 is the engine in force (no change); trial 1 is the sampler's first draw.
+            # Trial 0 is the engine in force (no change); trial 1 is the sampler's first draw. Its
+            # rollout is held: the new ReplicaSet's pod stays Pending while the tuner waits on it.
             applied = wait_for(lambda: trial_applied(1), timeout=90, what="trial 1 applied")
-            tuner.kill()  # mid-trial: applied, its rollout or window under way, not told
+            generation_at_kill = applied["metadata"]["generation"]
+            wait_for(lambda: held_pods(control_plane), timeout=60, what="trial 1's surge pod (held)")
+            tuner.kill()
             cut = tuned(applied["spec"]["engine"])
             study_name = tuning(control_plane)["study"]
             study = optuna.load_study(study_name=study_name, storage=storage)
             assert [t.state for t in study.trials] == [TrialState.COMPLETE, TrialState.RUNNING]
-            generation_at_kill = applied["metadata"]["generation"]
 
             tuner.start()
-            wait_for(lambda: tuner.check_alive() and tuning(control_plane).get("phase") == TuningPhase.DONE.value,
+            # The new process measures trial 1's config again as trial 2 while the rollout is still held:
+            # its apply is a no-op (same generation), and it waits on the same rollout.
+            wait_for(lambda: tuner.check_alive() and any(r == "TrialStarted" and m.startswith("trial 2 ")
+                                                         for r, m in trial_events(control_plane)),
+                     timeout=90, what="trial 2 started by the new process")
+            assert held_pods(control_plane), "the rollout was to be still in progress"
+            assert control_plane.get(ISVC)["metadata"]["generation"] == generation_at_kill
+            wait_for(lambda: tuner.check_alive() and release_held(control_plane)
+                     and tuning(control_plane).get("phase") == TuningPhase.DONE.value,
                      timeout=150, interval=0.5, what="status.tuning.phase Done")
             assert tuner.stop() == 0, tuner.log()[-4000:]
         finally:
