@@ -51,7 +51,7 @@ test-vllm: setup vllm-env
 	$(PY) -m pytest -m vllm
 
 test-cluster: setup control-plane
-	$(PY) -m pytest -m cluster tests/cluster
+	$(PY) -m pytest -m cluster tests/cluster tests/e2e
 
 test-unit: setup
 	$(PY) -m pytest tests/unit

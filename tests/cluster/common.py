@@ -13,4 +13,7 @@ KWOK_STAGES = Path(__file__).resolve().parent / "kwok-stages.yaml"
 NEVER_READY_IMAGE = "vllm/vllm-openai:kvpilot-never-ready"
 # kwok shows its engine container as vLLM refusing to start (tests.support.vllm_text.KV_SHORT's words).
 START_UP_FAILS_IMAGE = "vllm/vllm-openai:kvpilot-start-up-fails"
+# ... and one whose pods stay Pending until a test annotates them with RELEASE_ANNOTATION.
+HELD_IMAGE = "vllm/vllm-openai:kvpilot-held"
+RELEASE_ANNOTATION = "kvpilot.dev/test-release"
 CRD_FILE = ROOT / "crds" / "inferenceservices.kvpilot.dev.yaml"

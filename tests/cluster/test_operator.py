@@ -12,7 +12,13 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.common import NEVER_READY_IMAGE, SERVING, START_UP_FAILS_IMAGE
+from tests.cluster.common import (
+    HELD_IMAGE,
+    NEVER_READY_IMAGE,
+    RELEASE_ANNOTATION,
+    SERVING,
+    START_UP_FAILS_IMAGE,
+)
 from tests.support.cluster import ControlPlane, Operator, Watch, wait_for
 from tests.support.vllm_text import KV_SHORT
 
@@ -189,26 +195,73 @@ def test_an_engine_that_cannot_start_is_rolled_back_at_once_in_vllms_words(contr
     log's tail as the termination message); the operator, watching pods through the chart's RBAC with
     a server-side label selector, puts lastGoodEngine back at once: the Deployment controller's
     progress deadline (the default hour) is never reached."""
-    control_plane.create(ISVCS, make("gamma", replicas=1))
-    good = wait_for(lambda: ready_for_generation(control_plane, "gamma", 1), timeout=90, what="gamma Ready")
+    control_plane.create(ISVCS, make("delta", replicas=1))
+    good = wait_for(lambda: ready_for_generation(control_plane, "delta", 1), timeout=90, what="delta Ready")
     good_image = good["status"]["lastGoodEngine"]["image"]
-    control_plane.merge_patch(f"{ISVCS}/gamma", {"spec": {"engine": {"image": START_UP_FAILS_IMAGE}}})
+    control_plane.merge_patch(f"{ISVCS}/delta", {"spec": {"engine": {"image": START_UP_FAILS_IMAGE}}})
 
-    obj = wait_for(lambda: condition(o := control_plane.get(f"{ISVCS}/gamma"), "Degraded").get("reason")
-                   == "RolledBack" and o, timeout=90, what="gamma Degraded/RolledBack")
+    obj = wait_for(lambda: condition(o := control_plane.get(f"{ISVCS}/delta"), "Degraded").get("reason")
+                   == "RolledBack" and o, timeout=90, what="delta Degraded/RolledBack")
     degraded = condition(obj, "Degraded")
     assert KV_SHORT in degraded["message"], degraded["message"]
     failure = obj["status"]["lastFailure"]
-    assert failure["reason"] == "EngineStartupFailed" and failure["pod"].startswith("gamma-")
+    assert failure["reason"] == "EngineStartupFailed" and failure["pod"].startswith("delta-")
     assert failure["observedGeneration"] == obj["metadata"]["generation"] == 2
     assert obj["spec"]["engine"]["image"] == START_UP_FAILS_IMAGE  # the user's spec stays as written
-    dep = control_plane.get(f"{DEPLOYMENTS}/gamma")
+    dep = control_plane.get(f"{DEPLOYMENTS}/delta")
     assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == good_image
     assert condition(dep, "Progressing").get("reason") != "ProgressDeadlineExceeded"
     # The rollback rolls back for real: the failing pod goes, one good pod serves.
-    wait_for(lambda: [p["spec"]["containers"][0]["image"] for p in pods_of(control_plane, "gamma")] == [good_image],
+    wait_for(lambda: [p["spec"]["containers"][0]["image"] for p in pods_of(control_plane, "delta")] == [good_image],
              timeout=60, what="only the good pod left")
-    wait_for(lambda: ready_for_generation(control_plane, "gamma", 2), timeout=60, what="gamma Ready again")
-    assert len(events_for(control_plane, "gamma", "RolledBack")) == 1
-    assert KV_SHORT in events_for(control_plane, "gamma", "RolledBack")[0]["message"]
+    wait_for(lambda: ready_for_generation(control_plane, "delta", 2), timeout=60, what="delta Ready again")
+    assert len(events_for(control_plane, "delta", "RolledBack")) == 1
+    assert KV_SHORT in events_for(control_plane, "delta", "RolledBack")[0]["message"]
+
+
+def test_an_operator_killed_mid_rollout_finishes_it_after_a_restart_writing_nothing_twice(
+        control_plane: ControlPlane, operator: Operator) -> None:
+    """SIGKILL (no clean shutdown) while the new ReplicaSet is surging; the new process must take
+    the rollout over from what the API server holds: the Deployment's template is written once for
+    the change (its metadata.generation advances once), lastGoodEngine moves once, to the new engine."""
+    control_plane.create(ISVCS, make("gamma", replicas=1))
+    good = wait_for(lambda: ready_for_generation(control_plane, "gamma", 1), timeout=90, what="gamma Ready")
+    assert control_plane.get(f"{DEPLOYMENTS}/gamma")["metadata"]["generation"] == 1
+    listing = control_plane.get(ISVCS)
+    history = Watch(control_plane, ISVCS, resource_version=listing["metadata"]["resourceVersion"])
+    try:
+        control_plane.merge_patch(f"{ISVCS}/gamma", {"spec": {"engine": {"image": HELD_IMAGE}}})
+        # Mid-rollout: the new ReplicaSet's pod exists (held Pending by kwok), the old one still serves.
+        held = wait_for(lambda: [p for p in pods_of(control_plane, "gamma")
+                                 if p["spec"]["containers"][0]["image"] == HELD_IMAGE], timeout=60,
+                        what="the new ReplicaSet's surge pod")
+        assert len(pods_of(control_plane, "gamma")) == 2
+        assert control_plane.get(f"{DEPLOYMENTS}/gamma")["metadata"]["generation"] == 2
+        operator.kill_and_restart()
+        # The new process has looked at gamma (kopf resumes every object it finds) before the
+        # rollout can finish; it must see nothing to write.
+        wait_for(lambda: '"gamma"' in operator.current.log(), timeout=60, what="the new operator to take up gamma")
+        held_up = control_plane.get(f"{ISVCS}/gamma")
+        assert held_up["status"]["lastGoodEngine"] == good["status"]["lastGoodEngine"], "not good before it is Ready"
+        assert control_plane.get(f"{DEPLOYMENTS}/gamma")["metadata"]["generation"] == 2
+        for pod in held:
+            control_plane.merge_patch(f"{PODS}/{pod['metadata']['name']}",
+                                      {"metadata": {"annotations": {RELEASE_ANNOTATION: "true"}}})
+        obj = wait_for(lambda: ready_for_generation(control_plane, "gamma", 2), timeout=90,
+                       what="gamma Ready for generation 2")
+        wait_for(lambda: [p["spec"]["containers"][0]["image"] for p in pods_of(control_plane, "gamma")] == [HELD_IMAGE],
+                 timeout=60, what="only the new pod left")
+    finally:
+        events = history.stop()
+    assert obj["status"]["lastGoodEngine"]["image"] == HELD_IMAGE
+    dep = control_plane.get(f"{DEPLOYMENTS}/gamma")
+    assert dep["metadata"]["generation"] == 2, "the Deployment's template was written more than once"
+    assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == HELD_IMAGE
+    assert len(events_for(control_plane, "gamma", "Updated")) == 1
+    # lastGoodEngine, as the API server stored it write by write: the old engine, then the new, once.
+    images = [(o.get("status") or {}).get("lastGoodEngine", {}).get("image") for _, o in events
+              if o["metadata"]["name"] == "gamma"]
+    changes = [b for a, b in zip(images, images[1:], strict=False) if a != b]
+    assert changes == [HELD_IMAGE], f"lastGoodEngine went {images}"
+    assert not [e for e in events_for(control_plane, "gamma", "RolledBack")]
     control_plane.delete(f"{ISVCS}/gamma")

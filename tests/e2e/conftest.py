@@ -1,28 +1,39 @@
-"""The real-cluster suite: opt-in, against the current kube context.
+"""The e2e suite's targets, settings, and the namespace and Helm release fixtures.
 
-Enable with KVPILOT_E2E=1 (or `--e2e`, where the repository's root conftest registers that
-option). Without it every test here is skipped with the reason; with it but without kubectl,
-helm or a reachable cluster, they are skipped naming what is missing. See README.md here.
+Two targets (README.md here says which steps run where and why):
+
+- `kube-context`: the current kube context with `kubectl` and `helm` from PATH. Opt-in, with
+  KVPILOT_E2E=1 (or `--e2e`, where the repository's root conftest registers that option); opted in
+  but without kubectl, helm or a reachable cluster, skipped naming what is missing. Marker `e2e`.
+- `control-plane`: the `cluster` tests' real control plane (tests/support/cluster.py: etcd,
+  kube-apiserver, controllers, kube-scheduler, kwok as the kubelet), run wherever its binaries are
+  built, CI included (marker `cluster`; a missing build skips, or fails with CI=true). kwok runs no
+  container: the chart's operator pod is Ready but empty, so the operator runs here as a local
+  `kvpilot operator` process with the arguments and the ServiceAccount Helm installed for it.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
+import re
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.e2e.kube import CommandError, helm, kubectl, kubectl_json, missing_tools
+from tests.e2e.kube import CommandError, Helm, HelmCLI, HelmLibrary, Kubectl, missing_tools
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kvpilot"
 HERE = Path(__file__).resolve().parent
 
 DISABLED_REASON = "real-cluster e2e suite: opt in with KVPILOT_E2E=1 (or --e2e) and a kube context"
+NO_POD_NETWORK = ("needs running containers and pod networking (a load pod reaching the engine through its "
+                  "Service); kwok runs no container and the control plane has no kube-proxy or CNI")
 
 
 def e2e_enabled(config: pytest.Config) -> bool:
@@ -35,12 +46,12 @@ def e2e_enabled(config: pytest.Config) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # A conftest's hook sees the whole session's items: touch only this directory's.
-    mine = [item for item in items if HERE in Path(str(item.path)).resolve().parents]
-    for item in mine:
-        item.add_marker(pytest.mark.e2e)
-    if not e2e_enabled(config):
-        for item in mine:
+    # A conftest's hook sees the whole session's items: touch only this directory's, and of those
+    # only the kube-context ones (marked `e2e` by the `target` fixture's parameter).
+    if e2e_enabled(config):
+        return
+    for item in items:
+        if HERE in Path(str(item.path)).resolve().parents and item.get_closest_marker("e2e"):
             item.add_marker(pytest.mark.skip(reason=DISABLED_REASON))
 
 
@@ -81,25 +92,64 @@ def settings() -> Settings:
     return Settings.from_env()
 
 
-@pytest.fixture(scope="session")
-def cluster() -> str:
+@dataclass(frozen=True)
+class Target:
+    """Where the suite runs and what that place can do."""
+
+    name: str
+    kubectl: Kubectl
+    helm: Helm
+    # Pods really run and a pod reaches another through a Service (kube-proxy, CNI, a runtime).
+    pod_network: bool
+    control_plane: Any = None  # tests.support.cluster.ControlPlane, for the control-plane target
+
+
+@pytest.fixture(scope="session", params=[
+    pytest.param("control-plane", marks=pytest.mark.cluster, id="control-plane"),
+    pytest.param("kube-context", marks=pytest.mark.e2e, id="kube-context"),
+])
+def target(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
+    if request.param == "kube-context":
+        yield _kube_context()
+        return
+    from tests.support.cluster import ControlPlane, binary_dir, in_ci, missing_binaries
+
+    bin_dir = binary_dir()
+    missing = missing_binaries(bin_dir)
+    if missing:
+        reason = (f"control plane not built: {', '.join(missing)} missing in {bin_dir}; "
+                  "run `make control-plane` (needs Go >= 1.25 and the Go module proxy)")
+        if in_ci():
+            pytest.fail(reason)
+        pytest.skip(reason)
+    # kwok's default stages: every pod bound to the node turns Running and Ready at once.
+    with ControlPlane(bin_dir, tmp_path_factory.mktemp("e2e-control-plane")) as cp:
+        cp.add_node("kwok-node-0", gpus=0)
+        yield Target("control-plane", Kubectl(str(bin_dir / "kubectl"), cp.admin_kubeconfig),
+                     HelmLibrary(cp.admin_kubeconfig), pod_network=False, control_plane=cp)
+        cp.check_alive()
+
+
+def _kube_context() -> Target:
     """The current kube context, once it is known to answer."""
     missing = missing_tools()
     if missing:
         pytest.skip(f"e2e needs {' and '.join(missing)} on PATH")
+    kubectl = Kubectl()
     try:
-        context = kubectl("config", "current-context", timeout=20).strip()
+        kubectl("config", "current-context", timeout=20)
         kubectl("version", "-o", "json", timeout=30)
     except CommandError as exc:
         pytest.skip(f"no reachable Kubernetes cluster in the current kube context: {exc}")
-    return context
+    return Target("kube-context", kubectl, HelmCLI(), pod_network=True)
 
 
 @pytest.fixture(scope="session")
-def namespace(cluster: str) -> Iterator[str]:
+def namespace(target: Target) -> Iterator[str]:
     """A fresh namespace, deleted afterwards. The chart's pods fit the "restricted" Pod Security
     Standard; engine pods (vLLM needs more, the twin gets the same pod spec) are held to
     "baseline", and the API server warns about anything short of "restricted"."""
+    kubectl = target.kubectl
     name = f"kvpilot-e2e-{secrets.token_hex(3)}"
     kubectl("create", "namespace", name)
     kubectl(
@@ -123,23 +173,47 @@ class Release:
     fullname: str
 
 
-def _release_leftovers(release: str) -> list[str]:
+def _release_leftovers(kubectl: Kubectl, release: str) -> list[str]:
     """Objects still labelled with the release, cluster-wide (namespaced and cluster-scoped)."""
     kinds = (
         "deployments,services,serviceaccounts,configmaps,roles,rolebindings,clusterroles,clusterrolebindings"
     )
-    listing = kubectl_json("get", kinds, "-A", "-l", f"app.kubernetes.io/instance={release}")
+    listing = kubectl.json("get", kinds, "-A", "-l", f"app.kubernetes.io/instance={release}")
     return [
         f"{i['kind']}/{i['metadata'].get('namespace', '')}/{i['metadata']['name']}" for i in listing["items"]
     ]
 
 
+@contextlib.contextmanager
+def _local_operator(target: Target, release: str, namespace: str, workdir: Path) -> Iterator[None]:
+    """The operator Helm installed, run as a local process: its container's arguments and its
+    ServiceAccount's token (so the chart's Roles meet the real RBAC authorizer). kwok keeps the
+    chart's own operator pod Ready, but nothing runs in it."""
+    from tests.support.kmock_api import operator_process
+
+    (deployment,) = target.kubectl.json(
+        "get", "deployments", "-n", namespace,
+        "-l", f"app.kubernetes.io/instance={release},app.kubernetes.io/component=operator")["items"]
+    pod = deployment["spec"]["template"]["spec"]
+    args = [a for a in pod["containers"][0]["args"][1:]  # [0] is the subcommand
+            if not a.startswith(("--metrics-port", "--log-format"))]  # the local process picks its own
+    kubeconfig = target.control_plane.service_account_kubeconfig(
+        workdir / "operator.kubeconfig", namespace, pod["serviceAccountName"])
+    with operator_process(kubeconfig, workdir, *args) as op:
+        yield
+        assert op.proc.poll() is None, f"the operator died:\n{op.log()[-4000:]}"
+    forbidden = [line for line in op.log().splitlines() if re.search(r"\b403\b|[Ff]orbidden", line)]
+    assert forbidden == [], "the chart's RBAC refused the operator:\n" + "\n".join(forbidden[:10])
+
+
 @pytest.fixture(scope="session")
 def release(
-    settings: Settings, namespace: str, tmp_path_factory: pytest.TempPathFactory
+    target: Target, settings: Settings, namespace: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Release]:
-    """`helm install` of charts/kvpilot into the test namespace; `helm uninstall` after, checked clean."""
+    """Helm install of charts/kvpilot into the test namespace (and waits for it); Helm uninstall
+    after, checked clean."""
     name = "kvpilot-e2e"
+    kubectl = target.kubectl
     crd_existed = bool(
         kubectl("get", "crd", "inferenceservices.kvpilot.dev", "--ignore-not-found", "-o", "name")
     )
@@ -152,25 +226,15 @@ def release(
         "tuner": {"enabled": False},
         "grafana": {"dashboard": {"enabled": False}},
     }
-    values_file = tmp_path_factory.mktemp("helm") / "values.json"
-    values_file.write_text(json.dumps(values))
-    helm(
-        "install",
-        name,
-        str(CHART),
-        "--namespace",
-        namespace,
-        "--values",
-        str(values_file),
-        "--wait",
-        "--timeout",
-        "5m",
-    )
+    target.helm.install(name, CHART, namespace, values, timeout_s=300)
     try:
-        yield Release(name=name, namespace=namespace, fullname=name)  # the name already says kvpilot
+        with contextlib.ExitStack() as stack:
+            if target.control_plane is not None:
+                stack.enter_context(_local_operator(target, name, namespace, tmp_path_factory.mktemp("operator")))
+            yield Release(name=name, namespace=namespace, fullname=name)  # the name already says kvpilot
     finally:
-        helm("uninstall", name, "--namespace", namespace, "--wait", "--timeout", "5m")
-        leftovers = _release_leftovers(name)
+        target.helm.uninstall(name, namespace, timeout_s=300)
+        leftovers = _release_leftovers(kubectl, name)
         if not crd_existed:
             # Helm never deletes CRDs (that would delete every InferenceService); the suite
             # installed it, so the suite removes it.

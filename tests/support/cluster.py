@@ -456,6 +456,12 @@ class Operator:
         assert self.current.stop() == 0, f"operator did not shut down cleanly:\n{self.current.log()[-4000:]}"
         self._start()
 
+    def kill_and_restart(self) -> None:
+        """SIGKILL (no shutdown, no last status write, kopf's state as it was), then a new process."""
+        self.current.proc.kill()
+        self.current.proc.wait(15)
+        self._start()
+
     def log(self) -> str:
         return "".join(p.log() for p in self.processes)
 
