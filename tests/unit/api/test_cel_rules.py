@@ -146,6 +146,8 @@ def generated(seed: int, count: int) -> list[dict[str, Any]]:
             "trialSeconds": rng.choice([60, 600]),
             "warmupSeconds": rng.choice([0, 60, 120]),
         }
+        if maybe(0.05):
+            tuning["storage"] = "sqlite:////var/lib/other-tenant.db"  # removed: the tuner's own setting
         if maybe(0.6):
             tuning["space"] = {
                 "maxNumBatchedTokens": _pair(rng, [0, 64, 256, 2048, 16384, 65536, 1 << 21]),
