@@ -12,6 +12,7 @@ from typing import Any
 from kvpilot.api.vocabulary import ENV_TUNER_STORAGE
 
 DEFAULT_TUNER_STORAGE = "sqlite:////var/lib/kvpilot/tuner.db"
+DEFAULT_TUNE_STORAGE = "sqlite:///out/kvpilot-tune.db"
 
 TUNE_EPILOG = """\
 examples:
@@ -67,8 +68,10 @@ def register(subparsers: Any) -> None:
                         "keep up with to show in the p99 (default %(default)s)")
     p.add_argument("--trials", type=int, default=30, help="default %(default)s")
     p.add_argument("--seed", type=int, default=0, help="sampler and workload seed (default %(default)s)")
-    p.add_argument("--storage", default="sqlite:///out/kvpilot-tune.db",
-                   help="Optuna storage URL (default %(default)s)")
+    p.add_argument("--storage", default=None, metavar="URL",
+                   help=f"Optuna storage URL (default: ${ENV_TUNER_STORAGE}, else {DEFAULT_TUNE_STORAGE}); "
+                        f"several runs with one URL and --study-name share the study.  A URL with a "
+                        f"password belongs in ${ENV_TUNER_STORAGE}, out of the process list")
     p.add_argument("--study-name", help="default: derived from the target and a hash of the search space")
     p.add_argument("--report", default=None,
                    help="report file: .html, or .png/.pdf/.svg for the plots alone (default out/STUDY.html, "
@@ -135,6 +138,9 @@ def _tune(args: argparse.Namespace) -> int:
         print("kvpilot tune: --trials must be >= 1", file=sys.stderr)
         return 2
     _setup_logging(verbose=bool(args.local))
+    # Like the in-cluster tuner's: a PostgreSQL URL with its password stays out of /proc/PID/cmdline.
+    if args.storage is None:
+        args.storage = os.environ.get(ENV_TUNER_STORAGE) or DEFAULT_TUNE_STORAGE
     try:
         if args.local:
             return tune_local(args)

@@ -24,6 +24,7 @@ from kvpilot.tuner.core.study import (
     study_name,
 )
 from kvpilot.tuner.identity import StudyMismatch, digest, identity
+from kvpilot.tuner.storage import redacted
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +222,7 @@ def tune_offline(args: argparse.Namespace) -> int:
     print(f"kvpilot tune --offline: {target.model} on {target.gpu}, workload {workload.name} "
           f"({workload.prompt} prompt / {workload.output} output tokens), "
           f"SLO p99 TTFT <= {slo.ttft_seconds:g}s, ITL <= {slo.itl_seconds:g}s; goal {goal.value}", file=sys.stderr)
-    print(f"study {name!r} in {args.storage}" + (f" (resuming: {already} trials done)" if already else ""),
+    print(f"study {name!r} in {redacted(args.storage)}" + (f" (resuming: {already} trials done)" if already else ""),
           file=sys.stderr)
 
     from tqdm import tqdm
@@ -272,7 +273,7 @@ def tune_offline(args: argparse.Namespace) -> int:
             ("SLO", f"p99 TTFT <= {slo.ttft_seconds:g} s, p99 ITL <= {slo.itl_seconds:g} s"),
             ("Goal", goal.value),
             ("Value", value_is),
-            ("Study", f"{name} in {args.storage}"),
+            ("Study", f"{name} in {redacted(args.storage)}"),
         ]
         out = write_report(st, report, f"kvpilot tune: {target.model} on {target.gpu}, {workload.name}",
                            yml, table, facts=facts)
@@ -361,7 +362,7 @@ def tune_local(args: argparse.Namespace) -> int:
             ("Goal", Goal.LATENCY.value),
             ("Value", f"the worse of p99 TTFT / SLO and p99 ITL / SLO over a {args.window:g} s window "
                       "(lower is better)"),
-            ("Study", f"{name} in {args.storage}"),
+            ("Study", f"{name} in {redacted(args.storage)}"),
         ]
         out = write_report(st, report, f"kvpilot tune --local: port {port}", yml, table, facts=facts)
         print(f"\nreport: {out}", file=sys.stderr)
