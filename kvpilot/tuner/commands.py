@@ -73,6 +73,9 @@ def register(subparsers: Any) -> None:
                         f"several runs with one URL and --study-name share the study.  A URL with a "
                         f"password belongs in ${ENV_TUNER_STORAGE}, out of the process list")
     p.add_argument("--study-name", help="default: derived from the target and a hash of the search space")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="offline: processes measuring trials of the study side by side, one per idle core "
+                        "(default %(default)s)")
     p.add_argument("--report", default=None,
                    help="report file: .html, or .png/.pdf/.svg for the plots alone (default out/STUDY.html, "
                         "one per study; '' for none)")
@@ -136,6 +139,10 @@ def _tune(args: argparse.Namespace) -> int:
         args.engine_command = args.engine_command[1:]
     if args.trials < 1:
         print("kvpilot tune: --trials must be >= 1", file=sys.stderr)
+        return 2
+    if args.workers < 1 or (args.local and args.workers != 1):
+        why = "is for --offline (a live study measures one engine)" if args.local else "must be >= 1"
+        print(f"kvpilot tune: --workers {why}, got {args.workers}", file=sys.stderr)
         return 2
     _setup_logging(verbose=bool(args.local))
     # Like the in-cluster tuner's: a PostgreSQL URL with its password stays out of /proc/PID/cmdline.
