@@ -4,6 +4,7 @@
 - `kvpilot tune --offline` keeps its study there, and a rerun resumes it;
 - a run SIGKILLed mid-trial resumes without losing a complete trial, the cut trial FAIL and its
   config measured again, as on SQLite (tests/unit/tuner/test_study.py);
+- `--workers 2` runs the budget on one study, no config measured twice;
 - the password, passed in $KVPILOT_TUNER_STORAGE, is on no command line and in no output, for
   `kvpilot tune` and for the in-cluster `kvpilot tuner`, which refuses it in --storage.
 """
@@ -136,6 +137,30 @@ def test_a_run_killed_mid_trial_resumes_with_the_cut_trial_failed_and_measured_a
     assert redo.state == TrialState.COMPLETE and redo.params == cut.params
     assert redo.user_attrs["source"] == "resume"
     assert sum(t.state == TrialState.COMPLETE for t in after) == 4
+
+
+def test_two_workers_run_the_budget_on_one_study_without_measuring_a_config_twice(
+    postgres_url: str, tmp_path: Path  # noqa: F811
+) -> None:
+    from optuna.trial import TrialState
+
+    run = kvpilot(*TUNE, "--trials", "10", "--probe-seconds", "20", "--workers", "2", storage=postgres_url,
+                  cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    every = trials(postgres_url)
+    measured = [t for t in every if t.state == TrialState.COMPLETE]
+    # The budget, no more (each worker runs its share) and no less.
+    assert len(measured) == 10
+    assert not [t for t in every if t.state == TrialState.RUNNING]
+    configs = [tuple(sorted(t.user_attrs["engine"].items())) for t in measured]
+    assert len(set(configs)) == len(configs), "a config was measured twice"
+    # Failed trials are only drawn duplicates, given back before they were measured.
+    assert all(t.user_attrs.get("reason") == "Duplicate" for t in every if t.state == TrialState.FAIL)
+    # A rerun with the same budget finds it spent.
+    again = kvpilot(*TUNE, "--trials", "10", "--probe-seconds", "20", "--workers", "2", storage=postgres_url,
+                    cwd=tmp_path)
+    assert again.returncode == 0 and "resuming: 10 trials done" in again.stderr
+    assert len(trials(postgres_url)) == len(every)
 
 
 @pytest.fixture
