@@ -4,6 +4,7 @@
 - `kvpilot tune --offline` keeps its study there, and a rerun resumes it;
 - a run SIGKILLed mid-trial resumes without losing a complete trial, the cut trial FAIL and its
   config measured again, as on SQLite (tests/unit/tuner/test_study.py);
+- optuna-dashboard reads the same study over HTTP;
 - `--workers 2` runs the budget on one study, no config measured twice;
 - the password, passed in $KVPILOT_TUNER_STORAGE, is on no command line and in no output, for
   `kvpilot tune` and for the in-cluster `kvpilot tuner`, which refuses it in --storage.
@@ -161,6 +162,58 @@ def test_two_workers_run_the_budget_on_one_study_without_measuring_a_config_twic
                     cwd=tmp_path)
     assert again.returncode == 0 and "resuming: 10 trials done" in again.stderr
     assert len(trials(postgres_url)) == len(every)
+
+
+def test_optuna_dashboard_reads_the_study_kvpilot_keeps_in_postgres(
+    postgres_url: str, tmp_path: Path  # noqa: F811
+) -> None:
+    """optuna-dashboard over the same storage, as a user would open it: the study, its trials and the
+    engine each one measured, over real HTTP."""
+    import json
+    import urllib.request
+
+    pytest.importorskip("optuna_dashboard", reason="optuna-dashboard is in kvpilot's test extra")
+    from tests.support.prometheus import free_port
+
+    run = kvpilot(*TUNE, "--trials", "3", "--probe-seconds", "20", storage=postgres_url, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    port = free_port()
+    serve = ("import os, sys; from optuna_dashboard import run_server; "
+             f"run_server(os.environ['{ENV_TUNER_STORAGE}'], host='127.0.0.1', port=int(sys.argv[1]))")
+    log = (tmp_path / "dashboard.log").open("w")
+    dashboard = subprocess.Popen([sys.executable, "-c", serve, str(port)], stdout=log, stderr=subprocess.STDOUT,
+                                 cwd=tmp_path, env=_env(postgres_url))
+
+    def get(path: str) -> dict:  # type: ignore[type-arg]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
+            body: dict = json.loads(resp.read())  # type: ignore[type-arg]
+            return body
+
+    def listing() -> bool:
+        assert dashboard.poll() is None, (tmp_path / "dashboard.log").read_text()[-3000:]
+        try:
+            get("/api/studies")
+            return True
+        except OSError:
+            return False
+
+    try:
+        wait_for(listing, 60, "optuna-dashboard's /api/studies")
+        studies = get("/api/studies")["study_summaries"]
+        assert [s["study_name"] for s in studies] == [STUDY]
+        detail = get(f"/api/studies/{studies[0]['study_id']}")
+        assert [t["state"] for t in detail["trials"]] == ["Complete"] * 3
+        engines = [{a["key"]: a["value"] for a in t["user_attrs"]}["engine"] for t in detail["trials"]]
+        assert all("maxNumBatchedTokens" in json.loads(e) for e in engines), engines
+        assert detail["best_trials"], "no best trial: the dashboard did not read the values"
+    finally:
+        dashboard.terminate()
+        try:
+            dashboard.wait(15)
+        except subprocess.TimeoutExpired:
+            dashboard.kill()
+            dashboard.wait(10)
+        log.close()
 
 
 @pytest.fixture
