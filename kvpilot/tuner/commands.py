@@ -20,6 +20,7 @@ examples:
   kvpilot tune --offline --model Qwen2.5-7B --gpu A100-80GB --workload rag --slo ttft=1.0,itl=0.1 \\
       --trials 30 --report out/report.html
   kvpilot tune --offline --workload prompt=lognormal/1500/0.6,output=200,cv=1.5
+  KVPILOT_TUNER_STORAGE=postgresql://kv:PASS@db/optuna kvpilot tune --offline --workers 2
   kvpilot tune --local --prometheus http://127.0.0.1:9090 --trials 8 --window 300 -- \\
       kvpilot twin serve --model Llama-3.1-8B --port 8000
 
