@@ -12,6 +12,7 @@ from typing import Any
 from kvpilot.api.vocabulary import ENV_TUNER_STORAGE
 
 DEFAULT_TUNER_STORAGE = "sqlite:////var/lib/kvpilot/tuner.db"
+DEFAULT_TUNE_STORAGE = "sqlite:///out/kvpilot-tune.db"
 
 TUNE_EPILOG = """\
 examples:
@@ -19,6 +20,7 @@ examples:
   kvpilot tune --offline --model Qwen2.5-7B --gpu A100-80GB --workload rag --slo ttft=1.0,itl=0.1 \\
       --trials 30 --report out/report.html
   kvpilot tune --offline --workload prompt=lognormal/1500/0.6,output=200,cv=1.5
+  KVPILOT_TUNER_STORAGE=postgresql://kv:PASS@db/optuna kvpilot tune --offline --workers 2
   kvpilot tune --local --prometheus http://127.0.0.1:9090 --trials 8 --window 300 -- \\
       kvpilot twin serve --model Llama-3.1-8B --port 8000
 
@@ -67,9 +69,14 @@ def register(subparsers: Any) -> None:
                         "keep up with to show in the p99 (default %(default)s)")
     p.add_argument("--trials", type=int, default=30, help="default %(default)s")
     p.add_argument("--seed", type=int, default=0, help="sampler and workload seed (default %(default)s)")
-    p.add_argument("--storage", default="sqlite:///out/kvpilot-tune.db",
-                   help="Optuna storage URL (default %(default)s)")
+    p.add_argument("--storage", default=None, metavar="URL",
+                   help=f"Optuna storage URL (default: ${ENV_TUNER_STORAGE}, else {DEFAULT_TUNE_STORAGE}); "
+                        f"several runs with one URL and --study-name share the study.  A URL with a "
+                        f"password belongs in ${ENV_TUNER_STORAGE}, out of the process list")
     p.add_argument("--study-name", help="default: derived from the target and a hash of the search space")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="offline: processes measuring trials of the study side by side, one per idle core "
+                        "(default %(default)s)")
     p.add_argument("--report", default=None,
                    help="report file: .html, or .png/.pdf/.svg for the plots alone (default out/STUDY.html, "
                         "one per study; '' for none)")
@@ -134,7 +141,14 @@ def _tune(args: argparse.Namespace) -> int:
     if args.trials < 1:
         print("kvpilot tune: --trials must be >= 1", file=sys.stderr)
         return 2
+    if args.workers < 1 or (args.local and args.workers != 1):
+        why = "is for --offline (a live study measures one engine)" if args.local else "must be >= 1"
+        print(f"kvpilot tune: --workers {why}, got {args.workers}", file=sys.stderr)
+        return 2
     _setup_logging(verbose=bool(args.local))
+    # Like the in-cluster tuner's: a PostgreSQL URL with its password stays out of /proc/PID/cmdline.
+    if args.storage is None:
+        args.storage = os.environ.get(ENV_TUNER_STORAGE) or DEFAULT_TUNE_STORAGE
     try:
         if args.local:
             return tune_local(args)

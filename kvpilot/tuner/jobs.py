@@ -7,6 +7,7 @@ import logging
 import shlex
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from kvpilot.tuner.core.study import (
     study_name,
 )
 from kvpilot.tuner.identity import StudyMismatch, digest, identity
+from kvpilot.tuner.storage import redacted
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +161,50 @@ def no_answer(st: TunerStudy) -> str:
 # --- offline ----------------------------------------------------------------------------
 
 
+def shares(remaining: int, workers: int) -> list[int]:
+    """The trials each worker runs: the remaining budget split as evenly as it goes."""
+    return [remaining // workers + (1 if i < remaining % workers else 0) for i in range(workers)]
+
+
+def run_workers(st: TunerStudy, evaluate: Callable[[EngineParams], Outcome], args: argparse.Namespace,
+                bar: Any) -> None:
+    """Run the rest of the budget in `args.workers` forked processes on the same storage.
+
+    This process opened the study (recovering a killed run and queueing vLLM's defaults) before
+    any worker starts, so the workers open it without recovering: a RUNNING trial is a sibling's.
+    Each runs a fixed share, so together they run the budget and no more."""
+    import multiprocessing
+    import time
+
+    from kvpilot.tuner.core.search import run_offline
+
+    def work(share: int) -> None:
+        mine = TunerStudy(storage=st_storage, name=st.name, goal=st.goal, space=st.space, slo=st.slo,
+                          seed=args.seed, n_trials=args.trials, workers=args.workers, recover=False)
+        run_offline(mine, evaluate, args.trials, limit=share)
+
+    st_storage = sqlite_url(args.storage)
+    remaining = max(0, args.trials - st.finished_count())
+    ctx = multiprocessing.get_context("fork")  # the evaluator is a closure: forked, not pickled
+    procs = [ctx.Process(target=work, args=(n,), name=f"kvpilot-tune-worker-{i}")
+             for i, n in enumerate(shares(remaining, args.workers)) if n]
+    for p in procs:
+        p.start()
+    try:
+        while any(p.is_alive() for p in procs):
+            bar.update(min(st.finished_count(), args.trials) - bar.n)
+            time.sleep(0.5)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+            p.join()
+    bar.update(min(st.finished_count(), args.trials) - bar.n)
+    failed = [p.name for p in procs if p.exitcode != 0]
+    if failed:
+        raise UsageError(f"{len(failed)} of {len(procs)} workers failed ({', '.join(failed)}); rerun to resume")
+
+
 def tune_offline(args: argparse.Namespace) -> int:
     import optuna
 
@@ -221,7 +267,7 @@ def tune_offline(args: argparse.Namespace) -> int:
     print(f"kvpilot tune --offline: {target.model} on {target.gpu}, workload {workload.name} "
           f"({workload.prompt} prompt / {workload.output} output tokens), "
           f"SLO p99 TTFT <= {slo.ttft_seconds:g}s, ITL <= {slo.itl_seconds:g}s; goal {goal.value}", file=sys.stderr)
-    print(f"study {name!r} in {args.storage}" + (f" (resuming: {already} trials done)" if already else ""),
+    print(f"study {name!r} in {redacted(args.storage)}" + (f" (resuming: {already} trials done)" if already else ""),
           file=sys.stderr)
 
     from tqdm import tqdm
@@ -236,7 +282,10 @@ def tune_offline(args: argparse.Namespace) -> int:
             bar.set_postfix_str(f"best {best.value:.3f}")
 
     try:
-        run_offline(st, evaluate, args.trials, on_trial)
+        if args.workers == 1:
+            run_offline(st, evaluate, args.trials, on_trial)
+        else:
+            run_workers(st, evaluate, args, bar)
     finally:
         bar.close()
     table = trials_table(st)
@@ -272,7 +321,7 @@ def tune_offline(args: argparse.Namespace) -> int:
             ("SLO", f"p99 TTFT <= {slo.ttft_seconds:g} s, p99 ITL <= {slo.itl_seconds:g} s"),
             ("Goal", goal.value),
             ("Value", value_is),
-            ("Study", f"{name} in {args.storage}"),
+            ("Study", f"{name} in {redacted(args.storage)}"),
         ]
         out = write_report(st, report, f"kvpilot tune: {target.model} on {target.gpu}, {workload.name}",
                            yml, table, facts=facts)
@@ -361,7 +410,7 @@ def tune_local(args: argparse.Namespace) -> int:
             ("Goal", Goal.LATENCY.value),
             ("Value", f"the worse of p99 TTFT / SLO and p99 ITL / SLO over a {args.window:g} s window "
                       "(lower is better)"),
-            ("Study", f"{name} in {args.storage}"),
+            ("Study", f"{name} in {redacted(args.storage)}"),
         ]
         out = write_report(st, report, f"kvpilot tune --local: port {port}", yml, table, facts=facts)
         print(f"\nreport: {out}", file=sys.stderr)

@@ -55,14 +55,17 @@ def startup_trials(n_trials: int) -> int:
 
 def make_sampler(seed: int | None, n_trials: int, sampler: str = "tpe",
                  redo: Callable[[FrozenTrial], bool] | None = None,
-                 drawn: Callable[[FrozenTrial], bool] | None = None) -> BaseSampler:
+                 drawn: Callable[[FrozenTrial], bool] | None = None,
+                 constant_liar: bool = False) -> BaseSampler:
     if sampler == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if sampler != "tpe":
         raise ValueError(f"sampler: expected one of {', '.join(SAMPLERS)}, got {sampler!r}")
     n = startup_trials(n_trials)
     # Optuna 5's TPE is multivariate (the joint density keeps "bigger budget <-> fewer KV blocks").
-    tpe = optuna.samplers.TPESampler(seed=seed, n_startup_trials=n)
+    # constant_liar (several workers on one study): trials still running count as bad ones, so a
+    # worker does not draw next to what another is measuring (Optuna's advice for parallel TPE).
+    tpe = optuna.samplers.TPESampler(seed=seed, n_startup_trials=n, constant_liar=constant_liar)
     return LatinHypercubeStart(tpe, n_startup_trials=n, seed=seed, redo=redo, drawn=drawn)
 
 

@@ -19,13 +19,15 @@ Evaluate = Callable[[EngineParams], Outcome]
 OnTrial = Callable[[FrozenTrial, EngineParams, Outcome], None]
 
 
-def run_offline(study: TunerStudy, evaluate: Evaluate, n_trials: int, on_trial: OnTrial | None = None) -> int:
-    """Run trials until `n_trials` count towards the budget (a resumed study continues).
+def run_offline(study: TunerStudy, evaluate: Evaluate, n_trials: int, on_trial: OnTrial | None = None,
+                limit: int | None = None) -> int:
+    """Run trials until `n_trials` count towards the budget (a resumed study continues), or this
+    call has run `limit` of them (one worker's share when several run the study).
 
     Returns how many trials this call ran.
     """
     ran = 0
-    while study.finished_count() < n_trials:
+    while study.finished_count() < n_trials and (limit is None or ran < limit):
         number, params = study.ask()
         outcome = evaluate(params)
         frozen = study.tell(number, outcome)

@@ -11,6 +11,11 @@ nothing and teaches the sampler nothing) and its params are enqueued again, so t
 measured again rather than lost.  The trial budget counts only COMPLETE and PRUNED trials of
 kind "trial", so nothing is counted twice.  This assumes one tuner per study at a time (the
 in-cluster tuner runs one replica per InferenceService).
+
+Several workers on one study (`kvpilot tune --offline --workers N`): one process opens the study
+(recovering it as above) and then starts the workers, which open it with `recover=False` -- a
+RUNNING trial is then a sibling's, not a dead run's -- and `workers=N`: TPE's constant liar, and a
+drawn config another trial already has is failed (reason Duplicate) and drawn again.
 """
 
 from __future__ import annotations
@@ -52,6 +57,11 @@ ATTR_REMEASURE_OF = "remeasureOf"
 # Study user attrs.
 STUDY_INCUMBENT = "incumbent"
 STUDY_STARTING = "startingEngine"  # the engine in force when the study began (camelCase dict)
+
+# A drawn config another worker already has (several workers on one study); drawn again at most
+# _DRAWS times before it is measured anyway.
+REASON_DUPLICATE = "Duplicate"
+_DRAWS = 20
 
 KIND_TRIAL = "trial"
 KIND_REMEASURE = "remeasure"
@@ -145,6 +155,8 @@ class TunerStudy:
         n_trials: int = 30,
         sampler: str = "tpe",
         guidance: Guidance | None = None,
+        workers: int = 1,
+        recover: bool = True,
     ) -> None:
         self.goal, self.space, self.slo, self.name = goal, space, slo, name
         self.seed = seed
@@ -156,9 +168,10 @@ class TunerStudy:
             direction=goal.direction,
             sampler=make_sampler(seed, n_trials, sampler,
                                  redo=_is_memory_failure if self.guidance.redo_startup else None,
-                                 drawn=_was_drawn),
+                                 drawn=_was_drawn, constant_liar=workers > 1),
             load_if_exists=True,
         )
+        self.workers = workers
         attrs = self.study.user_attrs
         if "space" not in attrs:
             self.study.set_user_attr("space", space.as_spec())
@@ -167,7 +180,7 @@ class TunerStudy:
         self.distributions = space.distributions()
         self._open: dict[int, optuna.Trial] = {}
         self._constrained: dict[int, set[str]] = {}
-        self.resumed = self.recover()
+        self.resumed = self.recover() if recover else []
 
     # -- resume ---------------------------------------------------------------------------
     def recover(self) -> list[int]:
@@ -203,6 +216,15 @@ class TunerStudy:
             self._enqueue_polish(floor)
         trial = self.study.ask(self.distributions)
         params = self.space.resolve(trial.params)
+        for _ in range(_DRAWS):
+            if self.workers == 1 or not self._taken(params, trial.number):
+                break
+            # Another worker drew, queued (two polish turns at once) or is measuring this config:
+            # measuring it twice is a trial lost.
+            trial.set_user_attr(ATTR_REASON, REASON_DUPLICATE)
+            self.study.tell(trial.number, state=TrialState.FAIL)
+            trial = self.study.ask(self.distributions)
+            params = self.space.resolve(trial.params)
         if ATTR_SOURCE not in trial.user_attrs:  # drawn; enqueued configs are measured as given
             # A draw the memory failures so far rule out would waste a trial (live: a rollout)
             # on a known start-up failure: map the fraction onto what is still possible.
@@ -217,9 +239,21 @@ class TunerStudy:
         self._open[trial.number] = trial
         return trial.number, params
 
+    def _taken(self, params: EngineParams, number: int) -> bool:
+        """Whether another trial, not failed, has these params (measured, being measured, or queued)."""
+        return any(self._config_of(t) == params for t in self.study.get_trials(deepcopy=False)
+                   if t.number != number and t.state != TrialState.FAIL)
+
+    def _config_of(self, trial: FrozenTrial) -> EngineParams | None:
+        """A trial's config, None while it has none yet: another worker's trial being drawn holds
+        only the params drawn so far."""
+        if ATTR_ENGINE in trial.user_attrs or set(self.distributions) <= set(trial.params):
+            return self.engine_of(trial)
+        return None
+
     def _tried(self) -> set[EngineParams]:
         """Configs of every trial that drew one, in any state."""
-        return {self.engine_of(t) for t in self.study.get_trials(deepcopy=False) if t.params}
+        return {p for t in self.study.get_trials(deepcopy=False) if (p := self._config_of(t)) is not None}
 
     def util_floor(self) -> UtilFloor:
         """What the memory failures told so far rule out (see `core.startup`)."""

@@ -150,3 +150,30 @@ def test_resume_after_a_kill_mid_trial(tmp_path: Path) -> None:
     assert again.resumed == []
     assert again.finished_count() == 4
     _ = time  # keep the import for readers of the crasher script
+
+
+def test_workers_on_one_study_keep_each_others_trials_and_never_measure_a_config_twice(tmp_path: Path) -> None:
+    """Two workers (`kvpilot tune --offline --workers 2`): the second opening leaves the first's
+    RUNNING trial alone, and a config queued twice (two polish turns at once) is measured once."""
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    space = SearchSpace()
+    first = _study(storage)  # the opening process: recovers, then starts the workers
+    config = EngineParams(max_num_batched_tokens=4096, gpu_memory_utilization=0.85, max_num_seqs=128)
+    for _ in range(2):
+        first.study.enqueue_trial(space.raw_params(config), user_attrs={"source": "polish", "kind": "trial"})
+
+    def worker() -> TunerStudy:
+        return TunerStudy(storage=storage, name=first.name, goal=first.goal, space=space, slo=SLO(), seed=0,
+                          workers=2, recover=False)
+
+    a, b = worker(), worker()
+    na, pa = a.ask()
+    assert pa == config
+    c = worker()  # a third opening while `na` runs: it is a sibling's trial, not a dead run's
+    assert c.resumed == [] and a.study.trials[na].state is TrialState.RUNNING
+    nb, pb = b.ask()
+    assert pb != config
+    dup = [t for t in b.study.trials if t.user_attrs.get("reason") == "Duplicate"]
+    assert [t.state for t in dup] == [TrialState.FAIL] and dup[0].params == space.raw_params(config)
+    a.tell(na, score(Goal.CAPACITY, Measurement(ttft_p99=0.1, itl_p99=0.01, request_rate=3, capacity=3), SLO()))
+    assert a.finished_count() == 1 and nb > na
