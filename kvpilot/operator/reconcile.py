@@ -7,7 +7,7 @@ rollout that passed its progress deadline, and writes the parent's status.  `tra
 every event of an engine pod that shows its engine failed (builders.pods): a pod of the revision
 being rolled out whose vLLM could not start, or that crash-loops, rolls back at once.
 
-Both hold the InferenceService's lock (`Runtime.lock_for`) from their first read to their status
+All three hold the InferenceService's lock (`Runtime.lock_for`) from their first read to their status
 write, and write the status themselves, inside the lock (not through kopf's patch, which kopf
 applies after the handler has returned).  So a Deployment event that arrives while a reconcile is
 running (its rollout finished the moment the reconcile created it) waits, and is then judged
@@ -20,9 +20,13 @@ delay).  kopf never runs a Deployment event handler again, so when handling a De
 from a fresh read, with a growing delay, until it succeeds or a newer event supersedes it: a
 rollback is never dropped, and Degraded (reason RollbackFailed) and an Event say it is pending.
 
-A rollback writes its decision (Degraded RolledBack for the generation) before it patches the
-Deployment: an operator stopped between the two would otherwise, restarted, render the failed engine
-again, since nothing in the status would say that generation failed.
+A rollback at the progress deadline writes its decision (Degraded RolledBack for the generation)
+before it patches the Deployment: an operator stopped between the two would otherwise, restarted,
+render the failed engine again, since nothing in the status would say that generation failed.  The
+fast rollback of `track_pod` patches first and writes the status after (not yet the same order): a
+failure between the two is handled at the pod's next status change, and at worst by the progress
+deadline.  An engine refused by the image allowlist is never put back by either, and their events
+leave a reconcile's Degraded/ImageNotAllowed standing.
 
 Status writes are read-modify-write (`update_status`): the operator owns the conditions Ready,
 Progressing and Degraded and keeps every other type (the tuner's Tuning, SLOBurning) as it finds
@@ -246,6 +250,33 @@ def render_options(settings: OperatorSettings, served: frozenset[str]) -> Render
                          engine_run_as_user=settings.engine_run_as_user)
 
 
+def usable_last_good(previous: dict[str, Any], logger: Logger) -> dict[str, Any] | None:
+    """status.lastGoodEngine if this operator can still render it (one stored by an older operator may
+    carry an extraArgs entry refused since): else None, nothing to roll back to."""
+    last_good = previous.get("lastGoodEngine")
+    if not last_good:
+        return None
+    try:
+        EngineSpec.model_validate(last_good)
+    except ValueError as exc:  # pydantic's ValidationError
+        logger.warning("status.lastGoodEngine is no longer a valid engine, not rolled back to: %s", exc)
+        return None
+    return dict(last_good)
+
+
+def _refused_in_force(rt: Runtime, parent: dict[str, Any], previous: dict[str, Any], generation: int) -> bool:
+    """The engine a reconcile of this generation renders (lastGoodEngine once rolled back, else
+    spec.engine) is outside the image allowlist: the reconcile refused it (Degraded/ImageNotAllowed)
+    and a Deployment or pod event must not write over that with the Deployment it left running."""
+    engine = parent.get("spec", {}).get("engine") or {}
+    if rolled_back_at(previous, generation) and previous.get("lastGoodEngine"):
+        engine = previous["lastGoodEngine"]
+    try:
+        return image_refusal(rt, EngineSpec.model_validate(engine)) is not None
+    except ValueError:
+        return False
+
+
 def image_refusal(rt: Runtime, engine: EngineSpec, field: str = "spec.engine.image") -> str | None:
     """Why the operator will not run this engine's image (the allowlist's message), or None.  Only
     vLLM images are the tenant's choice; the twin runs the operator's own --twin-image."""
@@ -449,10 +480,13 @@ async def _track_rollout(rt: Runtime, namespace: str, name: str, deployment: dic
     if generation is None or validate_object({k: v for k, v in parent.items() if k != "status"}):
         return
 
+    if _refused_in_force(rt, parent, previous, generation):
+        return
+
     rollout = rollout_of(deployment)
     degraded: tuple[str, str] | None = None
     last_failure: dict[str, Any] | None = None
-    last_good = previous.get("lastGoodEngine")
+    last_good = usable_last_good(previous, logger)
     if rollout.deadline_exceeded and rollout.engine is not None:
         refusal = image_refusal(rt, EngineSpec.model_validate(last_good), "status.lastGoodEngine.image") \
             if last_good else None
@@ -634,14 +668,23 @@ async def _track_pod(rt: Runtime, namespace: str, name: str, failure: EngineFail
     generation = previous.get("observedGeneration")
     if generation is None or validate_object({k: v for k, v in parent.items() if k != "status"}):
         return
-    if _already_told(previous, generation, failure.config_hash):
+    if _already_told(previous, generation, failure.config_hash) or _refused_in_force(rt, parent, previous, generation):
         return
     if failure.cause_above:
         failure = await _with_log(rt, namespace, failure, logger)
     described = failure.describe()
     last_failure = _last_failure(failure.reason, described, failure.config_hash, generation, failure.pod)
-    last_good = previous.get("lastGoodEngine")
-    if last_good and last_good != rollout.engine:
+    last_good = usable_last_good(previous, logger)
+    refusal = image_refusal(rt, EngineSpec.model_validate(last_good), "status.lastGoodEngine.image") \
+        if last_good else None
+    if refusal is not None:
+        # The allowlist changed since that engine ran: putting it back would run a refused image.
+        message = (f"engine of configHash {rollout.config_hash} failed: {described}; "
+                   f"lastGoodEngine is not put back: {refusal}")
+        degraded = (REASON_IMAGE_NOT_ALLOWED, message)
+        emit_on(parent, "Warning", REASON_IMAGE_NOT_ALLOWED, message)
+        logger.warning("engine of %s/%s failed: %s", namespace, name, message)
+    elif last_good and last_good != rollout.engine:
         live, restored_hash = await _restore_last_good(rt, parent, last_good)
         deployment = live or deployment
         message = (f"rollout of configHash {rollout.config_hash} ({_engine_summary(rollout.engine, last_good)}) "

@@ -469,6 +469,16 @@ def test_an_image_outside_the_allowlist_is_refused_with_a_condition_and_an_event
                  what="allowed: ImageNotAllowed after the switch")
         assert api3.get(dep_path("allowed"))["spec"]["template"]["spec"]["containers"][0]["image"] == \
             "vllm/vllm-openai:v0.33.0"
+        # Events of the Deployment left running must not write "all is well" over the refusal. Each
+        # touch is handled once the operator has read the service for it; the handler holds the
+        # service's lock, so after the second read the first event's handling is over.
+        read = ("GET", api3.isvc_path(NS, "allowed"))
+        for touch in ("1", "2"):
+            before = api3.calls.count(read)
+            api3.patch(dep_path("allowed"), {"metadata": {"annotations": {"test.kvpilot.dev/touch": touch}}})
+            wait_for(lambda before=before: api3.calls.count(read) > before,
+                     what="the operator reading the service for the Deployment event")
+        assert condition(api3.get_isvc(NS, "allowed"), "Degraded").get("reason") == "ImageNotAllowed"
 
         # Fixed: deployed, and the condition clears.
         api3.patch(api3.isvc_path(NS, "refused"), {"spec": {"engine": {"image": "registry.example.com/ml/vllm:v2"}}})
