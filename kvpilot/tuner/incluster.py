@@ -88,7 +88,10 @@ class Worker:
                     delay = min(self.RESTART_MAX_S, self.RESTART_BASE_S * 2 ** (self.restarts - 1))
                     log.exception("tuning %s failed; starting again in %gs (restart %d)", target, delay,
                                   self.restarts)
-                    self._report_failure(exc, delay)
+                    try:
+                        self._report_failure(exc, delay)
+                    except Exception:  # the API server may be what failed: the loop goes on regardless
+                        log.exception("tuning %s: reporting the failure failed", target)
                     self._stopping.wait(delay)
         finally:
             self.finished = True
@@ -99,14 +102,18 @@ class Worker:
 
         tuner, self.tuner = self.tuner, None
         what = f"{type(exc).__name__}: {exc}"[:400]
+        try:
+            best = tuner.fallback().label() if tuner is not None else ""
+        except Exception:  # the study's storage may be what failed: reporting must not end the loop
+            best = "unknown while the study cannot be read"
         if tuner is None:
             reason, kept = "TuningFailed", "the engine was not changed by this start"
         elif tuner.put_back_failed is None:
-            reason, kept = "TuningFailed", f"the best engine known is in force ({tuner.fallback().label()})"
+            reason, kept = "TuningFailed", f"the best engine known is in force ({best})"
         else:
             self._owe_put_back = True
             reason = "RestoreFailed"
-            kept = (f"putting back the best engine known ({tuner.fallback().label()}) failed too; "
+            kept = (f"putting back the best engine known ({best}) failed too; "
                     "the next start puts it back before any trial")
         message = f"{what}; {kept}; starting again in {delay:g}s (restart {self.restarts})"
         status = self._status or KubeStatusObserver(self.api_client, self.namespace, self.name, self._study or "")
