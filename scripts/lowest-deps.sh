@@ -39,5 +39,10 @@ names = [m.name for m in pkgutil.walk_packages(kvpilot.__path__, "kvpilot.")]
 for name in names:
     importlib.import_module(name)
 print(f"imported {len(names)} kvpilot modules with the lowest declared dependencies")
+# The settings the operator gives kopf at start-up exist in the lowest kopf too.
+import kopf
+from kvpilot.operator.handlers import configure_kopf
+configure_kopf(kopf.OperatorSettings(), 8, exact_namespaces=True)
+print("kopf settings configured with the lowest kopf")
 PY
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/unit/tuner
