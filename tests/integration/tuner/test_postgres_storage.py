@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -94,22 +95,25 @@ def test_a_run_killed_mid_trial_resumes_with_the_cut_trial_failed_and_measured_a
     log = (tmp_path / "killed.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "kvpilot.cli", *args], stdout=log, stderr=subprocess.STDOUT,
                             cwd=tmp_path, env=_env(postgres_url))
+    def measuring(ts: list[Any]) -> bool:
+        # A trial in progress whose config is drawn (a trial just asked for has no params yet).
+        return any(t.state == TrialState.COMPLETE for t in ts) and ts[-1].state == TrialState.RUNNING \
+            and bool(ts[-1].params)
+
     try:
         def complete_and_running() -> bool:
             assert proc.poll() is None, f"the run ended before it was killed: {(tmp_path / 'killed.log').read_text()}"
             try:
-                states = [t.state for t in trials(postgres_url)]
+                return measuring(trials(postgres_url))
             except KeyError:  # the study is not created yet
                 return False
-            return TrialState.COMPLETE in states and states[-1] == TrialState.RUNNING
 
         # Freeze the run where the study shows a trial in progress, then kill it there: a SIGKILL
         # sent on a stale look could land between two trials.
         while True:
             wait_for(complete_and_running, 180, "a complete trial and one in progress")
             proc.send_signal(signal.SIGSTOP)
-            states = [t.state for t in trials(postgres_url)]
-            if states[-1] == TrialState.RUNNING:
+            if measuring(trials(postgres_url)):
                 proc.kill()
                 break
             proc.send_signal(signal.SIGCONT)
