@@ -27,7 +27,7 @@ from tests.support.cluster import (
 from tests.unit.ship import chart
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
     bin_dir = binary_dir()
     missing = missing_binaries(bin_dir)
@@ -45,7 +45,7 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlP
 
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def crd(control_plane: ControlPlane) -> dict[str, Any]:
     """The project's CRD, created as-is (a compile error in any CEL rule, a rule over the cost
     budget or a non-structural schema makes the API server refuse it), once Established."""
@@ -70,7 +70,7 @@ def crd(control_plane: ControlPlane) -> dict[str, Any]:
 RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def chart_identities(control_plane: ControlPlane) -> dict[str, str]:
     """The chart's ServiceAccounts and RBAC, rendered by Helm's own engine with the default values
     and created as rendered; returns component -> ServiceAccount name (in chart.NAMESPACE)."""
@@ -83,7 +83,7 @@ def chart_identities(control_plane: ControlPlane) -> dict[str, str]:
     return {o["metadata"]["labels"]["app.kubernetes.io/component"]: o["metadata"]["name"] for o in accounts}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def serving(control_plane: ControlPlane) -> str:
     """The namespace the InferenceServices under test live in."""
     control_plane.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": SERVING}})
@@ -93,14 +93,14 @@ def serving(control_plane: ControlPlane) -> str:
     return SERVING
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def operator_kubeconfig(control_plane: ControlPlane, chart_identities: dict[str, str],
                         tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("operator-sa") / "kubeconfig"
     return control_plane.service_account_kubeconfig(path, chart.NAMESPACE, chart_identities["operator"])
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def operator(control_plane: ControlPlane, crd: dict[str, Any], serving: str, operator_kubeconfig: Path,
              tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
     op = Operator(operator_kubeconfig, tmp_path_factory.mktemp("operator"))

@@ -87,7 +87,7 @@ class Settings:
         return f"{self.image_repository}:{self.image_tag}"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def settings() -> Settings:
     return Settings.from_env()
 
@@ -104,7 +104,7 @@ class Target:
     control_plane: Any = None  # tests.support.cluster.ControlPlane, for the control-plane target
 
 
-@pytest.fixture(scope="session", params=[
+@pytest.fixture(scope="package", params=[
     pytest.param("control-plane", marks=pytest.mark.cluster, id="control-plane"),
     pytest.param("kube-context", marks=pytest.mark.e2e, id="kube-context"),
 ])
@@ -144,7 +144,7 @@ def _kube_context() -> Target:
     return Target("kube-context", kubectl, HelmCLI(), pod_network=True)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def namespace(target: Target) -> Iterator[str]:
     """A fresh namespace, deleted afterwards. The chart's pods fit the "restricted" Pod Security
     Standard; engine pods (vLLM needs more, the twin gets the same pod spec) are held to
@@ -206,7 +206,7 @@ def _local_operator(target: Target, release: str, namespace: str, workdir: Path)
     assert forbidden == [], "the chart's RBAC refused the operator:\n" + "\n".join(forbidden[:10])
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def release(
     target: Target, settings: Settings, namespace: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Release]:
