@@ -1,4 +1,4 @@
-"""The `cluster` tests: one real control plane per session (tests/support/cluster.py).
+"""The `cluster` tests: one real control plane for this package (tests/support/cluster.py).
 
 Binaries come from `make control-plane` (scripts/build-control-plane.sh), cached by version.
 Without them the tests skip, saying how to build them; in CI (CI=true) a missing binary fails.
@@ -19,9 +19,7 @@ from tests.support.cluster import (
     ApiError,
     ControlPlane,
     Operator,
-    binary_dir,
-    in_ci,
-    missing_binaries,
+    built_binaries,
     wait_for,
 )
 from tests.unit.ship import chart
@@ -29,15 +27,7 @@ from tests.unit.ship import chart
 
 @pytest.fixture(scope="package")
 def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
-    bin_dir = binary_dir()
-    missing = missing_binaries(bin_dir)
-    if missing:
-        reason = (f"control plane not built: {', '.join(missing)} missing in {bin_dir}; "
-                  "run `make control-plane` (needs Go >= 1.25 and the Go module proxy)")
-        if in_ci():
-            pytest.fail(reason)
-        pytest.skip(reason)
-    with ControlPlane(bin_dir, tmp_path_factory.mktemp("control-plane"), kwok_config=KWOK_STAGES) as cp:
+    with ControlPlane(built_binaries(), tmp_path_factory.mktemp("control-plane"), kwok_config=KWOK_STAGES) as cp:
         cp.add_node(NODE)
         yield cp
         cp.check_alive()

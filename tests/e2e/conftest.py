@@ -112,16 +112,9 @@ def target(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     if request.param == "kube-context":
         yield _kube_context()
         return
-    from tests.support.cluster import ControlPlane, binary_dir, in_ci, missing_binaries
+    from tests.support.cluster import ControlPlane, built_binaries
 
-    bin_dir = binary_dir()
-    missing = missing_binaries(bin_dir)
-    if missing:
-        reason = (f"control plane not built: {', '.join(missing)} missing in {bin_dir}; "
-                  "run `make control-plane` (needs Go >= 1.25 and the Go module proxy)")
-        if in_ci():
-            pytest.fail(reason)
-        pytest.skip(reason)
+    bin_dir = built_binaries()
     # kwok's default stages: every pod bound to the node turns Running and Ready at once.
     with ControlPlane(bin_dir, tmp_path_factory.mktemp("e2e-control-plane")) as cp:
         cp.add_node("kwok-node-0", gpus=0)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from tests.support import kmock_api
@@ -79,6 +80,20 @@ def missing_binaries(bin_dir: Path) -> list[str]:
 
 def in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def built_binaries() -> Path:
+    """The control plane's binary directory; without the binaries a test skips, saying how to build
+    them, and in CI (where `make test` builds them first) fails."""
+    bin_dir = binary_dir()
+    missing = missing_binaries(bin_dir)
+    if missing:
+        reason = (f"control plane not built: {', '.join(missing)} missing in {bin_dir}; "
+                  "run `make control-plane` (needs Go >= 1.25 and the Go module proxy)")
+        if in_ci():
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return bin_dir
 
 
 def wait_for(predicate: Callable[[], Any], *, timeout: float = 60.0, interval: float = 0.1,

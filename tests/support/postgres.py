@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.prometheus import free_port
+from tests.support.server_process import ServerProcess
 
 USER = "kvpilot"
 # Debian keeps the server binaries out of PATH, one directory per major version.
@@ -84,8 +85,13 @@ def _unprivileged() -> pwd.struct_passwd | None:
     raise PostgresError("running as root and neither a postgres nor a nobody user exists to run the server as")
 
 
-class PostgresServer:
+class PostgresServer(ServerProcess):
     """One PostgreSQL cluster with its data and socket directories in a temporary directory."""
+
+    # SIGINT: "fast" shutdown, which ends open sessions (SIGTERM's "smart" one waits for them,
+    # and a test's own SQLAlchemy pool may still hold one).
+    STOP_SIGNAL = signal.SIGINT
+    STOP_TIMEOUT_S = 15.0
 
     def __init__(self, *, ready_timeout: float = 60.0) -> None:
         self.ready_timeout = ready_timeout
@@ -180,39 +186,6 @@ class PostgresServer:
         with self._connect() as conn:
             conn.execute(f'CREATE DATABASE "{name}"')
         return self.url(name)
-
-    def _terminate(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            # SIGINT: "fast" shutdown, which ends open sessions (SIGTERM's "smart" one waits for them,
-            # and a test's own SQLAlchemy pool may still hold one).
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        if getattr(self, "_log", None) is not None:
-            self._log.close()
-
-    def stop(self) -> None:
-        self._terminate()
-        self.proc = None
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
-
-    def __enter__(self) -> PostgresServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def log_tail(self, n: int = 2000) -> str:
-        try:
-            return Path(self.log_path).read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
 
 @pytest.fixture(scope="session")
 def postgres_server() -> Iterator[PostgresServer]:

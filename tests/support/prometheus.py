@@ -31,6 +31,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.support.server_process import ServerProcess
+
 PROMETHEUS_BIN = os.environ.get("KVPILOT_PROMETHEUS", "/usr/bin/prometheus")
 PROMTOOL_BIN = os.environ.get("KVPILOT_PROMTOOL", "/usr/bin/promtool")
 
@@ -72,7 +74,7 @@ class PrometheusError(RuntimeError):
     pass
 
 
-class PrometheusServer:
+class PrometheusServer(ServerProcess):
     """One Prometheus process with its own config and TSDB in a temporary directory."""
 
     def __init__(
@@ -172,36 +174,6 @@ class PrometheusServer:
                 pass
             time.sleep(0.05)
         raise PrometheusError(f"not ready after {self.ready_timeout}s: {self.log_tail()}")
-
-    def _terminate(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        if getattr(self, "_log", None) is not None:
-            self._log.close()
-
-    def stop(self) -> None:
-        self._terminate()
-        self.proc = None
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
-
-    def __enter__(self) -> PrometheusServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def log_tail(self, n: int = 2000) -> str:
-        try:
-            return Path(self.log_path).read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
 
     # -- HTTP API ----------------------------------------------------------------------------
 

@@ -12,10 +12,7 @@ importing `vllm serve` takes seconds, a parse a millisecond.
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,17 +24,13 @@ from hypothesis import strategies as st
 from kvpilot.api import engine, serve_args
 from kvpilot.api.models import InferenceService
 from kvpilot.operator.builders.engine import engine_args
-from kvpilot.twin.conformance.reference import VllmEnvMissing, require_vllm_env
+from kvpilot.twin.conformance.reference import VllmEnvMissing, VllmWorker, require_vllm_env, worker_env
 
 pytestmark = pytest.mark.vllm
 
 WORKER = Path(__file__).resolve().parents[2] / "scripts" / "vllm-serve-parser.py"
 REGENERATE = f"<vllm venv>/bin/python {WORKER.relative_to(WORKER.parents[1])} --options > kvpilot/api/{serve_args.OPTIONS_FILE}"
 START_DEADLINE_S = 300.0
-
-
-def _env() -> dict[str, str]:
-    return dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", VLLM_LOGGING_LEVEL="ERROR", PYTHONPATH="")
 
 
 def _python() -> Path:
@@ -48,48 +41,21 @@ def _python() -> Path:
     return python
 
 
-class ServeParser:
+class ServeParser(VllmWorker):
     """vLLM's `vllm serve` parser in a worker process; `parse(argv)` answers as the worker documents."""
 
+    what = "vLLM parser worker"
+
     def __init__(self, python: Path) -> None:
-        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (lives as long as the worker)
-        self.proc = subprocess.Popen([str(python), str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True, env=_env())
-        ready = self._read()
-        assert ready.get("ready"), ready
-        self.python = tuple(ready["python"])  # argparse reads `-t=1` differently before 3.12
-        self.actions: list[dict[str, Any]] = self._ask({"describe": True})["actions"]
+        super().__init__(WORKER, python=python)
+        self.python = tuple(self.ready["python"])  # argparse reads `-t=1` differently before 3.12
+        self.actions: list[dict[str, Any]] = self.ask({"describe": True})["actions"]
         self.dest_of = {s: a["dest"] for a in self.actions for s in a["options"]}
         self.strings_of = {s: a["options"] for a in self.actions for s in a["options"]}
         self.nargs_of = {s: a["nargs"] for a in self.actions for s in a["options"]}
 
-    def _read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            self.log.seek(0)
-            raise RuntimeError(f"vLLM parser worker exited with {self.proc.wait()}:\n{self.log.read()[-4000:]}")
-        reply: dict[str, Any] = json.loads(line)
-        return reply
-
-    def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
     def parse(self, argv: list[str]) -> dict[str, Any]:
-        return self._ask({"argv": argv})
-
-    def close(self) -> None:
-        if self.proc.stdin:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
+        return self.ask({"argv": argv})
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +68,7 @@ def vllm_parser() -> Iterator[ServeParser]:
 
 
 def test_the_committed_option_list_is_vllms() -> None:
-    out = subprocess.run([str(_python()), str(WORKER), "--options"], capture_output=True, text=True, env=_env(),
+    out = subprocess.run([str(_python()), str(WORKER), "--options"], capture_output=True, text=True, env=worker_env(),
                          timeout=START_DEADLINE_S, check=True).stdout
     real = serve_args.ServeOptions.from_json(out)
     committed = serve_args.serve_options()

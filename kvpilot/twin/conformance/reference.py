@@ -13,7 +13,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 from kvpilot.twin.conformance.traces import Trace
 
@@ -43,23 +43,31 @@ def require_vllm_env() -> tuple[Path, Path]:
     return python, model
 
 
-class VllmScheduler:
-    """A running worker: `run(trace)` returns vLLM's step records.  Use as a context manager."""
+def worker_env() -> dict[str, str]:
+    """The environment a script in the real-vLLM venv runs with: vLLM's CPU platform, no model hub,
+    quiet logs, and none of this project's import path."""
+    return dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", VLLM_LOGGING_LEVEL="ERROR", PYTHONPATH="")
 
-    def __init__(self) -> None:
-        python, model = require_vllm_env()
-        env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", VLLM_LOGGING_LEVEL="ERROR",
-                   PYTHONPATH="")
-        # vLLM logs a few lines per scheduler built; kept aside, shown if the worker fails.
+
+class VllmWorker:
+    """A worker script run by the real-vLLM venv's python, answering one JSON line per JSON-line
+    request; its first line says it is ready.  vLLM's own log lines are kept aside and shown if the
+    worker dies.  Use as a context manager."""
+
+    what = "vLLM worker"
+
+    def __init__(self, script: Path, *args: str, python: Path | None = None) -> None:
+        python = python or require_vllm_env()[0]
+        env = worker_env()
         self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (lives as long as the worker)
         self.proc = subprocess.Popen(
-            [str(python), str(WORKER), "--model", str(model)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [str(python), str(script), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self.log, text=True, env=env,
         )
-        first = self._read()
-        if not first.get("ready"):
+        self.ready = self._read()
+        if not self.ready.get("ready"):
             self.close()
-            raise RuntimeError(f"vLLM scheduler worker did not start: {first}")
+            raise RuntimeError(f"{self.what} did not start: {self.ready}")
 
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -68,19 +76,15 @@ class VllmScheduler:
             code = self.proc.wait()
             self.log.seek(0)
             tail = self.log.read()[-4000:]
-            raise RuntimeError(f"vLLM scheduler worker exited with status {code}:\n{tail}")
+            raise RuntimeError(f"{self.what} exited with status {code}:\n{tail}")
         reply: dict[str, Any] = json.loads(line)
         return reply
 
-    def run(self, trace: Trace) -> list[dict[str, Any]]:
+    def ask(self, request: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(trace) + "\n")
+        self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
-        reply = self._read()
-        if "error" in reply:
-            raise RuntimeError(f"vLLM's scheduler failed on a trace: {reply['error']}")
-        steps: list[dict[str, Any]] = reply["steps"]
-        return steps
+        return self._read()
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -93,9 +97,25 @@ class VllmScheduler:
                 self.proc.wait()
         self.log.close()
 
-    def __enter__(self) -> VllmScheduler:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+class VllmScheduler(VllmWorker):
+    """vLLM's V1 scheduler in a worker: `run(trace)` returns vLLM's step records."""
+
+    what = "vLLM scheduler worker"
+
+    def __init__(self) -> None:
+        super().__init__(WORKER, "--model", str(require_vllm_env()[1]))
+
+    def run(self, trace: Trace) -> list[dict[str, Any]]:
+        reply = self.ask(trace)
+        if "error" in reply:
+            raise RuntimeError(f"vLLM's scheduler failed on a trace: {reply['error']}")
+        steps: list[dict[str, Any]] = reply["steps"]
+        return steps
