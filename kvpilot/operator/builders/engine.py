@@ -3,27 +3,15 @@ API's engine codec), then extraArgs."""
 
 from __future__ import annotations
 
-from kvpilot.api.engine import format_value, render_flags
+from kvpilot.api import serving
+from kvpilot.api.engine import format_value
 from kvpilot.api.models import EngineSpec, InferenceService
 from kvpilot.operator.builders.common import HTTP_PORT
 
 
 def typed_flags(isvc: InferenceService, engine: EngineSpec | None = None) -> list[str]:
     """The typed engine fields as vLLM flags (the codec's order); unset optional fields are left out."""
-    engine = engine or isvc.spec.engine
-    return render_flags({
-        "maxNumBatchedTokens": engine.max_num_batched_tokens,
-        # Always explicit (vLLM's default when unset), so status and hash show what really runs.
-        "gpuMemoryUtilization": engine.effective_gpu_memory_utilization,
-        "kvCacheMemoryBytes": engine.kv_cache_memory_bytes,
-        "maxNumSeqs": engine.max_num_seqs,
-        "maxModelLen": engine.max_model_len,
-        "tensorParallelSize": engine.tensor_parallel_size,
-        "blockSize": engine.block_size,
-        "kvCacheDtype": engine.kv_cache_dtype,
-        "longPrefillTokenThreshold": engine.long_prefill_token_threshold,
-        "shutdownTimeoutSeconds": isvc.spec.rollout.shutdown_timeout_seconds,
-    })
+    return serving.typed_flags(isvc.spec, engine)
 
 
 def engine_args(isvc: InferenceService, engine: EngineSpec | None = None) -> list[str]:
