@@ -8,6 +8,10 @@ from kvpilot.api.engine import format_value
 from kvpilot.api.models import EngineSpec, InferenceService
 from kvpilot.operator.builders.common import HTTP_PORT
 
+# Where an engine.kind twin pod mounts spec.modelConfig's ConfigMap key (as config.json).
+MODEL_CONFIG_DIR = "/etc/kvpilot/model"
+MODEL_CONFIG_PATH = f"{MODEL_CONFIG_DIR}/config.json"
+
 
 def typed_flags(isvc: InferenceService, engine: EngineSpec | None = None) -> list[str]:
     """The typed engine fields as vLLM flags (the codec's order); unset optional fields are left out."""
@@ -26,6 +30,9 @@ def engine_args(isvc: InferenceService, engine: EngineSpec | None = None) -> lis
     args += typed_flags(isvc, engine)
     if engine.kind == "twin":
         args += ["--gpu", engine.twin.gpu]
+        if isvc.spec.model_config_ref is not None:
+            # The twin sizes a model it has no preset of from the mounted config.json (deployment.py).
+            args += ["--model-config", MODEL_CONFIG_PATH]
         if engine.twin.startup_delay_seconds > 0:
             args += ["--startup-delay", format_value(engine.twin.startup_delay_seconds)]
     args += list(engine.extra_args)
