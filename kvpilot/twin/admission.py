@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -129,12 +130,19 @@ def _spec_of(service: InferenceService | InferenceServiceSpec) -> InferenceServi
     return service.spec if isinstance(service, InferenceService) else service
 
 
-def _model(spec: InferenceServiceSpec, model_config: ModelSpec | Mapping[str, Any] | None,
+def _model(spec: InferenceServiceSpec, model_config: ModelSpec | Mapping[str, Any] | str | None,
            missing: list[str]) -> ModelSpec | None:
     if isinstance(model_config, ModelSpec):
         return model_config
     if model_config is not None:
         try:
+            if isinstance(model_config, str):  # the file's text, as a ConfigMap holds it
+                try:
+                    model_config = json.loads(model_config)
+                except json.JSONDecodeError as exc:
+                    raise ModelSpecError(f"it is not valid JSON: {exc}") from None
+                if not isinstance(model_config, Mapping):
+                    raise ModelSpecError("it must hold a JSON object")
             return ModelSpec.from_hf_config(dict(model_config), name=spec.model)
         except ModelSpecError as exc:
             missing.append(f"model: the config.json given for {spec.model!r} cannot be used: {exc}")
@@ -189,10 +197,10 @@ def _warnings(spec: InferenceServiceSpec, config: EngineConfig | None, plan: Mem
 
 
 def predict(service: InferenceService | InferenceServiceSpec, *,
-            model_config: ModelSpec | Mapping[str, Any] | None = None) -> Prediction:
+            model_config: ModelSpec | Mapping[str, Any] | str | None = None) -> Prediction:
     """Start the twin's engine as an engine.kind twin pod of `service` would, and say what happened.
 
-    `model_config`: the model's Hugging Face config.json (parsed, or as a ModelSpec), for a model that is
+    `model_config`: the model's Hugging Face config.json (its text, parsed, or as a ModelSpec), for a model that is
     not a twin preset or whose spec.modelConfig ConfigMap the caller has read.  Never raises for a
     valid InferenceService."""
     spec = _spec_of(service)
