@@ -280,3 +280,13 @@ def test_cli_as_a_real_process_exits_one_on_a_predicted_failure_with_vllms_words
     failure = predict(InferenceService.model_validate(TOO_BIG)).failure
     assert failure and f"vLLM would refuse to start: {failure}" in proc.stdout
     assert "(no-gpu): missing: GPU" in proc.stdout and proc.stderr == ""
+
+
+def test_the_docs_show_the_real_output_of_their_command(monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    text = (ROOT / "docs" / "admission.md").read_text()
+    command = "$ kvpilot validate --predict -f docs/examples/predict.yaml   # exits 1\n"
+    shown = text.split(command, 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(ROOT)
+    assert main(["validate", "--predict", "-f", "docs/examples/predict.yaml"]) == 1
+    assert capsys.readouterr().out == shown
