@@ -5,7 +5,8 @@ The twin's side is its real start-up entry, not the prediction: the operator ren
 pod's command line for the service (`kvpilot twin serve ...`, builders.engine.engine_args), the real
 `kvpilot` parser reads it, `engine_config_from_args` resolves it (naming the model and the GPU itself) and
 `Engine(config)` starts the engine, which is what `serve_command` does before it opens its port.  A few of
-the refused configs also run as a real `kvpilot twin serve` process, whose stderr must carry the message.
+the refused configs also run as a real `kvpilot twin serve` process, whose stderr must carry the message,
+and one predicted to start runs until healthy, reporting the predicted block count.
 
 The prediction's side is the same service as engine.kind vllm on spec.resources.gpuType (the product label,
 or the twin's name for the GPU), so the gpuType mapping is checked too.  Combinations are drawn seeded
