@@ -11,6 +11,7 @@ from kvpilot.operator.builders.common import HTTP_PORT
 def typed_flags(isvc: InferenceService, engine: EngineSpec | None = None) -> list[str]:
     """The typed engine fields as vLLM flags (the codec's order); unset optional fields are left out."""
     engine = engine or isvc.spec.engine
+    tracing = isvc.spec.observability.tracing
     return render_flags({
         "maxNumBatchedTokens": engine.max_num_batched_tokens,
         # Always explicit (vLLM's default when unset), so status and hash show what really runs.
@@ -23,6 +24,8 @@ def typed_flags(isvc: InferenceService, engine: EngineSpec | None = None) -> lis
         "kvCacheDtype": engine.kv_cache_dtype,
         "longPrefillTokenThreshold": engine.long_prefill_token_threshold,
         "shutdownTimeoutSeconds": isvc.spec.rollout.shutdown_timeout_seconds,
+        "otlpTracesEndpoint": tracing.otlp_traces_endpoint if tracing else None,
+        "collectDetailedTraces": list(tracing.collect_detailed_traces) if tracing else None,
     })
 
 
