@@ -21,7 +21,14 @@ from kvpilot.api import tracing, vllm
 from kvpilot.api.vocabulary import TUNED_ENGINE_FIELDS
 
 if TYPE_CHECKING:
-    from kvpilot.api.models import EngineSpec, InferenceServiceSpec, RolloutSpec, SLOSpec, TracingSpec, TuningSpec
+    from kvpilot.api.models import (
+        EngineSpec,
+        InferenceServiceSpec,
+        RolloutSpec,
+        SLOSpec,
+        TracingSpec,
+        TuningSpec,
+    )
 
 Issue = tuple[tuple[str | int, ...], str, Any]
 
