@@ -144,3 +144,13 @@ def test_a_twin_without_tracing_never_imports_opentelemetry() -> None:
             "import kvpilot.twin.server.app, kvpilot.twin.server.cli, kvpilot.twin.flags\n"
             "assert not [m for m in sys.modules if m.startswith('opentelemetry')], 'imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=REPO_ROOT)
+
+
+def test_trace_context_without_tracing_is_ignored_with_vllms_warning_once() -> None:
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
+    with twin_server(*FAST_TWIN_ARGS, "--served-model-name", "tiny") as twin:
+        for _ in range(3):
+            post(twin.base_url + "/v1/completions", body, {"traceparent": SAMPLED})
+        warnings = [r for r in twin.log_records()
+                    if r.get("msg") == "Received a request with trace context but tracing is disabled"]
+    assert len(warnings) == 1
