@@ -30,12 +30,15 @@ COPY kvpilot ./kvpilot
 
 # The postgresql extra is the driver SQLAlchemy uses for the tuner's `postgresql://` Optuna storage
 # (the chart's tuner.storage.type=postgresql); SQLite needs nothing beyond the standard library.
+# The tracing extra is the OpenTelemetry SDK and its OTLP/HTTP exporter, for the twin's request spans
+# (`kvpilot twin serve --otlp-traces-endpoint`); the OTLP/gRPC exporter (tracing-grpc, grpcio ~27 MB)
+# stays out, so a twin pod traces with otlpTracesProtocol http/protobuf.
 # Report plotting (the `report` extra, matplotlib) stays out: neither the operator nor the tuner plots.
 # pip and setuptools go at the end: nothing installs at run time, and they are 20 MB of the venv.
 RUN /opt/kvpilot/bin/pip wheel --no-deps --wheel-dir /wheels . \
- && /opt/kvpilot/bin/pip install --only-binary=:all: "$(ls /wheels/kvpilot-*.whl)[postgresql]" \
+ && /opt/kvpilot/bin/pip install --only-binary=:all: "$(ls /wheels/kvpilot-*.whl)[postgresql,tracing]" \
  && /opt/kvpilot/bin/kvpilot --version \
- && /opt/kvpilot/bin/python -c "import psycopg, optuna, kopf" \
+ && /opt/kvpilot/bin/python -c "import psycopg, optuna, kopf, opentelemetry.exporter.otlp.proto.http.trace_exporter" \
  && /opt/kvpilot/bin/pip uninstall -q -y pip setuptools
 
 # ---------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	$(PIP) install -e '.[test,dev,report,postgresql]'
+	$(PIP) install -e '.[test,dev,report,postgresql,tracing]'
 	touch $@
 
 tools:

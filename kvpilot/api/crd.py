@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from kvpilot.api import engine as engine_codec
-from kvpilot.api import rules, vllm
+from kvpilot.api import rules, tracing, vllm
 from kvpilot.api.models import InferenceServiceSpec, InferenceServiceStatus
 from kvpilot.api.vocabulary import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, TUNED_ENGINE_FIELDS, VERSION
 
@@ -94,6 +94,13 @@ _CEL_RULES: dict[tuple[str, ...], list[dict[str, str]]] = {
             "message": "itlSeconds must be a bucket edge of vllm:inter_token_latency_seconds: "
             + ", ".join(f"{e:g}" for e in vllm.ITL_BUCKETS),
             "fieldPath": ".itlSeconds",
+        },
+    ],
+    ("spec", "observability", "tracing"): [
+        {
+            "rule": "self.otlpTracesProtocol != 'http/protobuf' || self.otlpTracesEndpoint.matches('^[a-z]+://[^/]+/.+')",
+            "message": f"otlpTracesEndpoint: {tracing.HTTP_PATH_RULE}",
+            "fieldPath": ".otlpTracesEndpoint",
         },
     ],
     ("spec", "tuning"): [

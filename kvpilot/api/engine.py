@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from typing import Any
 
-from kvpilot.api import serve_args, vllm
+from kvpilot.api import serve_args, tracing, vllm
 
 GiB = 1 << 30
 
@@ -33,10 +33,18 @@ class EngineFlag:
     flag: str
     type: type
     aliases: tuple[str, ...] = ()
+    # Where the field lives in spec (for messages); engine.<field> unless said otherwise.
+    path: str = ""
+    # A list field renders as one flag followed by its values (vLLM's nargs="+").
+    many: bool = False
+
+    @property
+    def spec_path(self) -> str:
+        return self.path or f"engine.{self.field}"
 
 
-# The typed fields, in the order they are rendered.  shutdownTimeoutSeconds lives in spec.rollout
-# but renders as an engine flag like the others.
+# The typed fields, in the order they are rendered.  shutdownTimeoutSeconds lives in spec.rollout and
+# the tracing fields in spec.observability.tracing, but they render as engine flags like the others.
 ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("maxNumBatchedTokens", "--max-num-batched-tokens", int),
     EngineFlag("gpuMemoryUtilization", "--gpu-memory-utilization", float),
@@ -47,7 +55,11 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("blockSize", "--block-size", int),
     EngineFlag("kvCacheDtype", "--kv-cache-dtype", str),
     EngineFlag("longPrefillTokenThreshold", "--long-prefill-token-threshold", int),
-    EngineFlag("shutdownTimeoutSeconds", "--shutdown-timeout", int),
+    EngineFlag("shutdownTimeoutSeconds", "--shutdown-timeout", int, path="rollout.shutdownTimeoutSeconds"),
+    EngineFlag("otlpTracesEndpoint", "--otlp-traces-endpoint", str,
+               path="observability.tracing.otlpTracesEndpoint"),
+    EngineFlag("collectDetailedTraces", "--collect-detailed-traces", str,
+               path="observability.tracing.collectDetailedTraces", many=True),
 )
 FLAG_OF: dict[str, str] = {f.field: f.flag for f in ENGINE_FLAGS}
 _BY_FLAG: dict[str, EngineFlag] = {name: f for f in ENGINE_FLAGS for name in (f.flag, *f.aliases)}
@@ -67,10 +79,11 @@ REFUSED_EXTRA_FLAGS: dict[str, str] = {
 NOT_A_FLAG_PATTERN = r"^[^-]"
 PATTERN_MESSAGES: dict[str, str] = {
     NOT_A_FLAG_PATTERN: "must not start with '-' (vLLM would read it as a flag)",
+    tracing.OTLP_ENDPOINT_PATTERN: tracing.OTLP_ENDPOINT_MESSAGE,
 }
 
 
-_TYPED_FIELD_OF: dict[str, str] = {f.flag: f.field for f in ENGINE_FLAGS}
+_TYPED_FIELD_OF: dict[str, str] = {f.flag: f.spec_path for f in ENGINE_FLAGS}
 # kvpilot renders these, so the vLLM it runs has them even where the committed option list is older.
 _RENDERED: tuple[str, ...] = (*_BY_FLAG, *OWNED_FLAGS, *REFUSED_EXTRA_FLAGS)
 
@@ -101,7 +114,7 @@ def extra_args_problems(args: tuple[str, ...]) -> tuple[tuple[int, str], ...]:
             continue  # not a flag this vLLM has: a newer image's, or vLLM says so at start-up
         reading = flag if name == flag else f"{name} (vLLM reads it as {flag})"
         if flag in _TYPED_FIELD_OF:
-            problems.append((use.index, f"{reading} is set by the typed field engine.{_TYPED_FIELD_OF[flag]}; "
+            problems.append((use.index, f"{reading} is set by the typed field {_TYPED_FIELD_OF[flag]}; "
                                         "set it there instead"))
         elif flag in OWNED_FLAGS:
             problems.append((use.index, f"{reading} is set by kvpilot (the model, port and served name come "
@@ -127,14 +140,20 @@ def format_value(value: float | int | str) -> str:
 
 def render_flags(values: Mapping[str, Any]) -> list[str]:
     """`[flag, value, ...]` for the typed fields in `values` (camelCase keys), in table order;
-    a field that is absent or None is left out, so vLLM resolves it."""
+    a field that is absent or None (or an empty list) is left out, so vLLM resolves it.  A list
+    field renders as its flag followed by each value (`--collect-detailed-traces model worker`)."""
     unknown = set(values) - set(FLAG_OF)
     if unknown:
         raise KeyError(f"not typed engine fields: {sorted(unknown)}")
     args: list[str] = []
     for f in ENGINE_FLAGS:
         value = values.get(f.field)
-        if value is not None:
+        if value is None:
+            continue
+        if f.many:
+            if value:
+                args += [f.flag, *(format_value(v) for v in value)]
+        else:
             args += [f.flag, format_value(value)]
     return args
 
@@ -171,6 +190,16 @@ def parse_engine_args(argv: Sequence[str], only: Collection[str] | None = None) 
             f = None
         if f is None and name != "--port":
             rest.append(args[i])
+            i += 1
+            continue
+        if f is not None and f.many:
+            items = [text] if eq else []
+            while not eq and i + 1 < len(args) and not args[i + 1].startswith("-"):
+                items.append(args[i + 1])
+                i += 1
+            if not items:
+                raise EngineArgsError(f"{name}: needs at least one value")
+            values[f.field] = [_typed(f, t) for t in items]
             i += 1
             continue
         if not eq:

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from kvpilot.api import kube, rules, vllm, vocabulary
+from kvpilot.api import kube, rules, tracing, vllm, vocabulary
 from kvpilot.api.engine import (
     MAX_BATCHED_TOKENS_LIMIT,
     MAX_KV_CACHE_MEMORY_BYTES,
@@ -252,7 +252,52 @@ class TuningSpec(_Wire):
         return self
 
 
+class TracingSpec(_Wire):
+    otlp_traces_endpoint: str = Field(
+        ...,
+        min_length=1,
+        max_length=2048,
+        pattern=tracing.OTLP_ENDPOINT_PATTERN,
+        description="--otlp-traces-endpoint: where the engine sends its request spans (OTLP). With http/protobuf "
+        "the full URL spans are posted to (http://otel-collector.observability:4318/v1/traces); with grpc the "
+        "collector's gRPC address (http://otel-collector.observability:4317).",
+    )
+    otlp_traces_protocol: tracing.Protocol = Field(
+        "http/protobuf",
+        description="OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: http/protobuf or grpc. Always set on the container "
+        "(vLLM falls back to grpc when it is unset). The kvpilot image's twin carries only the http exporter.",
+    )
+    sampling_ratio: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Fraction of traces kept, 0 to 1 (OTEL_TRACES_SAMPLER_ARG). Unset: every request is traced.",
+    )
+    parent_based: bool = Field(
+        True,
+        description="With samplingRatio: follow the sampling decision of an incoming traceparent header "
+        "(OTEL_TRACES_SAMPLER parentbased_traceidratio) or sample every request at the ratio (traceidratio).",
+    )
+    collect_detailed_traces: list[tracing.DetailedTraceModule] = Field(
+        default_factory=list,
+        max_length=len(tracing.DETAILED_TRACE_MODULES),
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+        description="--collect-detailed-traces: vLLM modules to trace in detail (model, worker, all); each once.",
+    )
+
+    @model_validator(mode="after")
+    def _protocol_and_modules(self) -> TracingSpec:
+        rules.raise_issues("TracingSpec", rules.tracing_issues(self))
+        return self
+
+
 class ObservabilitySpec(_Wire):
+    tracing: TracingSpec | None = Field(
+        None,
+        description="OpenTelemetry request tracing: vLLM's --otlp-traces-endpoint and --collect-detailed-traces, "
+        "and the OTEL_* environment (protocol, sampler, OTEL_SERVICE_NAME = the InferenceService's name). "
+        "Unset: no tracing.",
+    )
     monitor: Literal["ServiceMonitor", "PodMonitor", "None"] = Field(
         "ServiceMonitor",
         description="How the Prometheus Operator scrapes the engine's /metrics: a ServiceMonitor (through the "
@@ -294,7 +339,8 @@ class InferenceServiceSpec(_Wire):
     slo: SLOSpec = Field(default_factory=SLOSpec, description="Latency objectives: alerts page on them, the tuner steers by them.")
     tuning: TuningSpec = Field(default_factory=TuningSpec, description="The closed-loop tuner's settings.")
     observability: ObservabilitySpec = Field(
-        default_factory=ObservabilitySpec, description="How Prometheus finds the engine's metrics."
+        default_factory=ObservabilitySpec,
+        description="How Prometheus finds the engine's metrics, and where the engine sends request traces.",
     )
 
     @model_validator(mode="after")

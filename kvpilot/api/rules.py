@@ -17,11 +17,18 @@ from pydantic import ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from kvpilot.api import engine as engine_codec
-from kvpilot.api import vllm
+from kvpilot.api import tracing, vllm
 from kvpilot.api.vocabulary import TUNED_ENGINE_FIELDS
 
 if TYPE_CHECKING:
-    from kvpilot.api.models import EngineSpec, InferenceServiceSpec, RolloutSpec, SLOSpec, TuningSpec
+    from kvpilot.api.models import (
+        EngineSpec,
+        InferenceServiceSpec,
+        RolloutSpec,
+        SLOSpec,
+        TracingSpec,
+        TuningSpec,
+    )
 
 Issue = tuple[tuple[str | int, ...], str, Any]
 
@@ -197,6 +204,19 @@ def _engine_inside_space(spec: InferenceServiceSpec) -> bool:
         and seqs[0] <= engine.max_num_seqs <= seqs[1]
         and utils[0] <= util <= utils[1]
     )
+
+
+def tracing_issues(t: TracingSpec) -> list[Issue]:
+    modules = t.collect_detailed_traces
+    http_ok = t.otlp_traces_protocol != "http/protobuf" or tracing.has_http_path(t.otlp_traces_endpoint)
+    if http_ok and len(set(modules)) == len(modules):
+        return _NONE
+    issues: list[Issue] = []
+    if not http_ok:
+        issues.append((("otlpTracesEndpoint",), tracing.HTTP_PATH_RULE, t.otlp_traces_endpoint))
+    if len(set(modules)) != len(modules):
+        issues.append((("collectDetailedTraces",), "each of model, worker, all at most once", list(modules)))
+    return issues
 
 
 def spec_issues(spec: InferenceServiceSpec) -> list[Issue]:

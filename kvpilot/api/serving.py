@@ -14,6 +14,7 @@ def typed_values(spec: InferenceServiceSpec, engine: EngineSpec | None = None) -
     """The typed engine fields (camelCase, the codec's keys) of `engine` (spec.engine unless given);
     None where a field is unset, so vLLM resolves it."""
     engine = engine or spec.engine
+    tracing = spec.observability.tracing
     return {
         "maxNumBatchedTokens": engine.max_num_batched_tokens,
         # Always explicit (vLLM's default when unset), so status and hash show what really runs.
@@ -26,6 +27,8 @@ def typed_values(spec: InferenceServiceSpec, engine: EngineSpec | None = None) -
         "kvCacheDtype": engine.kv_cache_dtype,
         "longPrefillTokenThreshold": engine.long_prefill_token_threshold,
         "shutdownTimeoutSeconds": spec.rollout.shutdown_timeout_seconds,
+        "otlpTracesEndpoint": tracing.otlp_traces_endpoint if tracing else None,
+        "collectDetailedTraces": list(tracing.collect_detailed_traces) if tracing else None,
     }
 
 

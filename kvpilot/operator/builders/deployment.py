@@ -42,6 +42,7 @@ import hashlib
 import math
 from typing import Any
 
+from kvpilot.api import tracing as otel
 from kvpilot.api.models import EngineSpec, InferenceService
 from kvpilot.api.vocabulary import LABEL_GPU_PRODUCT
 from kvpilot.operator.builders.common import (
@@ -155,12 +156,30 @@ def _resources(isvc: InferenceService) -> dict[str, Any]:
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
 
+def tracing_env(isvc: InferenceService) -> list[dict[str, Any]]:
+    """The OpenTelemetry SDK's environment for spec.observability.tracing (empty without it): the
+    protocol always (vLLM falls back to grpc when it is unset), the sampler when a ratio is set, and
+    the service name and namespace the spans are filed under."""
+    t = isvc.spec.observability.tracing
+    if t is None:
+        return []
+    pairs = [
+        (otel.ENV_PROTOCOL, t.otlp_traces_protocol),
+        *otel.sampler_env(t.sampling_ratio, t.parent_based),
+        (otel.ENV_SERVICE_NAME, isvc.metadata.name),
+        (otel.ENV_RESOURCE_ATTRIBUTES, f"service.namespace={isvc.metadata.namespace},"
+                                       f"k8s.namespace.name={isvc.metadata.namespace}"),
+    ]
+    return [{"name": name, "value": value} for name, value in pairs]
+
+
 def _env(isvc: InferenceService) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = []
     secret = isvc.spec.hf_token_secret
     if secret is not None:
         env.append({"name": "HF_TOKEN",
                     "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}}})
+    env += tracing_env(isvc)
     return env
 
 

@@ -48,6 +48,7 @@ from kvpilot.twin.server import protocol as proto
 from kvpilot.twin.server.connection import Runner, keepalive_timeout
 from kvpilot.twin.server.jsonlog import LOGGER_NAME
 from kvpilot.twin.server.parsing import lower_priority, parse_body
+from kvpilot.twin.server.tracing import RequestTracer, trace_headers
 
 log = logging.getLogger(LOGGER_NAME)
 
@@ -122,14 +123,16 @@ class Tracked:
     last_token_at: float | None = None
     generated: int = 0
     done: bool = False
+    trace_headers: dict[str, str] | None = None  # traceparent / tracestate, kept only while tracing
 
 
 class EngineLoop:
     """Drives the engine in real time and routes its outputs to the requests' queues."""
 
-    def __init__(self, engine: EngineLike, metrics: VllmMetrics) -> None:
+    def __init__(self, engine: EngineLike, metrics: VllmMetrics, tracer: RequestTracer | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.tracer = tracer
         self.tracked: dict[str, Tracked] = {}
         self.dead: BaseException | None = None
         self._wake = asyncio.Event()
@@ -149,12 +152,12 @@ class EngineLoop:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
-    def submit(self, req: proto.GenerationRequest) -> Tracked:
+    def submit(self, req: proto.GenerationRequest, trace_headers: dict[str, str] | None = None) -> Tracked:
         if self.dead is not None:
             raise proto.OpenAIError("The engine is dead; the server must be restarted.", status=503)
         budget, eos_stop = req.output_budget()
         tr = Tracked(request_id=proto.new_request_id(req.kind), req=req, arrival=time.monotonic(),
-                     eos_stop=eos_stop)
+                     eos_stop=eos_stop, trace_headers=trace_headers)
         extra: dict[str, Any] = {}
         if req.prefix_key is not None:
             extra = {"prefix_key": req.prefix_key, "prefix_tokens": req.prefix_tokens}
@@ -280,6 +283,18 @@ class EngineLoop:
             prefix_queries=int(getattr(out, "num_prefix_queries", 0)),
             prefix_hits=int(getattr(out, "num_prefix_hits", 0)))
 
+    @staticmethod
+    def _trace(tracer: RequestTracer, tr: Tracked, scheduled: float, first: float, last: float, now: float) -> None:
+        try:
+            tracer.request_finished(
+                request_id=tr.request_id, trace_headers=tr.trace_headers, arrival=tr.arrival, scheduled=scheduled,
+                first_token=first, last_token=last, now=now, prompt_tokens=tr.req.prompt_tokens,
+                completion_tokens=tr.generated, max_tokens=tr.req.max_tokens, temperature=tr.req.temperature,
+                top_p=tr.req.top_p)
+        except Exception as exc:  # a span must never fail the request or the engine loop
+            log.warning("request span not recorded", extra={"fields": {"request_id": tr.request_id,
+                                                                       "error": repr(exc)}})
+
     def _finish(self, tr: Tracked, reason: str, now: float) -> None:
         tr.done = True
         self.tracked.pop(tr.request_id, None)
@@ -297,6 +312,8 @@ class EngineLoop:
                 prefill_s=first - scheduled, decode_s=last - first, inference_s=last - scheduled,
                 num_prompt_tokens=tr.req.prompt_tokens, num_generation_tokens=tr.generated,
                 max_tokens_param=tr.req.max_tokens_param)
+            if self.tracer is not None:
+                self._trace(self.tracer, tr, scheduled, first, last, now)
         log.debug("request finished", extra={"fields": {
             "request_id": tr.request_id, "kind": tr.req.kind, "finish_reason": reason,
             "prompt_tokens": tr.req.prompt_tokens, "generated_tokens": tr.generated,
@@ -335,11 +352,13 @@ def _one_line(value: Any, limit: int = 200) -> str:
 class TwinServer:
     """The aiohttp application around one engine."""
 
-    def __init__(self, engine: EngineLike, info: ServingInfo) -> None:
+    def __init__(self, engine: EngineLike, info: ServingInfo, tracer: RequestTracer | None = None) -> None:
         self.info = info
         self.metrics = VllmMetrics(info.served_model_name, max_model_len=info.max_model_len,
                                    cache_config=info.cache_config)
-        self.engine_loop = EngineLoop(engine, self.metrics)
+        self.tracer = tracer
+        self._warned_untraced = False
+        self.engine_loop = EngineLoop(engine, self.metrics, tracer)
         self.draining = False
         self.created = int(time.time())
         self._handlers: set[asyncio.Task[Any]] = set()
@@ -409,6 +428,8 @@ class TwinServer:
         if self._parse_pool is not None:
             self._parse_pool.shutdown(wait=False, cancel_futures=True)
         await self.engine_loop.stop()
+        if self.tracer is not None:  # export the spans still queued (up to the exporter's timeout)
+            await asyncio.to_thread(self.tracer.shutdown)
         loop = self.engine_loop
         log.info("shutdown complete", extra={"fields": {
             "drained": drained, "engine_steps": loop.steps, "simulated_s": round(loop.simulated_s, 6),
@@ -574,7 +595,13 @@ class TwinServer:
         task = asyncio.current_task()
         assert task is not None
         self._handlers.add(task)
-        tr = self.engine_loop.submit(req)
+        if self.tracer is not None:
+            tr = self.engine_loop.submit(req, trace_headers(request.headers))
+        else:
+            if not self._warned_untraced and "traceparent" in request.headers:
+                self._warned_untraced = True  # vLLM's warning, once
+                log.warning("Received a request with trace context but tracing is disabled")
+            tr = self.engine_loop.submit(req)
         try:
             if req.stream:
                 return await self._stream(request, tr)
@@ -655,7 +682,8 @@ def _install_signal_handlers(stop: asyncio.Event, force: asyncio.Event) -> None:
 
 async def serve(make_engine: Callable[[], tuple[EngineLike, ServingInfo]], *, host: str, port: int,
                 startup_delay: float = 0.0, shutdown_timeout: float = 0.0,
-                on_ready: Callable[[TwinServer], None] | None = None) -> int:
+                on_ready: Callable[[TwinServer], None] | None = None,
+                tracer: RequestTracer | None = None) -> int:
     """Run one server until SIGTERM/SIGINT; the exit code is returned.
 
     `make_engine` builds the engine (it may raise the engine's start-up error, which the caller
@@ -670,7 +698,7 @@ async def serve(make_engine: Callable[[], tuple[EngineLike, ServingInfo]], *, ho
             log.info("terminated while loading; exiting")
             return 0
     engine, info = make_engine()
-    server = TwinServer(engine, info)
+    server = TwinServer(engine, info, tracer)
     try:
         await server.start(host, port)
     except OSError as exc:
@@ -678,6 +706,8 @@ async def serve(make_engine: Callable[[], tuple[EngineLike, ServingInfo]], *, ho
         raise
     fields: dict[str, Any] = {"url": f"http://{host}:{server.port}", "model": info.served_model_name,
                               "max_model_len": info.max_model_len}
+    if tracer is not None:
+        fields["otlp_traces_endpoint"] = tracer.endpoint
     fields.update({k: info.cache_config[k] for k in ("num_gpu_blocks", "block_size") if k in info.cache_config})
     log.info("Starting vLLM API server", extra={"fields": fields})
     if on_ready is not None:

@@ -124,6 +124,15 @@ def serve_command(args: argparse.Namespace) -> int:
     except ValueError as exc:  # unknown model or GPU preset, unreadable config.json
         print(f"kvpilot twin serve: error: {exc}", file=sys.stderr)
         return 2
+    tracer = None
+    if getattr(args, "otlp_traces_endpoint", None):
+        from kvpilot.twin.server.tracing import RequestTracer, TracingUnavailable
+
+        try:
+            tracer = RequestTracer(args.otlp_traces_endpoint)
+        except TracingUnavailable as exc:
+            print(f"kvpilot twin serve: error: {exc}", file=sys.stderr)
+            return 2
 
     def make_engine() -> tuple[Engine, ServingInfo]:
         engine = Engine(config)
@@ -139,7 +148,7 @@ def serve_command(args: argparse.Namespace) -> int:
     try:
         return asyncio.run(serve(make_engine, host=args.host, port=args.port,
                                  startup_delay=float(args.startup_delay),
-                                 shutdown_timeout=float(args.shutdown_timeout)))
+                                 shutdown_timeout=float(args.shutdown_timeout), tracer=tracer))
     except EngineStartupError as exc:
         return _startup_failure(exc)
     except OSError as exc:  # the port is taken, or the address is not ours

@@ -60,6 +60,10 @@ class GenerationRequest:
     # requests with the same key reuse its full KV blocks, as vLLM's hash-based cache would.
     prefix_key: str | None = None
     prefix_tokens: int = 0
+    # Sampling parameters as vLLM resolves them (its defaults when the client sends none); the twin
+    # samples nothing, but vLLM's request span reports them.
+    temperature: float = 1.0
+    top_p: float = 1.0
 
     def output_budget(self) -> tuple[int, bool]:
         """Tokens to generate, and whether stopping there is an end-of-sequence ("stop") rather
@@ -355,11 +359,14 @@ def parse_generation_request(body: dict[str, Any], kind: Kind, *, served_model_n
             "Please reduce the length of the messages or completion.",
             param="max_tokens" if max_tokens is not None and prompt_tokens < max_model_len else "prompt")
     resolved = max_tokens if max_tokens is not None else max_model_len - prompt_tokens
+    temperature, top_p = body.get("temperature"), body.get("top_p")  # numbers: _check_sampling saw them
     return GenerationRequest(kind=kind, model=model, prompt_tokens=prompt_tokens, max_tokens=resolved,
                              max_tokens_param=max_tokens, output_seed=seed, stream=stream,
                              include_usage=include_usage, continuous_usage_stats=continuous,
                              ignore_eos=ignore_eos, min_tokens=min_tokens, prefix_key=prefix_key,
-                             prefix_tokens=prefix_tokens)
+                             prefix_tokens=prefix_tokens,
+                             temperature=1.0 if temperature is None else float(temperature),
+                             top_p=1.0 if top_p is None else float(top_p))
 
 
 # --------------------------------------------------------------------------- responses

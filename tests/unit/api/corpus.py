@@ -147,4 +147,29 @@ CASES: list[tuple[str, Any, str, str]] = [
     ("document-is-list", [BASE], "", "mapping"),
     ("monitor-unknown", _with("spec.observability", {"monitor": "Probe"}), "spec.observability.monitor",
      "'ServiceMonitor', 'PodMonitor' or 'None'"),
+    ("tracing-endpoint-missing", _with("spec.observability", {"tracing": {"samplingRatio": 0.5}}),
+     "spec.observability.tracing.otlpTracesEndpoint", "required"),
+    ("tracing-endpoint-not-a-url", _with("spec.observability", {"tracing": {"otlpTracesEndpoint": "collector:4317"}}),
+     "spec.observability.tracing.otlpTracesEndpoint", "http:// or https:// URL"),
+    ("tracing-endpoint-credentials", _with("spec.observability", {"tracing": {
+        "otlpTracesEndpoint": "https://user:secret@collector:4318/v1/traces"}}),
+     "spec.observability.tracing.otlpTracesEndpoint", "user:password@"),
+    ("tracing-http-endpoint-without-path", _with("spec.observability", {"tracing": {
+        "otlpTracesEndpoint": "http://collector:4318"}}), "spec.observability.tracing.otlpTracesEndpoint",
+     "include the path"),
+    ("tracing-protocol-unknown", _with("spec.observability", {"tracing": {
+        "otlpTracesEndpoint": "http://collector:4317", "otlpTracesProtocol": "http"}}),
+     "spec.observability.tracing.otlpTracesProtocol", "'grpc' or 'http/protobuf'"),
+    ("tracing-ratio-above-one", _with("spec.observability", {"tracing": {
+        "otlpTracesEndpoint": "http://collector:4318/v1/traces", "samplingRatio": 1.5}}),
+     "spec.observability.tracing.samplingRatio", "less than or equal to 1"),
+    ("tracing-ratio-negative", _with("spec.observability", {"tracing": {
+        "otlpTracesEndpoint": "http://collector:4318/v1/traces", "samplingRatio": -0.1}}),
+     "spec.observability.tracing.samplingRatio", "greater than or equal to 0"),
+    ("tracing-detailed-unknown", _with("spec.observability", {"tracing": {
+        "otlpTracesEndpoint": "http://collector:4318/v1/traces", "collectDetailedTraces": ["gpu"]}}),
+     "spec.observability.tracing.collectDetailedTraces[0]", "'model', 'worker' or 'all'"),
+    ("tracing-detailed-twice", _with("spec.observability", {"tracing": {
+        "otlpTracesEndpoint": "http://collector:4318/v1/traces", "collectDetailedTraces": ["all", "all"]}}),
+     "spec.observability.tracing.collectDetailedTraces", "at most once"),
 ]

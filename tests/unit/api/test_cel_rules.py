@@ -155,6 +155,15 @@ def generated(seed: int, count: int) -> list[dict[str, Any]]:
                 "maxNumSeqs": _pair(rng, [0, 16, 64, 256, 1024, 1 << 17]),
             }
         spec: dict[str, Any] = {"model": "m", "replicas": rng.choice([1, 1, 2, 3])}
+        if maybe(0.2):
+            tracing: dict[str, Any] = {"otlpTracesEndpoint": rng.choice([
+                "http://otel-collector:4318/v1/traces", "http://otel-collector:4318", "https://c.example/",
+                "http://otel-collector:4317", "https://otel.example:443/otlp/v1/traces"])}
+            if maybe(0.6):
+                tracing["otlpTracesProtocol"] = rng.choice(["grpc", "http/protobuf"])
+            if maybe(0.5):
+                tracing["samplingRatio"] = rng.choice([0, 0.1, 1])
+            spec["observability"] = {"tracing": tracing}
         for name, part in (("engine", engine), ("resources", resources), ("rollout", rollout),
                            ("slo", slo), ("tuning", tuning)):
             if maybe(0.85):

@@ -30,8 +30,8 @@ PINNED = {
         "vllm", "serve", "meta-llama/Meta-Llama-3-8B-Instruct", "--port", "8000", "--served-model-name",
         "llama-3-8b", "--max-num-batched-tokens", "2048", "--gpu-memory-utilization", "0.9", "--max-num-seqs",
         "256", "--max-model-len", "8192", "--tensor-parallel-size", "1", "--block-size", "16", "--kv-cache-dtype",
-        "auto", "--long-prefill-token-threshold", "0", "--shutdown-timeout", "30", "--enable-prefix-caching",
-        "--disable-log-requests",
+        "auto", "--long-prefill-token-threshold", "0", "--shutdown-timeout", "30", "--otlp-traces-endpoint",
+        "http://otel-collector.observability:4318/v1/traces", "--enable-prefix-caching", "--disable-log-requests",
     ],
     "llama-8b": [
         "vllm", "serve", "meta-llama/Llama-3.1-8B-Instruct", "--port", "8000", "--max-num-batched-tokens", "2048",

@@ -35,7 +35,11 @@ VARIANTS: list[dict[str, Any]] = [
                                                "tensorParallelSize": 4, "extraArgs": ["--enable-prefix-caching"]},
               resources={"gpus": 4}, rollout={"shutdownTimeoutSeconds": 120}),
     isvc_dict(engine={"kvCacheMemoryBytes": 17179869184}),
+    isvc_dict(observability={"tracing": {"otlpTracesEndpoint": "http://otel-collector:4318/v1/traces",
+                                         "samplingRatio": 0.1, "collectDetailedTraces": ["model", "worker"]}}),
 ]
+# Flags vLLM reads with nargs="+" (the table has no nargs column): their values run to the next flag.
+MANY_VALUES = {"--collect-detailed-traces"}
 
 
 def flag_table() -> dict[str, tuple[str, list[str]]]:
@@ -82,14 +86,18 @@ def test_every_rendered_flag_and_value_fits_the_table() -> None:
             if kind == "switch":
                 i += 1
                 continue
-            value = args[i + 1]
-            if kind in ("int", "human_readable_int"):
-                int(value)
-            elif kind == "float":
-                float(value)
-            if choices:
-                assert value in choices, f"{flag} {value} not in {choices}"
+            values = [args[i + 1]]
             i += 2
+            while flag in MANY_VALUES and i < len(args) and not args[i].startswith("-"):
+                values.append(args[i])
+                i += 1
+            for value in values:
+                if kind in ("int", "human_readable_int"):
+                    int(value)
+                elif kind == "float":
+                    float(value)
+                if choices:
+                    assert value in choices, f"{flag} {value} not in {choices}"
 
 
 VLLM_PYTHON = os.environ.get("KVPILOT_VLLM_PYTHON")

@@ -204,5 +204,12 @@ def test_image_carries_the_postgresql_driver(stages: list[Stage]) -> None:
     """The chart offers tuner.storage.type=postgresql: the image installs the extra with its driver
     (tests/image checks the driver imports in the built image)."""
     installs = " ".join(i.args for s in stages[:-1] for i in s.all("RUN"))
-    assert "[postgresql]" in installs
+    assert "[postgresql,tracing]" in installs
     assert "[report]" not in installs  # plotting is not a run-time need
+
+
+def test_image_carries_the_otlp_http_exporter_but_not_grpc(stages: list[Stage]) -> None:
+    """A twin pod with spec.observability.tracing exports over OTLP/HTTP; grpcio (~27 MB) stays out."""
+    installs = " ".join(i.args for s in stages[:-1] for i in s.all("RUN"))
+    assert "tracing]" in installs and "tracing-grpc" not in installs
+    assert "opentelemetry.exporter.otlp.proto.http" in installs

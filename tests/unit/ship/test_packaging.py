@@ -41,6 +41,9 @@ def test_metadata_builds_without_warnings(tmp_path: Path) -> None:
 
 def test_the_extras_the_messages_name_exist() -> None:
     extras = PYPROJECT["project"]["optional-dependencies"]
-    assert {"report", "postgresql"} <= set(extras)
+    assert {"report", "postgresql", "tracing", "tracing-grpc"} <= set(extras)
     runtime = {Requirement(r).name for r in PYPROJECT["project"]["dependencies"]}
+    # Tracing is optional: the twin imports OpenTelemetry only when asked to trace.
+    assert not {n for n in runtime if n.startswith("opentelemetry")}
+    assert "opentelemetry-exporter-otlp-proto-grpc" not in {Requirement(r).name for r in extras["tracing"]}
     assert "matplotlib" not in runtime and "kubernetes" not in runtime
