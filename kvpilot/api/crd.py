@@ -171,6 +171,13 @@ _CEL_RULES[("spec", "tuning")] += [
         "fieldPath": ".warmupSeconds",
     },
 ]
+_CEL_RULES[("spec", "tuning", "budgetGate")] = [
+    {
+        "rule": "!has(self.windows) || self.windows.all(w, w.start != w.end)",
+        "message": rules.WINDOW_EMPTY,
+        "fieldPath": ".windows",
+    },
+]
 _CEL_RULES[("spec", "tuning", "space")] += [
     *(
         {
@@ -201,6 +208,8 @@ NOT_IN_CEL: dict[str, str] = {
     "spec.engine.extraArgs": "an argument is resolved the way vLLM's parser resolves it (unambiguous "
     "prefixes of any of vLLM's ~200 serve flags, '_' for '-', '=' or a separate value); a CEL rule "
     "would need vLLM's whole flag table and argparse's abbreviation rule in every evaluation",
+    "spec.tuning.budgetGate.timeZone": "a name must be in the IANA time zone database, which CEL does not "
+    "have (kvpilot reads it through zoneinfo, from the system or the tzdata package)",
 }
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [

@@ -230,6 +230,50 @@ class TuningSpace(_Wire):
     max_num_seqs: list[int] = _range([64, 1024], "maxNumSeqs")
 
 
+Weekday = Literal["Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun"]
+WEEKDAYS: tuple[Weekday, ...] = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
+_HH_MM = r"^([01][0-9]|2[0-3]):[0-5][0-9]$|^24:00$"
+
+
+class MaintenanceWindow(_Wire):
+    days: list[Weekday] = Field(
+        default_factory=lambda: list(WEEKDAYS),
+        json_schema_extra={"default": list(WEEKDAYS)},
+        min_length=1,
+        max_length=7,
+        description="Days the window opens on (Mon..Sun); every day when unset.",
+    )
+    start: str = Field(..., max_length=5, pattern=_HH_MM, description="Opening time, HH:MM (24-hour) in the gate's timeZone.")
+    end: str = Field(
+        ...,
+        max_length=5,
+        pattern=_HH_MM,
+        description="Closing time, HH:MM or 24:00; earlier than start means the window runs past midnight "
+        "(into the next day); must differ from start.",
+    )
+
+
+class BudgetGate(_Wire):
+    min_remaining: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="Start a trial only while at least this share of the SLO period's error budget is left "
+        "(the worse of TTFT and ITL, from the kvpilot:slo_*_error_budget_remaining:ratio recordings).",
+    )
+    windows: list[MaintenanceWindow] = Field(
+        default_factory=list,
+        max_length=32,
+        description="Maintenance windows: trials start only inside one of them. Empty: any time.",
+    )
+    time_zone: str = Field(
+        "UTC",
+        min_length=1,
+        max_length=64,
+        description="IANA time zone of the windows, e.g. Europe/Berlin (daylight saving followed).",
+    )
+
+
 class TuningSpec(_Wire):
     enabled: bool = Field(False, description="Let the tuner change the tuned engine fields of this service.")
     goal: Literal["latency", "capacity"] = Field(
@@ -240,6 +284,12 @@ class TuningSpec(_Wire):
     max_trials: int = Field(30, ge=1, le=1000, description="Trials before the tuner settles on the best.")
     trial_seconds: int = Field(600, ge=10, le=86400, description="Measurement window of one trial.")
     warmup_seconds: int = Field(120, ge=0, le=86400, description="Wait after a rollout before measuring.")
+    budget_gate: BudgetGate | None = Field(
+        None,
+        description="Start trials only while enough error budget is left and, if windows are given, inside a "
+        "maintenance window; otherwise the tuner keeps the best engine and reports Paused "
+        "(BudgetLow, BudgetUnknown or OutsideWindow).",
+    )
     # Removed from the resource: a tenant chose where the cluster-wide tuner opened a database (or
     # wrote a SQLite file).  Kept in the schema only so the refusal can say where the setting went.
     storage: str | None = Field(
@@ -407,6 +457,8 @@ class TuningBest(_Status):
 
 class TuningStatus(_Status):
     phase: str | None = Field(None, description="Idle, WarmStart, Applying, WarmingUp, Measuring, Paused, Done or Failed.")
+    reason: str | None = Field(None, description="Why the tuner is in this phase, CamelCase (e.g. BudgetLow, "
+                               "OutsideWindow, BudgetUnknown while Paused by the budget gate).")
     trial: int | None = Field(None, description="Number of the trial in progress or last finished.")
     study: str | None = None
     best: TuningBest | None = None

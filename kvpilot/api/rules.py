@@ -22,6 +22,7 @@ from kvpilot.api.vocabulary import TUNED_ENGINE_FIELDS
 
 if TYPE_CHECKING:
     from kvpilot.api.models import (
+        BudgetGate,
         EngineSpec,
         InferenceServiceSpec,
         RolloutSpec,
@@ -138,9 +139,12 @@ def tuning_issues(tuning: TuningSpec) -> list[Issue]:
         and tokens[1] >= seqs[0]
         and tuning.warmup_seconds < tuning.trial_seconds
         and tuning.storage is None
+        and tuning.budget_gate is None
     ):
         return _NONE
-    issues: list[Issue] = []
+    # Checked here, not in the gate's own validator, so they are reported with the rest of tuning's.
+    issues: list[Issue] = [(("budgetGate", *loc), message, value) for loc, message, value in
+                           budget_gate_issues(tuning.budget_gate)] if tuning.budget_gate is not None else []
     if tuning.storage is not None:
         issues.append((("storage",), f"removed: {STORAGE_REMOVED}", tuning.storage))
     ranges = space.model_dump(by_alias=True)
@@ -174,6 +178,36 @@ def tuning_issues(tuning: TuningSpec) -> list[Issue]:
             )
         )
     return issues
+
+
+WINDOW_EMPTY = "a window's end must differ from its start (an empty window never opens)"
+
+
+def budget_gate_issues(gate: BudgetGate) -> list[Issue]:
+    issues: list[Issue] = _NONE
+    empty = [i for i, w in enumerate(gate.windows) if w.start == w.end]
+    if empty:
+        issues = [(("windows",), f"{WINDOW_EMPTY}: windows {empty}", [gate.windows[i].start for i in empty])]
+    # zoneinfo reads the system's tz database, or the tzdata package where there is none (the image).
+    try:
+        zone(gate.time_zone)
+    except ValueError as exc:
+        issues = [*issues, (("timeZone",), str(exc), gate.time_zone)]
+    return issues
+
+
+def zone(name: str) -> Any:
+    """The ZoneInfo of an IANA name; ValueError saying what is allowed."""
+    from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+    if name != name.strip() or name.startswith(("/", ".")) or ".." in name:
+        raise ValueError("must be an IANA time zone name such as UTC or Europe/Berlin")
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError, OSError):
+        raise ValueError(
+            f"unknown time zone {name!r}: must be an IANA time zone name such as UTC, Europe/Berlin or America/New_York"
+        ) from None
 
 
 def rollout_issues(rollout: RolloutSpec) -> list[Issue]:

@@ -132,6 +132,7 @@ ENGINE_INFO_LABELS: tuple[str, ...] = (
 METRIC_TUNING_TRIALS_TOTAL = "kvpilot_tuning_trials_total"
 METRIC_TUNING_BEST_VALUE = "kvpilot_tuning_best_value"
 METRIC_TUNING_CURRENT_TRIAL = "kvpilot_tuning_current_trial"
+METRIC_TUNING_PAUSED = "kvpilot_tuning_paused"
 METRIC_TWIN_STEPS_TOTAL = "kvpilot_twin_engine_steps_total"
 METRIC_TWIN_SIMULATED_SECONDS_TOTAL = "kvpilot_twin_simulated_seconds_total"
 METRIC_TWIN_BEHIND_SECONDS_TOTAL = "kvpilot_twin_behind_seconds_total"

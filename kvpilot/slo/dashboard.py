@@ -26,7 +26,7 @@ from kvpilot.api import vllm, vocabulary
 from kvpilot.slo import promql
 from kvpilot.slo.objectives import BURN_ALERTS, SLI_SHORT, SLIS, Sli, SloTarget, target_for
 from kvpilot.slo.promql import Selector
-from kvpilot.slo.rules import RECORD_OBJECTIVE, threshold_record
+from kvpilot.slo.rules import RECORD_OBJECTIVE, budget_remaining_record, threshold_record
 
 if TYPE_CHECKING:
     from kvpilot.api import InferenceService
@@ -82,15 +82,18 @@ class _Source:
     def period(self) -> str:
         return self.target.period if self.target is not None else "30d"
 
+    @property
+    def period_title(self) -> str:
+        """The SLO period in titles: the service's own (the rules record each service over its own)."""
+        return self.target.period if self.target is not None else "SLO period"
+
     def budget_left(self, sli: Sli) -> str:
         """Share of the period's error budget not yet spent (negative: overspent)."""
         if self.target is not None:
             ratio = promql.error_ratio(sli, self.target.threshold(sli), self.pods, self.period)
-        else:
-            # The recordings stop at 3d; over the period, average the 1d ratio (approximation, noted in the title).
-            ratio = f"avg_over_time(kvpilot:slo_{sli}_error_ratio:rate1d{self.ident}[{self.period}:1h])"
-            ratio = f"max({ratio})"
-        return f"1 - ({ratio}) / {self.budget()}"
+            return f"1 - ({ratio}) / {self.budget()}"
+        # The rules' own recording over the service's period: the figure the tuner's budget gate reads.
+        return f"min({budget_remaining_record(sli)}{self.ident})"
 
 
 def _target(expr: str, legend: str, ref: str, *, instant: bool = False, fmt: str = "time_series") -> dict[str, Any]:
@@ -187,7 +190,7 @@ def _panels(src: _Source) -> list[dict[str, Any]]:
                       [("green", None)]), 4, 4)
     for sli in SLIS:
         short = SLI_SHORT[sli]
-        lay.add(_stat(f"{short} error budget left ({src.period})", src.budget_left(sli), "percentunit",
+        lay.add(_stat(f"{short} error budget left ({src.period_title})", src.budget_left(sli), "percentunit",
                       [("red", None), ("orange", 0.25), ("green", 0.5)],
                       description="Share of the period's error budget not yet spent."), 4, 4)
     lay.add(_stat("Requests/s", promql.request_rate(pods, "5m"), "reqps", [("blue", None)]), 4, 4)

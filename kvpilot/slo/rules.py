@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 RECORD_PREFIX = "kvpilot:slo_"
 RECORD_OBJECTIVE = "kvpilot:slo_objective"
 RECORD_THRESHOLD = "kvpilot:slo_{sli}_threshold_seconds"
+RECORD_BUDGET_REMAINING = "kvpilot:slo_{sli}_error_budget_remaining:ratio"
 
 ALERT_BURN = "InferenceService{sli}BudgetBurn"
 ALERT_KV_SATURATED = "InferenceServiceKVCacheSaturated"
@@ -53,6 +54,11 @@ def threshold_record(sli: Sli) -> str:
     return RECORD_THRESHOLD.format(sli=sli)
 
 
+def budget_remaining_record(sli: Sli) -> str:
+    """Share of the SLO period's error budget not yet spent (1: untouched, 0: spent, below 0: overspent)."""
+    return RECORD_BUDGET_REMAINING.format(sli=sli)
+
+
 @dataclass(frozen=True)
 class RuleOptions:
     """Knobs for the non-SLO alerts, and where runbooks live."""
@@ -63,6 +69,9 @@ class RuleOptions:
     preemption_for: str = "10m"
     absent_for: str = "10m"
     runbook_base_url: str | None = None  # e.g. https://docs.example.com/kvpilot/runbooks
+    # How often the error budget left over the whole period is recomputed: a 30-day subquery is
+    # the one costly rule, and a budget moves slowly, so it runs in a group of its own this often.
+    budget_interval: str = "5m"
 
 
 def go_string(value: str) -> str:
@@ -119,6 +128,27 @@ def recording_rules(target: SloTarget) -> list[dict[str, Any]]:
             {"record": threshold_record(sli), "expr": f"vector({promql.num(target.threshold(sli))})", "labels": dict(labels)}
         )
     return rules
+
+
+def budget_rules(target: SloTarget, options: RuleOptions) -> list[dict[str, Any]]:
+    """The error budget left over the SLO period, per SLI (what the tuner's budget gate and the
+    dashboard read).  The period's error ratio is the average of the 5m recordings over the period,
+    sampled every budget_interval (time-weighted, as Sloth and Pyrra record it); windows with no
+    requests (a NaN ratio) are left out rather than counted as perfect.  No series at all until the
+    service has had traffic: a budget nobody can read is not a full one."""
+    sel = target.identity_selector
+    step = promql.validate_duration(options.budget_interval)
+    period = promql.validate_duration(target.period)
+    labels = dict(target.identity)
+    return [
+        {
+            "record": budget_remaining_record(sli),
+            "expr": f"1 - avg_over_time(({error_ratio_record(sli, '5m')}{sel} >= 0)[{period}:{step}]) "
+            f"/ {promql.num(target.budget)}",
+            "labels": dict(labels),
+        }
+        for sli in SLIS
+    ]
 
 
 # --- alerts -----------------------------------------------------------------------------
@@ -266,7 +296,12 @@ def rule_groups_for(
         {
             "name": f"kvpilot-slo.{target.namespace}.{target.name}",
             "rules": recording_rules(target) + alerting_rules(target, options),
-        }
+        },
+        {
+            "name": f"kvpilot-slo-budget.{target.namespace}.{target.name}",
+            "interval": options.budget_interval,
+            "rules": budget_rules(target, options),
+        },
     ]
 
 

@@ -62,6 +62,7 @@ class Worker:
         self._study: str | None = None
         self._status: Any = None  # the last start's KubeStatusObserver (it knows the trial in progress)
         self._owe_put_back = False  # the last put-back failed: the next start puts back first
+        self.gate: Any = None  # the budget gate, when spec.tuning.budgetGate is set (see observe)
 
     def start(self) -> None:
         self.thread.start()
@@ -120,6 +121,40 @@ class Worker:
         status.phase(TuningPhase.FAILED, reason, message)
         status.event("Warning", reason, message)
 
+    def observe(self, obj: dict[str, Any]) -> None:
+        """The object as the last scan saw it: a budget gate added, changed or removed applies at the
+        loop's next check, in the same study (its trials and space are unchanged)."""
+        from kvpilot.api import InferenceService
+        from kvpilot.tuner.core.gate import GatePolicy
+
+        try:
+            gate = InferenceService.model_validate(obj).spec.tuning.budget_gate
+        except Exception:
+            return  # invalid now: the operator says so; the gate in force stays
+        if gate == self.isvc.spec.tuning.budget_gate:
+            return
+        self.isvc.spec.tuning.budget_gate = gate
+        if gate is not None and self.gate is not None:
+            self.gate.policy = GatePolicy.from_spec(gate)
+        else:
+            self.gate = self._gate()
+        if self.tuner is not None:
+            self.tuner.gate = self.gate
+
+    def _gate(self) -> Any:
+        """The budget gate over this service's budget recordings in Prometheus, or None."""
+        gate = self.isvc.spec.tuning.budget_gate
+        if gate is None:
+            return None
+        from kvpilot.tuner.adapters.prometheus import BudgetLeft
+        from kvpilot.tuner.core.gate import GatePolicy, PolicyGate
+
+        return PolicyGate(GatePolicy.from_spec(gate), BudgetLeft(self.args.prometheus, self.namespace, self.name),
+                          now=self._now())
+
+    def _now(self) -> Any:
+        return None  # the wall clock
+
     def _signals(self, slo: SLO) -> Any:
         """Where the trials' measurements come from: the Prometheus that scrapes this service."""
         from kvpilot.tuner.adapters.prometheus import PrometheusSignals
@@ -174,7 +209,9 @@ class Worker:
         settings = LiveSettings(warmup_s=float(spec.tuning.warmup_seconds),
                                 window_s=float(spec.tuning.trial_seconds), poll_s=self.args.poll,
                                 pause_poll_s=self.args.poll, max_trials=spec.tuning.max_trials)
-        self.tuner = LiveTuner(study, applier, signals, settings, clock=self._clock(), observer=observer)
+        self.gate = self._gate()
+        self.tuner = LiveTuner(study, applier, signals, settings, clock=self._clock(), observer=observer,
+                               gate=self.gate)
         if self._stopping.is_set():
             return
         if self._owe_put_back:  # a trial's engine may still be in force from the last start
@@ -278,6 +315,8 @@ def run_tuner(args: Namespace) -> int:
                     workers[key].start()
                 elif not enabled and w is not None:
                     w.stop()
+                elif enabled and w is not None and not w.finished:
+                    w.observe(obj)
             for key in set(workers) - seen:
                 workers.pop(key).stop()
         stopping.wait(args.resync)
@@ -295,4 +334,6 @@ def _changed(w: Worker, obj: dict[str, Any]) -> bool:
         new = InferenceService.model_validate(obj).spec.tuning
     except Exception:
         return False  # invalid now: the operator says so in a condition; nothing to tune
-    return new.model_dump(mode="json") != w.isvc.spec.tuning.model_dump(mode="json")
+    # The gate applies to a running study (Worker.observe): it alone starts nothing new.
+    exclude = {"budget_gate"}
+    return new.model_dump(mode="json", exclude=exclude) != w.isvc.spec.tuning.model_dump(mode="json", exclude=exclude)

@@ -8,9 +8,11 @@ from typing import Any
 from kvpilot.api.vocabulary import (
     METRIC_TUNING_BEST_VALUE,
     METRIC_TUNING_CURRENT_TRIAL,
+    METRIC_TUNING_PAUSED,
     METRIC_TUNING_TRIALS_TOTAL,
     TuningPhase,
 )
+from kvpilot.tuner.core.gate import REASONS, Closed
 from kvpilot.tuner.core.loop import Observer
 from kvpilot.tuner.core.objective import Outcome
 from kvpilot.tuner.core.space import EngineParams
@@ -39,6 +41,12 @@ class LogObserver(Observer):
         log.info("best trial=%d value=%.4f target=%s %s", incumbent.trial, incumbent.value, self.target,
                  incumbent.params.label())
 
+    def gate_changed(self, closed: Closed | None) -> None:
+        if closed is None:
+            log.info("gate=open target=%s trials resume", self.target)
+        else:
+            log.info("gate=closed reason=%s target=%s %s", closed.reason, self.target, closed.message)
+
 
 class Fanout(Observer):
     def __init__(self, *observers: Observer) -> None:
@@ -60,10 +68,14 @@ class Fanout(Observer):
         for o in self.observers:
             o.best_changed(incumbent)
 
+    def gate_changed(self, closed: Closed | None) -> None:
+        for o in self.observers:
+            o.gate_changed(closed)
+
 
 class TunerMetrics:
     """kvpilot_tuning_trials_total{state}, kvpilot_tuning_best_value, kvpilot_tuning_current_trial,
-    each labelled with the InferenceService's namespace and name."""
+    kvpilot_tuning_paused{reason}, each labelled with the InferenceService's namespace and name."""
 
     def __init__(self, registry: Any = None) -> None:
         from prometheus_client import REGISTRY, Counter, Gauge
@@ -75,6 +87,8 @@ class TunerMetrics:
         self.best = Gauge(METRIC_TUNING_BEST_VALUE, "Best feasible objective value so far", labels, registry=reg)
         self.current = Gauge(METRIC_TUNING_CURRENT_TRIAL, "Number of the trial in progress (-1: none)",
                              labels, registry=reg)
+        self.paused = Gauge(METRIC_TUNING_PAUSED, "1 while the budget gate holds trials back, by reason "
+                            "(BudgetLow, BudgetUnknown, OutsideWindow)", (*labels, "reason"), registry=reg)
 
     def observer(self, namespace: str, name: str) -> Observer:
         return _MetricsObserver(self, namespace, name)
@@ -83,6 +97,7 @@ class TunerMetrics:
 class _MetricsObserver(Observer):
     def __init__(self, m: TunerMetrics, namespace: str, name: str) -> None:
         self.m, self.labels = m, (namespace, name)
+        self.gate_changed(None)
 
     def trial_started(self, number: int, params: EngineParams, kind: str) -> None:
         self.m.current.labels(*self.labels).set(number)
@@ -93,3 +108,8 @@ class _MetricsObserver(Observer):
 
     def best_changed(self, incumbent: Incumbent) -> None:
         self.m.best.labels(*self.labels).set(incumbent.value)
+
+    def gate_changed(self, closed: Closed | None) -> None:
+        # Every reason is exported (0 or 1), so a series exists to alert or graph on before any pause.
+        for reason in REASONS:
+            self.m.paused.labels(*self.labels, reason).set(1 if closed and closed.reason == reason else 0)

@@ -14,13 +14,13 @@ rollout in the engine's own words, for the tuner to grade the config it tried.
 
 from __future__ import annotations
 
-import datetime
 import json
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
+from kvpilot.api.conditions import find_condition, now_rfc3339, set_condition
 from kvpilot.api.engine import format_value
 from kvpilot.api.models import EngineSpec
 from kvpilot.api.vocabulary import ANNOTATION_CONFIG_HASH, ANNOTATION_ENGINE, ConditionType, Reason
@@ -38,10 +38,6 @@ REASON_COMPLETE = Reason.ROLLOUT_COMPLETE.value
 # A pod of the new revision showed its engine cannot run (builders.pods).
 ENGINE_FAILURE_REASONS = (Reason.ENGINE_STARTUP_FAILED.value, Reason.CRASH_LOOP_BACK_OFF.value)
 REASON_IMAGE_NOT_ALLOWED = Reason.IMAGE_NOT_ALLOWED.value
-
-
-def now_rfc3339() -> str:
-    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,28 +116,6 @@ def engine_info(rollout: Rollout) -> dict[str, str] | None:
         "max_num_seqs": str(engine.max_num_seqs),
         "config_hash": rollout.config_hash,
     }
-
-
-def find_condition(conditions: list[dict[str, Any]] | None, type_: str) -> dict[str, Any] | None:
-    for cond in conditions or []:
-        if cond.get("type") == type_:
-            return cond
-    return None
-
-
-def set_condition(conditions: list[dict[str, Any]] | None, type_: str, status: str, reason: str,
-                  message: str, generation: int | None, now: str) -> list[dict[str, Any]]:
-    """Conditions with `type_` set; lastTransitionTime moves only when the status flips."""
-    old = find_condition(conditions, type_)
-    since = old["lastTransitionTime"] if old and old.get("status") == status and old.get("lastTransitionTime") else now
-    new = {"type": type_, "status": status, "reason": reason, "message": message,
-           "lastTransitionTime": since}
-    if generation is not None:
-        new["observedGeneration"] = generation
-    out = [c for c in conditions or [] if c.get("type") != type_]
-    out.append(new)
-    order = {t: i for i, t in enumerate(OWN_CONDITIONS)}
-    return sorted(out, key=lambda c: (order.get(c.get("type", ""), 9), c.get("type", "")))
 
 
 def rolled_back_at(previous: dict[str, Any] | None, generation: int | None) -> bool:

@@ -28,6 +28,7 @@ import time
 import uuid
 from typing import Any, cast
 
+from kvpilot.api.conditions import find_condition, now_rfc3339, set_condition
 from kvpilot.api.models import EngineSpec
 from kvpilot.api.vocabulary import (
     ANNOTATION_TUNING_TRIAL,
@@ -41,6 +42,7 @@ from kvpilot.api.vocabulary import (
     Reason,
     TuningPhase,
 )
+from kvpilot.tuner.core.gate import Closed
 from kvpilot.tuner.core.loop import ApplyFailed, Observer
 from kvpilot.tuner.core.objective import Outcome
 from kvpilot.tuner.core.space import EngineParams
@@ -137,6 +139,10 @@ class KubernetesApplier:
             time.sleep(self.poll_s)
 
 
+# Phases in which no trial is under way: the Tuning condition is False in them.
+_AT_REST = frozenset({TuningPhase.PAUSED, TuningPhase.DONE, TuningPhase.FAILED, TuningPhase.IDLE})
+
+
 class KubeStatusObserver(Observer):
     """status.tuning on the InferenceService, and one Event per trial."""
 
@@ -175,7 +181,39 @@ class KubeStatusObserver(Observer):
             log.warning("could not post an Event for %s/%s: %s", self.namespace, self.name, exc)
 
     def phase(self, phase: TuningPhase, reason: str, message: str) -> None:
-        self._status({"phase": phase.value, "trial": self.trial, "message": f"{reason}: {message}"})
+        patch: dict[str, Any] = {"tuning": {"study": self.study, "phase": phase.value, "reason": reason,
+                                            "trial": self.trial, "message": f"{reason}: {message}"}}
+        conditions = self._tuning_condition(phase, reason, message)
+        if conditions is not None:
+            patch["conditions"] = conditions
+        try:
+            self.api.merge_patch(self.path + "/status", {"status": patch}, field_manager=FIELD_MANAGER)
+        except Exception as exc:  # status is best effort: never stop tuning for it
+            log.warning("could not write status.tuning of %s/%s: %s", self.namespace, self.name, exc)
+
+    def _tuning_condition(self, phase: TuningPhase, reason: str, message: str) -> list[dict[str, Any]] | None:
+        """status.conditions with the Tuning condition as `phase` says (True while trials run, False
+        while paused, done, failed or stopped), or None when it already says so.  The list is read
+        just before: the operator's Ready/Progressing/Degraded entries are carried over as they are."""
+        status = "False" if phase in _AT_REST else "True"
+        try:
+            obj = cast(dict[str, Any], self.api.get(self.path))
+        except Exception as exc:
+            log.warning("could not read %s/%s for its Tuning condition: %s", self.namespace, self.name, exc)
+            return None
+        current = list((obj.get("status") or {}).get("conditions") or [])
+        old = find_condition(current, ConditionType.TUNING.value) or {}
+        text = message[:1024]
+        if (old.get("status"), old.get("reason"), old.get("message")) == (status, reason, text):
+            return None
+        return set_condition(current, ConditionType.TUNING.value, status, reason, text,
+                             (obj.get("metadata") or {}).get("generation"), now_rfc3339())
+
+    def gate_changed(self, closed: Closed | None) -> None:
+        if closed is None:
+            self.event("Normal", "TuningResumed", "the budget gate is open again: trials resume")
+        else:
+            self.event("Normal", closed.reason, f"trials held back: {closed.message}")
 
     def trial_started(self, number: int, params: EngineParams, kind: str) -> None:
         self.trial = number

@@ -7,14 +7,20 @@ makes the loop pause: the tuner never judges, or changes, an engine on signals i
 
 from __future__ import annotations
 
+import logging
 import math
+import re
 
 from kvpilot.slo import promql
+from kvpilot.slo.objectives import SLIS
 from kvpilot.slo.promql import Matcher, Selector
+from kvpilot.slo.rules import budget_remaining_record
 from kvpilot.slo.signals import PrometheusReader, SignalsError
 from kvpilot.tuner.core.loop import SignalsUnavailable
 from kvpilot.tuner.core.objective import SLO, Measurement
 from kvpilot.tuner.core.warmstart import WorkloadEstimate, lognormal_from_mean, lognormal_from_quantiles
+
+log = logging.getLogger(__name__)
 
 
 def parse_selector(text: str) -> Selector:
@@ -121,3 +127,25 @@ def estimate_workload(signals: PrometheusSignals, window_s: float = 3600.0) -> W
         out.append(lognormal_from_mean(tokens / rate))
     (pm, ps), (om, os_) = out
     return WorkloadEstimate(rate, pm, ps, om, os_)
+
+
+class BudgetLeft:
+    """The share of an InferenceService's error budget left over its SLO period: the worse of its
+    TTFT and ITL recordings (`kvpilot:slo_*_error_budget_remaining:ratio`, from the generated SLO
+    rules).  None when it cannot be read (Prometheus unreachable, the rules not loaded, no traffic
+    yet): the budget gate then holds trials back rather than guess."""
+
+    def __init__(self, url: str, namespace: str, name: str, *, timeout_s: float = 5.0) -> None:
+        self._reader = PrometheusReader(url.rstrip("/"), timeout=timeout_s)
+        # One selector over both names: `a or b` would drop b's series, whose labels are a's.
+        names = "|".join(re.escape(budget_remaining_record(sli)) for sli in SLIS)
+        identity = Selector.of(namespace=namespace, inferenceservice=name).render()  # a="b",...
+        self.expr = f"min({{__name__=~{promql.quote(names)},{identity}}})"
+
+    def __call__(self) -> float | None:
+        try:
+            value = self._reader.scalar(self.expr)
+        except SignalsError as exc:
+            log.warning("reading the error budget left failed: %s", exc)
+            return None
+        return None if value is None or math.isnan(value) else value

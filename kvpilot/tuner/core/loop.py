@@ -8,6 +8,9 @@ Safety, always:
   (or the starting one);
 - signals unreachable or no traffic: pause; the engine is never changed blind, and the window
   starts again once signals are back (a window with a hole in it is not a measurement);
+- the budget gate (spec.tuning.budgetGate): a trial starts only while enough error budget is left
+  and inside the maintenance windows; while the gate is closed the best engine is in force and
+  the loop reports Paused with the gate's reason (no trial is cut short by the gate);
 - load drift: every measurement records the offered load; when load has moved more than 25%
   since the incumbent was measured, the incumbent is measured again before comparing;
 - the loop breaking on anything but the config (the API server down past its retries, the study's
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvpilot.api.vocabulary import Reason, TuningPhase
+from kvpilot.tuner.core.gate import Closed, Gate
 from kvpilot.tuner.core.objective import Goal, Measurement, Outcome, better, infeasible, score
 from kvpilot.tuner.core.space import EngineParams
 from kvpilot.tuner.core.study import KIND_REMEASURE, Incumbent, TunerStudy
@@ -101,6 +105,9 @@ class Observer:
 
     def best_changed(self, incumbent: Incumbent) -> None: ...
 
+    def gate_changed(self, closed: Closed | None) -> None:
+        """The budget gate closed (with why), changed its reason, or opened again (None)."""
+
 
 @dataclass(frozen=True)
 class LiveSettings:
@@ -133,10 +140,13 @@ class LiveTuner:
         settings: LiveSettings,
         clock: Clock | None = None,
         observer: Observer | None = None,
+        gate: Gate | None = None,
     ) -> None:
         self.study, self.applier, self.signals, self.s = study, applier, signals, settings
         self.clock = clock or RealClock()
         self.obs = observer or Observer()
+        self.gate = gate
+        self.gate_pauses = 0  # polls spent with the gate closed
         self.goal: Goal = study.goal
         self.starting = study.starting_engine(applier.current())
         self.pauses = 0
@@ -188,6 +198,29 @@ class LiveTuner:
                 self.obs.phase(TuningPhase.PAUSED, exc.reason, f"{exc.message}; the engine is left as it is")
                 log.warning("paused: %s", exc)
                 self.clock.sleep(self.s.pause_poll_s)
+
+    def _wait_for_gate(self) -> None:
+        """Before a trial: while the budget gate is closed, keep the best engine in force and wait.
+        One gate_changed per change of reason (an Event, not one per poll); Paused in status."""
+        if self.gate is None:
+            return
+        shown: Closed | None = None
+        while True:
+            if self.stop_requested:
+                raise TunerStopped()
+            closed = self.gate.closed()
+            if closed is None:
+                if shown is not None:
+                    self.obs.gate_changed(None)
+                return
+            if shown is None:
+                self._restore()  # a trial's engine never stands through a pause
+            if shown is None or shown.reason != closed.reason:
+                self.obs.gate_changed(closed)
+            shown = closed
+            self.gate_pauses += 1
+            self.obs.phase(TuningPhase.PAUSED, closed.reason, f"{closed.message}; the best engine is in force")
+            self.clock.sleep(self.s.pause_poll_s)
 
     def _cool_down(self) -> None:
         """After a prune, wait until the fast-burn window no longer holds the bad config's errors;
@@ -316,6 +349,7 @@ class LiveTuner:
         """Run trials until the budget is spent; leave the best engine in force and return it."""
         try:
             while not self.stop_requested and self.study.finished_count() < self.s.max_trials:
+                self._wait_for_gate()
                 number, params = self.study.ask()
                 kind = self.study.study.get_trials(deepcopy=False)[number].user_attrs.get("kind", "trial")
                 self.run_trial(number, params, kind=kind)

@@ -121,6 +121,11 @@ CASES: list[tuple[str, Any, str, str]] = [
     # Removed: a tenant chose which database (or file) the cluster-wide tuner opened.
     ("tuning-storage-removed", _with("spec.tuning", {"enabled": True, "storage": "sqlite:////var/lib/kvpilot/x.db"}),
      "spec.tuning.storage", "the tuner's own configuration"),
+    ("budget-gate-empty-window",
+     _with("spec.tuning", {"budgetGate": {"windows": [{"days": ["Sat"], "start": "02:00", "end": "02:00"}]}}),
+     "spec.tuning.budgetGate.windows", "empty window"),
+    ("budget-gate-unknown-time-zone", _with("spec.tuning", {"budgetGate": {"timeZone": "Europe/Atlantis"}}),
+     "spec.tuning.budgetGate.timeZone", "IANA time zone"),
     ("warmup-ge-trial", _with("spec.tuning", {"trialSeconds": 60, "warmupSeconds": 60}), "spec.tuning.warmupSeconds",
      "shorter than trialSeconds"),
     ("downtime-rollout", _merge(replicas=1, rollout={"maxSurge": 0}), "spec.rollout.maxSurge", "allowDowntime"),

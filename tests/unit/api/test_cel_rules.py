@@ -148,6 +148,11 @@ def generated(seed: int, count: int) -> list[dict[str, Any]]:
         }
         if maybe(0.05):
             tuning["storage"] = "sqlite:////var/lib/other-tenant.db"  # removed: the tuner's own setting
+        if maybe(0.2):
+            times = ["00:00", "02:00", "22:00", "24:00"]
+            tuning["budgetGate"] = {"minRemaining": rng.choice([0.0, 0.5]),
+                                    "windows": [{"start": rng.choice(times), "end": rng.choice(times)}
+                                                for _ in range(rng.choice([0, 1, 2]))]}
         if maybe(0.6):
             tuning["space"] = {
                 "maxNumBatchedTokens": _pair(rng, [0, 64, 256, 2048, 16384, 65536, 1 << 21]),

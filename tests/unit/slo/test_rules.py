@@ -50,9 +50,21 @@ def test_recordings_cover_both_slis_over_every_window() -> None:
 
 
 def test_recordings_come_before_the_alerts_that_read_them() -> None:
-    (group,) = rule_groups_for(isvc())  # one group: evaluated in order
+    group, _budget = rule_groups_for(isvc())  # the alerts' group is evaluated in order
     kinds = ["record" if "record" in r else "alert" for r in group["rules"]]
     assert kinds == sorted(kinds, key=lambda k: k != "record")
+
+
+def test_the_budget_left_is_recorded_per_sli_over_the_slo_period_in_a_slower_group_of_its_own() -> None:
+    _, budget = rule_groups_for(isvc(slo={"objective": 0.999, "period": "7d"}), RuleOptions(budget_interval="10m"))
+    assert budget["name"] == "kvpilot-slo-budget.prod.llama" and budget["interval"] == "10m"
+    by_name = {r["record"]: r for r in budget["rules"]}
+    assert set(by_name) == {"kvpilot:slo_ttft_error_budget_remaining:ratio", "kvpilot:slo_itl_error_budget_remaining:ratio"}
+    ttft = by_name["kvpilot:slo_ttft_error_budget_remaining:ratio"]
+    # Windows with no requests (NaN) are left out, not counted as perfect; the period is the service's.
+    assert ttft["expr"] == ('1 - avg_over_time((kvpilot:slo_ttft_error_ratio:rate5m{namespace="prod",'
+                            'inferenceservice="llama"} >= 0)[7d:10m]) / 0.001')
+    assert ttft["labels"] == {"namespace": "prod", "inferenceservice": "llama"}
 
 
 def test_burn_alerts_windows_severities_and_thresholds() -> None:
