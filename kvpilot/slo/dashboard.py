@@ -13,7 +13,8 @@ export them with labels `namespace` and `name`):
 * `kvpilot_engine_info{namespace,name,max_num_batched_tokens,gpu_memory_utilization,max_num_seqs,config_hash}` 1
   (operator: the engine config in force);
 * `kvpilot_tuning_trials_total{namespace,name,state}` (tuner: finished trials by state);
-* `kvpilot_tuning_best_value{namespace,name}` and `kvpilot_tuning_current_trial{namespace,name}` (tuner).
+* `kvpilot_tuning_best_value{namespace,name}` and `kvpilot_tuning_current_trial{namespace,name}` (tuner);
+* `kvpilot_tuning_paused{namespace,name,reason}` (tuner: 1 while the budget gate holds trials back).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from kvpilot.api import vllm, vocabulary
 from kvpilot.slo import promql
 from kvpilot.slo.objectives import BURN_ALERTS, SLI_SHORT, SLIS, Sli, SloTarget, target_for
 from kvpilot.slo.promql import Selector
-from kvpilot.slo.rules import RECORD_OBJECTIVE, budget_remaining_record, threshold_record
+from kvpilot.slo.rules import RECORD_OBJECTIVE, budget_remaining_record, threshold_record, worst_budget_left
 
 if TYPE_CHECKING:
     from kvpilot.api import InferenceService
@@ -35,7 +36,8 @@ ENGINE_INFO = vocabulary.METRIC_ENGINE_INFO
 TUNING_TRIALS = vocabulary.METRIC_TUNING_TRIALS_TOTAL
 TUNING_BEST = vocabulary.METRIC_TUNING_BEST_VALUE
 TUNING_CURRENT = vocabulary.METRIC_TUNING_CURRENT_TRIAL
-KVPILOT_METRICS = (ENGINE_INFO, TUNING_TRIALS, TUNING_BEST, TUNING_CURRENT)
+TUNING_PAUSED = vocabulary.METRIC_TUNING_PAUSED
+KVPILOT_METRICS = (ENGINE_INFO, TUNING_TRIALS, TUNING_BEST, TUNING_CURRENT, TUNING_PAUSED)
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 NS_VAR, ISVC_VAR = "$namespace", "$inferenceservice"
@@ -77,6 +79,9 @@ class _Source:
 
     def burn_rate(self, sli: Sli, window: str) -> str:
         return f"({self.error_ratio(sli, window)}) / {self.budget()}"
+
+    def worst_budget_left(self) -> str:
+        return worst_budget_left(self.ident)
 
     @property
     def period(self) -> str:
@@ -252,8 +257,14 @@ def _panels(src: _Source) -> list[dict[str, Any]]:
     lay.add(_timeseries("Tuning trials", [
         _target(f"sum by (state) ({TUNING_TRIALS}{{{kv}}})", "{{state}}", "A"),
         _target(f"max({TUNING_CURRENT}{{{kv}}})", "current trial", "B")], "short",
-        "Finished trials by state, and the trial in progress."), 12, 8)
-    lay.add(_timeseries("Best tuning value", [_target(f"max({TUNING_BEST}{{{kv}}})", "best", "A")], "short"), 12, 8)
+        "Finished trials by state, and the trial in progress."), 8, 8)
+    lay.add(_timeseries("Best tuning value", [_target(f"max({TUNING_BEST}{{{kv}}})", "best", "A")], "short"), 8, 8)
+    lay.add(_timeseries("Tuning held back", [
+        _target(f"max by (reason) ({TUNING_PAUSED}{{{kv}}})", "{{reason}}", "A"),
+        _target(src.worst_budget_left(), "budget left", "B")], "short",
+        "1 while spec.tuning.budgetGate holds trials back (BudgetLow, BudgetUnknown, OutsideWindow); the best "
+        "engine stays in force meanwhile. 'budget left' is the error budget left over the SLO period.",
+        min=0), 8, 8)
     return lay.panels
 
 

@@ -59,6 +59,14 @@ def budget_remaining_record(sli: Sli) -> str:
     return RECORD_BUDGET_REMAINING.format(sli=sli)
 
 
+def worst_budget_left(identity: promql.Selector) -> str:
+    """The budget left of the worse SLI of the target `identity` selects (its recordings' labels): what
+    the tuner's budget gate compares with minRemaining.  One selector over both names, because
+    `a or b` would drop b's series, which carry a's labels."""
+    names = "|".join(budget_remaining_record(sli) for sli in SLIS)
+    return f"min({{__name__=~{promql.quote(names)},{identity.render()}}})"
+
+
 @dataclass(frozen=True)
 class RuleOptions:
     """Knobs for the non-SLO alerts, and where runbooks live."""

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 
 from kvpilot.slo import promql
-from kvpilot.slo.objectives import SLIS
 from kvpilot.slo.promql import Matcher, Selector
-from kvpilot.slo.rules import budget_remaining_record
+from kvpilot.slo.rules import worst_budget_left
 from kvpilot.slo.signals import PrometheusReader, SignalsError
 from kvpilot.tuner.core.loop import SignalsUnavailable
 from kvpilot.tuner.core.objective import SLO, Measurement
@@ -137,10 +135,7 @@ class BudgetLeft:
 
     def __init__(self, url: str, namespace: str, name: str, *, timeout_s: float = 5.0) -> None:
         self._reader = PrometheusReader(url.rstrip("/"), timeout=timeout_s)
-        # One selector over both names: `a or b` would drop b's series, whose labels are a's.
-        names = "|".join(re.escape(budget_remaining_record(sli)) for sli in SLIS)
-        identity = Selector.of(namespace=namespace, inferenceservice=name).render()  # a="b",...
-        self.expr = f"min({{__name__=~{promql.quote(names)},{identity}}})"
+        self.expr = worst_budget_left(Selector.of(namespace=namespace, inferenceservice=name))
 
     def __call__(self) -> float | None:
         try:

@@ -21,7 +21,7 @@ from kvpilot.slo import promql, yamltext
 from kvpilot.slo.dashboard import dashboard_all, dashboard_for, expressions, resolve
 from kvpilot.slo.objectives import SloTarget
 from kvpilot.slo.promql import Selector
-from kvpilot.slo.rules import all_expressions, rule_file_for, rule_groups_for
+from kvpilot.slo.rules import RuleOptions, all_expressions, rule_file_for, rule_groups_for
 from kvpilot.slo.signals import NoData, PrometheusQueryError, PrometheusReader, read_signals, signal_queries
 from tests.support.prometheus import PrometheusServer
 
@@ -85,7 +85,8 @@ def prom(exporter: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pr
     files = []
     for i, target in enumerate(TARGETS):
         path = rules_dir / f"rules-{i}.yaml"
-        path.write_text(yamltext.dump(rule_file_for(target)))
+        # The budget group every second (5m in production), so every rule is evaluated within the test.
+        path.write_text(yamltext.dump(rule_file_for(target, RuleOptions(budget_interval="1s"))))
         files.append(path)
     with PrometheusServer([exporter], job="synthetic", rule_files=files) as server:
         server.wait_for_targets_up(1)
@@ -126,7 +127,7 @@ def test_loaded_rule_files_are_healthy(prom: PrometheusServer) -> None:
         assert body["status"] == "success"
         rules = [r for g in body["data"]["groups"] for r in g["rules"]]
         evaluated = [r for r in rules if not r.get("lastEvaluation", "0001").startswith("0001")]
-        if len(rules) == sum(len(rule_groups_for(t)[0]["rules"]) for t in TARGETS) and len(evaluated) == len(rules):
+        if len(rules) == sum(len(g["rules"]) for t in TARGETS for g in rule_groups_for(t)) and len(evaluated) == len(rules):
             break
         assert time.monotonic() < deadline, f"rules not all evaluated: {len(evaluated)}/{len(rules)}"
         time.sleep(0.5)

@@ -113,3 +113,81 @@ def test_tuner_process_pauses_without_traffic_and_leaves_the_engine_alone(
         # Still nothing applied: the engine fields are as the user wrote them, no trial annotation.
         obj = api.get_isvc(NS, "tuned")
         assert "kvpilot.dev/tuning-trial" not in (obj["metadata"].get("annotations") or {})
+
+
+def test_the_budget_gate_holds_trials_back_says_why_and_follows_a_changed_spec(
+    api: KMockAPI, operator: OperatorProcess, tmp_path: Path
+) -> None:
+    """Outside its maintenance window the tuner never starts a trial: status.tuning Paused/OutsideWindow,
+    the Tuning condition False with that reason, one Event (not one per poll), kvpilot_tuning_paused.
+    Removing the window applies to the running study at once; with no budget recording in Prometheus
+    the gate then says BudgetUnknown rather than guess that the budget is full."""
+    import datetime as dt
+
+    require_prometheus()
+    # A one-minute window three days away: the test cannot be inside it.
+    day = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")[(dt.datetime.now(dt.UTC).weekday() + 3) % 7]
+    gate = {"minRemaining": 0.5, "timeZone": "Europe/Berlin", "windows": [{"days": [day], "start": "12:00",
+                                                                           "end": "12:01"}]}
+    with PrometheusServer(targets=[]) as prom:
+        api.create_isvc(_isvc("gated", True, budgetGate=gate))
+        kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig", namespace=NS)
+        metrics_port = free_port()
+        log_path = tmp_path / "tuner.log"
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kvpilot.cli", "tuner", "--prometheus", prom.url,
+                 "--metrics-port", str(metrics_port), "--resync", "1", "--poll", "0.5"],
+                stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                env={**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1",
+                     "KVPILOT_TUNER_STORAGE": f"sqlite:///{tmp_path / 'tuner.db'}"},
+            )
+        try:
+            def tuning() -> dict[str, Any]:
+                if proc.poll() is not None:
+                    raise AssertionError(f"tuner exited {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+                return dict((api.get_isvc(NS, "gated").get("status") or {}).get("tuning") or {})
+
+            def condition() -> dict[str, Any]:
+                conds = (api.get_isvc(NS, "gated").get("status") or {}).get("conditions") or []
+                return next((c for c in conds if c.get("type") == "Tuning"), {})
+
+            def gate_events(reason: str) -> list[dict[str, Any]]:
+                return [e for e in api.events(NS) if e.get("involvedObject", {}).get("name") == "gated"
+                        and e.get("reason") == reason]
+
+            wait_for(lambda: tuning().get("reason") == "OutsideWindow", timeout=90, interval=0.2,
+                     what="status.tuning.reason OutsideWindow")
+            assert tuning()["phase"] == "Paused"
+            assert f"{day} 12:00-12:01 Europe/Berlin" in tuning()["message"]
+            wait_for(lambda: condition().get("reason") == "OutsideWindow", timeout=30, interval=0.2,
+                     what="the Tuning condition")
+            assert condition()["status"] == "False"
+            # Several polls later: still one Event for the pause.
+            polls_then = log_path.read_text().count("reason=OutsideWindow")
+            wait_for(lambda: log_path.read_text().count("reason=OutsideWindow") >= polls_then + 4, timeout=30,
+                     what="more polls while paused")
+            assert len(gate_events("OutsideWindow")) == 1
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as resp:
+                text = resp.read().decode()
+            assert 'kvpilot_tuning_paused{name="gated",namespace="tuning",reason="OutsideWindow"} 1.0' in text
+            assert 'kvpilot_tuning_paused{name="gated",namespace="tuning",reason="BudgetLow"} 0.0' in text
+
+            # The user drops the window: the same worker reads the budget now, which Prometheus lacks.
+            api.patch(api.isvc_path(NS, "gated"), {"spec": {"tuning": {"budgetGate": {"windows": []}}}})
+            wait_for(lambda: tuning().get("reason") == "BudgetUnknown", timeout=30, interval=0.2,
+                     what="status.tuning.reason BudgetUnknown")
+            assert len(gate_events("BudgetUnknown")) == 1
+            assert f"not tuning {NS}/gated" not in log_path.read_text()
+            engine = api.get_isvc(NS, "gated")["spec"]["engine"]
+            assert engine == {"maxNumBatchedTokens": 2048, "gpuMemoryUtilization": 0.9, "maxNumSeqs": 256}
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                rc = proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+                raise AssertionError(f"tuner ignored SIGTERM:\n{log_path.read_text()[-3000:]}") from None
+        assert rc == 0, log_path.read_text()[-3000:]
+        assert "kvpilot.dev/tuning-trial" not in (api.get_isvc(NS, "gated")["metadata"].get("annotations") or {})
