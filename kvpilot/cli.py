@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in command_modules:
         module.register(subparsers)
+    # `kvpilot validate --predict` runs the twin's start-up; the API layer's command cannot import it.
+    from kvpilot.twin import admission_cli
+
+    admission_cli.extend_validate(subparsers.choices["validate"])
     return parser
 
 

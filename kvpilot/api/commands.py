@@ -33,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="a YAML file, or - for stdin; repeatable",
     )
     validate.add_argument("-q", "--quiet", action="store_true", help="print only the problems")
-    validate.set_defaults(handler=_validate)
+    validate.set_defaults(handler=validate_command)
 
 
 def _crd(args: argparse.Namespace) -> int:
@@ -50,7 +50,7 @@ def _crd(args: argparse.Namespace) -> int:
     return 0
 
 
-def _validate(args: argparse.Namespace) -> int:
+def validate_command(args: argparse.Namespace) -> int:
     from kvpilot.api.documents import DocumentError, read_source
     from kvpilot.api.validation import validate_text
 

@@ -277,9 +277,12 @@ def _object_defaults(node: dict[str, Any]) -> None:
     default as written, CEL rules included, without defaulting inside it first, so `{}` fails a
     rule like `self.maxNumBatchedTokens >= self.maxNumSeqs` with "no such key" and the whole CRD
     is refused."""
-    for sub in node.get("properties", {}).values():
+    required = set(node.get("required", ()))
+    for key, sub in node.get("properties", {}).items():
         _object_defaults(sub)  # the children's defaults first: a parent's default holds them
-        if sub.get("type") == "object" and "properties" in sub and not sub.get("nullable"):
+        # A required object has no default: one holding only its fields' defaults may lack the
+        # required ones, and the API server refuses a CRD whose default fails its own schema.
+        if key not in required and sub.get("type") == "object" and "properties" in sub and not sub.get("nullable"):
             filled = {k: copy.deepcopy(v["default"]) for k, v in sub["properties"].items() if "default" in v}
             given = sub.get("default")
             sub["default"] = {**filled, **given} if isinstance(given, dict) else filled

@@ -27,6 +27,10 @@ CONFIG_MAP_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
 _QUALIFIED_NAME = r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]"
 EXTENDED_RESOURCE_PATTERN = rf"^{DNS1123_LABEL}(\.{DNS1123_LABEL})*/{_QUALIFIED_NAME}$"
 
+# IsValidLabelValue: at most 63 characters, alphanumerics with '-', '_' and '.' inside (a node
+# label's value, such as nvidia.com/gpu.product's NVIDIA-H100-80GB-HBM3).
+LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+
 # resource.ParseQuantity: <sign><digits>[.<digits>][<binarySI>|<decimalSI>|e<exponent>].
 QUANTITY_PATTERN = r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?[0-9]+))?$"
 _BINARY = {"Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40, "Pi": 50, "Ei": 60}
@@ -134,6 +138,12 @@ SecretKey = Annotated[
     str,
     Field(min_length=1, max_length=253, pattern=CONFIG_MAP_KEY_PATTERN),
 ]
+ConfigMapName = SecretName
+ConfigMapKey = SecretKey
+LabelValue = Annotated[
+    str,
+    Field(min_length=1, max_length=63, pattern=LABEL_VALUE_PATTERN),
+]
 ExtendedResourceName = Annotated[
     str,
     Field(min_length=3, max_length=317, pattern=EXTENDED_RESOURCE_PATTERN),
@@ -152,6 +162,8 @@ PATTERN_MESSAGES: dict[str, str] = {
     DNS1123_SUBDOMAIN_PATTERN: "must be a DNS-1123 subdomain: lower-case letters, digits, '-' and '.', "
     "starting and ending with a letter or digit (e.g. hf-token)",
     CONFIG_MAP_KEY_PATTERN: "must be a Secret key: letters, digits, '-', '_' and '.' (e.g. HF_TOKEN)",
+    LABEL_VALUE_PATTERN: "must be a Kubernetes label value: letters, digits, '-', '_' and '.', starting and "
+    "ending with a letter or digit (e.g. NVIDIA-H100-80GB-HBM3)",
     EXTENDED_RESOURCE_PATTERN: "must be an extended resource name, domain/name (e.g. nvidia.com/gpu)",
     IMAGE_PATTERN: "must be a container image reference, [registry/]repository[:tag][@digest] in lower case "
     "without spaces (e.g. vllm/vllm-openai:v0.33.0)",

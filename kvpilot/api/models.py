@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from kvpilot.api import kube, rules, vllm
+from kvpilot.api import kube, rules, vllm, vocabulary
 from kvpilot.api.engine import (
     MAX_BATCHED_TOKENS_LIMIT,
     MAX_KV_CACHE_MEMORY_BYTES,
@@ -123,6 +123,17 @@ class SecretKeyRef(_Wire):
     key: kube.SecretKey = Field("HF_TOKEN", description="Key in that Secret.")
 
 
+class ConfigMapKeyRef(_Wire):
+    name: kube.ConfigMapName = Field(..., description="Name of a ConfigMap in the same namespace (a DNS-1123 subdomain).")
+    key: kube.ConfigMapKey = Field("config.json", description="Key in that ConfigMap.")
+
+
+class ModelConfigSpec(_Wire):
+    config_map_ref: ConfigMapKeyRef = Field(
+        ..., description="A ConfigMap key holding the model's Hugging Face config.json."
+    )
+
+
 class ResourcesSpec(_Wire):
     gpus: int = Field(1, ge=0, le=64, description="GPUs per replica; at least engine.tensorParallelSize for vllm.")
     gpu_resource: kube.ExtendedResourceName = Field(
@@ -136,6 +147,14 @@ class ResourcesSpec(_Wire):
     )
     shm_size: kube.ByteQuantity = Field(
         "8Gi", description="Size of the memory-backed /dev/shm volume (whole bytes up to 1Pi)."
+    )
+    gpu_type: kube.LabelValue | None = Field(
+        None,
+        description="The GPU model the pods run on: a value of NVIDIA's node label nvidia.com/gpu.product (e.g. "
+        "NVIDIA-H100-80GB-HBM3, NVIDIA-A100-SXM4-80GB, NVIDIA-H200, NVIDIA-L4) or a GPU name of the engine twin "
+        "(H100-80GB, A100-80GB, H200, L40S, L4, A10G). The pods get the node selector "
+        f"{vocabulary.LABEL_GPU_PRODUCT}=<product>, and `kvpilot validate --predict` sizes vLLM's memory for it. "
+        "GPUs the twin does not model are allowed; the prediction then says the GPU is unknown.",
     )
 
 
@@ -261,6 +280,13 @@ class InferenceServiceSpec(_Wire):
     replicas: int = Field(1, ge=0, le=1000, description="Engine replicas (pods).")
     engine: EngineSpec = Field(default_factory=EngineSpec, description="The inference engine and its flags.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Per-replica resources.")
+    model_config_ref: ModelConfigSpec | None = Field(
+        None,
+        alias="modelConfig",
+        description="Where the model's Hugging Face config.json is, for a model the engine twin has no preset of: "
+        "`kvpilot validate --predict` reads it (from a ConfigMap document in the same input) to size vLLM's "
+        "memory, and engine.kind twin pods mount it and simulate that model.",
+    )
     hf_token_secret: SecretKeyRef | None = Field(
         None, description="Secret key holding a Hugging Face token, exposed to the engine as HF_TOKEN."
     )

@@ -29,6 +29,8 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "kvpilot"
 # On every child, and the Deployment's selector: which InferenceService a pod serves.
 LABEL_INFERENCESERVICE = f"{GROUP}/{SINGULAR}"
+# NVIDIA GPU feature discovery's node label naming the GPU model (spec.resources.gpuType selects on it).
+LABEL_GPU_PRODUCT = "nvidia.com/gpu.product"
 
 # On the pod template: changes exactly when what the pods run changes.
 ANNOTATION_CONFIG_HASH = f"{GROUP}/config-hash"

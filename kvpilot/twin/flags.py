@@ -179,13 +179,15 @@ def gpu_from_args(args: argparse.Namespace) -> GpuSpec:
     return resolve_gpu(getattr(args, "gpu", None) or os.environ.get(GPU_ENV) or DEFAULT_GPU)
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """EngineConfig from parsed flags.  ValueError subclasses for unknown GPUs/models."""
+def engine_config_from_args(args: argparse.Namespace, *, model: ModelSpec | None = None,
+                            gpu: GpuSpec | None = None) -> EngineConfig:
+    """EngineConfig from parsed flags.  ValueError subclasses for unknown GPUs/models.  `model` and
+    `gpu`, when given, stand for the ones the flags name (a config.json already read, say)."""
     served = args.served_model_name[0] if args.served_model_name else (
         getattr(args, "model", None) or getattr(args, "model_flag", None))
     return EngineConfig.resolve(
-        model_from_args(args),
-        gpu_from_args(args),
+        model or model_from_args(args),
+        gpu or gpu_from_args(args),
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization,

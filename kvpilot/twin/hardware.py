@@ -31,6 +31,9 @@ class GpuSpec:
     # "used by other processes" from vLLM's point of view when it checks free memory at start-up.
     cuda_context_bytes: int = int(0.5 * GiB)
     architecture: str = ""
+    # The value NVIDIA's GPU feature discovery gives the node label nvidia.com/gpu.product for this
+    # board (what spec.resources.gpuType renders to as a node selector).
+    product_label: str = ""
 
     @property
     def total_memory_gib(self) -> float:
@@ -48,12 +51,15 @@ def _gib(x: float) -> int:
 GPU_PRESETS: dict[str, GpuSpec] = {
     g.name: g
     for g in (
-        GpuSpec("A100-80GB", _gib(79.15), 312e12, 2.039e12, 300e9, architecture="ampere"),
-        GpuSpec("H100-80GB", _gib(79.19), 989e12, 3.35e12, 450e9, 64e9, architecture="hopper"),
-        GpuSpec("H200", _gib(139.80), 989e12, 4.8e12, 450e9, 64e9, architecture="hopper"),
-        GpuSpec("L40S", _gib(44.39), 362e12, 0.864e12, 0.0, architecture="ada"),
-        GpuSpec("L4", _gib(22.03), 121e12, 0.300e12, 0.0, architecture="ada"),
-        GpuSpec("A10G", _gib(22.19), 70e12, 0.600e12, 0.0, architecture="ampere"),
+        GpuSpec("A100-80GB", _gib(79.15), 312e12, 2.039e12, 300e9, architecture="ampere",
+                product_label="NVIDIA-A100-SXM4-80GB"),
+        GpuSpec("H100-80GB", _gib(79.19), 989e12, 3.35e12, 450e9, 64e9, architecture="hopper",
+                product_label="NVIDIA-H100-80GB-HBM3"),
+        GpuSpec("H200", _gib(139.80), 989e12, 4.8e12, 450e9, 64e9, architecture="hopper",
+                product_label="NVIDIA-H200"),
+        GpuSpec("L40S", _gib(44.39), 362e12, 0.864e12, 0.0, architecture="ada", product_label="NVIDIA-L40S"),
+        GpuSpec("L4", _gib(22.03), 121e12, 0.300e12, 0.0, architecture="ada", product_label="NVIDIA-L4"),
+        GpuSpec("A10G", _gib(22.19), 70e12, 0.600e12, 0.0, architecture="ampere", product_label="NVIDIA-A10G"),
     )
 }
 
@@ -63,6 +69,7 @@ _ALIASES: dict[str, str] = {
     "a100-80g": "A100-80GB",
     "a100-sxm4-80gb": "A100-80GB",
     "nvidia-a100-80gb": "A100-80GB",
+    "nvidia-a100-sxm4-80gb": "A100-80GB",
     "h100": "H100-80GB",
     "h100-80g": "H100-80GB",
     "h100-sxm": "H100-80GB",
@@ -96,6 +103,18 @@ def resolve_gpu(name: str) -> GpuSpec:
     if key in _ALIASES:
         return GPU_PRESETS[_ALIASES[key]]
     raise UnknownGpuError(f"unknown GPU {name!r}; the twin knows: {', '.join(GPU_PRESETS)}")
+
+
+def product_label(gpu_type: str) -> str:
+    """The nvidia.com/gpu.product value a node selector for `gpu_type` (spec.resources.gpuType) uses:
+    a GPU the twin knows, under any of its names, becomes its board's product label; anything else is
+    taken as a product label already and kept as written (clusters have GPUs the twin does not model)."""
+    if any(g.product_label == gpu_type for g in GPU_PRESETS.values()):
+        return gpu_type
+    try:
+        return resolve_gpu(gpu_type).product_label or gpu_type
+    except UnknownGpuError:
+        return gpu_type
 
 
 def serve_defaults(gpu: GpuSpec) -> engine_codec.ServeDefaults:

@@ -11,6 +11,10 @@ Why each setting is what it is:
   drain in-flight requests; the grace period covers both, plus a margin for the process to exit.
 - The config-hash annotation on the pod template is a hash of the template itself, so it changes
   exactly when what the pods run changes; slo/tuning are not inputs of the template at all.
+- spec.resources.gpuType becomes the node selector nvidia.com/gpu.product=<value> (a twin GPU name
+  becomes its board's product label, `kvpilot.twin.hardware.product_label`), on every engine kind.
+- engine.kind twin pods mount spec.modelConfig's ConfigMap key as config.json and pass it to the twin
+  (`--model-config`), so the twin simulates a model it has no preset of; vLLM pods do not need it.
 - No service-account token (automountServiceAccountToken false): an engine never calls the API
   server, and a token in a pod that runs tenant-chosen images and serves the network is a credential
   to lose.
@@ -39,6 +43,7 @@ import math
 from typing import Any
 
 from kvpilot.api.models import EngineSpec, InferenceService
+from kvpilot.api.vocabulary import LABEL_GPU_PRODUCT
 from kvpilot.operator.builders.common import (
     ANNOTATION_CONFIG_HASH,
     ANNOTATION_ENGINE,
@@ -50,7 +55,8 @@ from kvpilot.operator.builders.common import (
     object_meta,
     selector_labels,
 )
-from kvpilot.operator.builders.engine import engine_args, engine_command
+from kvpilot.operator.builders.engine import MODEL_CONFIG_DIR, engine_args, engine_command
+from kvpilot.twin.hardware import product_label
 
 CONTAINER_NAME = "engine"
 HEALTH_PATH = "/health"
@@ -195,6 +201,11 @@ def pod_template(isvc: InferenceService, options: RenderOptions, engine: EngineS
         # caches there (and Python's tempfile) lands in a small writable emptyDir.
         container["volumeMounts"].append({"name": "tmp", "mountPath": "/tmp"})
         volumes.append({"name": "tmp", "emptyDir": {"sizeLimit": TWIN_TMP_SIZE}})
+        ref = isvc.spec.model_config_ref
+        if ref is not None:
+            container["volumeMounts"].append({"name": "model-config", "mountPath": MODEL_CONFIG_DIR, "readOnly": True})
+            volumes.append({"name": "model-config", "configMap": {
+                "name": ref.config_map_ref.name, "items": [{"key": ref.config_map_ref.key, "path": "config.json"}]}})
     else:
         pod_spec["securityContext"], container["securityContext"] = vllm_security_contexts(options.engine_run_as_user)
         if options.engine_run_as_user is not None:
@@ -202,6 +213,9 @@ def pod_template(isvc: InferenceService, options: RenderOptions, engine: EngineS
             volumes += [{"name": "home", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
             container["env"] = [{"name": "HOME", "value": VLLM_HOME}, {"name": "USER", "value": VLLM_USER},
                                 *container.get("env", [])]
+    gpu_type = isvc.spec.resources.gpu_type
+    if gpu_type is not None:
+        pod_spec["nodeSelector"] = {LABEL_GPU_PRODUCT: product_label(gpu_type)}
     labels = common_labels(isvc)
     labels["app.kubernetes.io/name"] = "vllm" if engine.kind == "vllm" else "kvpilot-twin"
     return {

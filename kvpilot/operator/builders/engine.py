@@ -3,27 +3,19 @@ API's engine codec), then extraArgs."""
 
 from __future__ import annotations
 
-from kvpilot.api.engine import format_value, render_flags
+from kvpilot.api import serving
+from kvpilot.api.engine import format_value
 from kvpilot.api.models import EngineSpec, InferenceService
 from kvpilot.operator.builders.common import HTTP_PORT
+
+# Where an engine.kind twin pod mounts spec.modelConfig's ConfigMap key (as config.json).
+MODEL_CONFIG_DIR = "/etc/kvpilot/model"
+MODEL_CONFIG_PATH = f"{MODEL_CONFIG_DIR}/config.json"
 
 
 def typed_flags(isvc: InferenceService, engine: EngineSpec | None = None) -> list[str]:
     """The typed engine fields as vLLM flags (the codec's order); unset optional fields are left out."""
-    engine = engine or isvc.spec.engine
-    return render_flags({
-        "maxNumBatchedTokens": engine.max_num_batched_tokens,
-        # Always explicit (vLLM's default when unset), so status and hash show what really runs.
-        "gpuMemoryUtilization": engine.effective_gpu_memory_utilization,
-        "kvCacheMemoryBytes": engine.kv_cache_memory_bytes,
-        "maxNumSeqs": engine.max_num_seqs,
-        "maxModelLen": engine.max_model_len,
-        "tensorParallelSize": engine.tensor_parallel_size,
-        "blockSize": engine.block_size,
-        "kvCacheDtype": engine.kv_cache_dtype,
-        "longPrefillTokenThreshold": engine.long_prefill_token_threshold,
-        "shutdownTimeoutSeconds": isvc.spec.rollout.shutdown_timeout_seconds,
-    })
+    return serving.typed_flags(isvc.spec, engine)
 
 
 def engine_args(isvc: InferenceService, engine: EngineSpec | None = None) -> list[str]:
@@ -38,6 +30,9 @@ def engine_args(isvc: InferenceService, engine: EngineSpec | None = None) -> lis
     args += typed_flags(isvc, engine)
     if engine.kind == "twin":
         args += ["--gpu", engine.twin.gpu]
+        if isvc.spec.model_config_ref is not None:
+            # The twin sizes a model it has no preset of from the mounted config.json (deployment.py).
+            args += ["--model-config", MODEL_CONFIG_PATH]
         if engine.twin.startup_delay_seconds > 0:
             args += ["--startup-delay", format_value(engine.twin.startup_delay_seconds)]
     args += list(engine.extra_args)

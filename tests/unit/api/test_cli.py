@@ -76,7 +76,7 @@ def test_an_unexpected_error_is_one_line_not_a_traceback(tmp_path):
         "import kvpilot.api.commands as c\n"
         "def boom(args):\n"
         "    raise RuntimeError('x' * 10000)\n"
-        "c._validate = boom\n"
+        "c.validate_command = boom\n"
         "from kvpilot.cli import main\n"
         "sys.exit(main(['validate', '-f', '-']))\n"
     )

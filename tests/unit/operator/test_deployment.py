@@ -266,3 +266,39 @@ def test_the_engines_termination_message_is_its_log_tail_on_error(kind: str) -> 
     reads vLLM's start-up error (builders.pods)."""
     assert container(build_deployment(isvc(engine={"kind": kind})))["terminationMessagePolicy"] == \
         "FallbackToLogsOnError"
+
+
+@pytest.mark.parametrize(("gpu_type", "selected"), [
+    ("NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-80GB-HBM3"),  # a product label stays as written
+    ("H100-80GB", "NVIDIA-H100-80GB-HBM3"),  # a twin name becomes its board's product label
+    ("a100", "NVIDIA-A100-SXM4-80GB"),  # so does any spelling the twin resolves
+    ("H200", "NVIDIA-H200"),
+    ("NVIDIA-B200", "NVIDIA-B200"),  # a GPU the twin does not model is still selected on
+])
+@pytest.mark.parametrize("kind", ["vllm", "twin"])
+def test_gpu_type_becomes_the_gpu_product_node_selector(gpu_type: str, selected: str, kind: str) -> None:
+    dep = build_deployment(isvc(engine={"kind": kind}, resources={"gpuType": gpu_type}))
+    assert dep["spec"]["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": selected}
+
+
+def test_no_gpu_type_no_node_selector_and_the_same_hash_as_before() -> None:
+    dep = build_deployment(isvc())
+    assert "nodeSelector" not in dep["spec"]["template"]["spec"]
+    assert _hash(dep) != _hash(build_deployment(isvc(resources={"gpuType": "H100-80GB"})))
+
+
+def test_twin_pods_mount_the_model_config_map_and_read_it() -> None:
+    ref = {"configMapRef": {"name": "llama-config", "key": "llama.json"}}
+    dep = build_deployment(isvc(engine={"kind": "twin"}, modelConfig=ref))
+    pod = dep["spec"]["template"]["spec"]
+    c = container(dep)
+    assert {"name": "model-config", "configMap": {"name": "llama-config",
+                                                  "items": [{"key": "llama.json", "path": "config.json"}]}} in pod["volumes"]
+    assert {"name": "model-config", "mountPath": "/etc/kvpilot/model", "readOnly": True} in c["volumeMounts"]
+    i = c["args"].index("--model-config")
+    assert c["args"][i + 1] == "/etc/kvpilot/model/config.json"
+    assert not restricted_violations(pod)
+    # vLLM reads the real model's config itself: its pods get neither.
+    vllm = build_deployment(isvc(modelConfig=ref))
+    assert "--model-config" not in container(vllm)["args"]
+    assert all("configMap" not in v for v in vllm["spec"]["template"]["spec"]["volumes"])
