@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -62,6 +63,31 @@ class PredictionLike(Protocol):
 
 # The prediction seam: the typed, valid InferenceService in, its predicted start-up out.
 Predictor = Callable[[InferenceService], PredictionLike]
+
+
+class CachedPredictor:
+    """`predictor` remembered per spec: the prediction is a pure function of the spec (the model,
+    the GPU and the engine's flags; kvpilot.twin.admission.predict reads nothing else), and it costs
+    several times a whole review, so the webhook predicts each distinct spec once.  The key is the
+    typed spec's canonical JSON (defaults filled in, fields in model order): two specs that mean
+    the same share it, and no two that differ do.  The least recently used entries go first."""
+
+    def __init__(self, predictor: Predictor, size: int = 4096) -> None:
+        self.predictor = predictor
+        self.size = size
+        self._cache: OrderedDict[str, PredictionLike] = OrderedDict()
+
+    def __call__(self, service: InferenceService) -> PredictionLike:
+        key = service.spec.model_dump_json()
+        found = self._cache.get(key)
+        if found is not None:
+            self._cache.move_to_end(key)
+            return found
+        prediction = self.predictor(service)
+        self._cache[key] = prediction
+        if len(self._cache) > self.size:
+            self._cache.popitem(last=False)
+        return prediction
 
 
 class BadReview(ValueError):

@@ -14,7 +14,7 @@ from kvpilot.operator.handlers import build_registry, credentials
 from kvpilot.operator.kube import KubeClient
 from kvpilot.operator.metrics import OperatorMetrics, start_http
 from kvpilot.operator.reconcile import Runtime
-from kvpilot.operator.reviews import Predictor, Reviewer
+from kvpilot.operator.reviews import CachedPredictor, Predictor, Reviewer
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.webhook import WebhookServer
 
@@ -71,13 +71,16 @@ async def run_operator(settings: OperatorSettings) -> None:
         await client.close()
 
 
-def predictor() -> Predictor | None:
-    """The start-up prediction the webhook runs on every valid engine, or None for validation only.
+def predictor() -> Predictor:
+    """The start-up prediction the webhook runs on every valid engine: the twin's
+    (kvpilot.twin.admission.predict, what `kvpilot validate --predict` prints), once per distinct spec.
 
-    The seam for kvpilot.twin.admission.predict (issue 18): a function of the typed
-    InferenceService returning an object with `failure` (vLLM's start-up error or None) and
-    `warnings` (risky but legal settings)."""
-    return None
+    Where spec.modelConfig names a ConfigMap the webhook does not read it (an API call inside the
+    API server's wait): such a model, like one that is not a twin preset or an engine without
+    spec.resources.gpuType, is not predicted, only validated."""
+    from kvpilot.twin.admission import predict
+
+    return CachedPredictor(predict)
 
 
 async def start_webhook(settings: OperatorSettings, metrics: OperatorMetrics) -> WebhookServer:

@@ -239,6 +239,59 @@ def test_an_invalid_service_never_reaches_the_predictor(pki: Pki) -> None:
     assert response_of(status, answer, sent)["allowed"] is False
 
 
+# --- the operator's predictor: the twin's start-up prediction (kvpilot.twin.admission) -------------
+
+
+def on_gpu(obj: dict[str, Any], gpu: str = "NVIDIA-H100-80GB-HBM3", **spec: Any) -> dict[str, Any]:
+    obj = copy.deepcopy(obj)
+    obj["spec"]["resources"]["gpuType"] = gpu
+    obj["spec"].update(spec)
+    return obj
+
+
+def test_the_operators_predictor_denies_an_engine_vllm_would_refuse_in_vllms_words(pki: Pki) -> None:
+    from kvpilot.api.validation import strict_validate
+    from kvpilot.operator.runner import predictor
+    from kvpilot.twin.admission import predict
+
+    too_big = on_gpu(FULL, model="meta-llama/Llama-3.1-70B-Instruct")  # 140 GB of weights on one 80 GB GPU
+    failure = predict(strict_validate(too_big)).failure
+    assert failure
+    sent = review(too_big)
+    status, answer = run_with(pki, lambda s, srv: post(s, srv, sent), Reviewer(predictor=predictor()))
+    response = response_of(status, answer, sent)
+    assert response["allowed"] is False
+    assert (response["status"]["code"], response["status"]["reason"]) == (403, "Forbidden")
+    assert response["status"]["message"].endswith(f"vLLM would refuse to start this engine: {' '.join(failure.split())}")
+
+
+def test_the_operators_predictor_warns_about_risky_but_legal_engines(pki: Pki) -> None:
+    from kvpilot.api.validation import strict_validate
+    from kvpilot.operator.runner import predictor
+    from kvpilot.twin.admission import predict
+
+    crowded = on_gpu(with_engine(maxNumSeqs=1024))
+    crowded["spec"]["tuning"]["enabled"] = False
+    cases = {
+        "utilization": on_gpu(with_engine(gpuMemoryUtilization=0.97)),
+        "kv cache": crowded,
+        "fine": on_gpu(FULL),
+        "not predicted (no gpuType)": FULL,
+    }
+    sent = {name: review(obj) for name, obj in cases.items()}
+
+    async def scenario(session: aiohttp.ClientSession, server: WebhookServer) -> dict[str, Any]:
+        return {name: response_of(*await post(session, server, s), s) for name, s in sent.items()}
+
+    responses = run_with(pki, scenario, Reviewer(predictor=predictor()))
+    assert all(r["allowed"] for r in responses.values())
+    assert responses["utilization"]["warnings"] == list(predict(strict_validate(cases["utilization"])).warnings)
+    assert "gpuMemoryUtilization 0.97 is above 0.95" in responses["utilization"]["warnings"][0]
+    (kv,) = responses["kv cache"]["warnings"]
+    assert "fewer than engine.maxNumSeqs 1024" in kv
+    assert "warnings" not in responses["fine"] and "warnings" not in responses["not predicted (no gpuType)"]
+
+
 # --- malformed reviews: a 400-class answer, never a crash or a hang --------------------------------
 
 
@@ -468,18 +521,22 @@ def test_the_operator_process_serves_the_webhook_and_counts_its_answers(
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=pki.client_context())) as s:
                 target = f"https://127.0.0.1:{port}{WEBHOOK_PATH}"
                 out = []
-                for body in (review(FULL), review(with_engine(maxNumSeqs=0)), b"[]"):
+                too_big = on_gpu(FULL, model="meta-llama/Llama-3.1-70B-Instruct")
+                for body in (review(FULL), review(with_engine(maxNumSeqs=0)), b"[]", review(too_big)):
                     data = body if isinstance(body, bytes) else json.dumps(body).encode()
                     async with s.post(target, data=data) as resp:
                         out.append((resp.status, json.loads(await resp.read())))
                 return out
 
-        (s1, a1), (s2, a2), (s3, _) = asyncio.run(main())
+        (s1, a1), (s2, a2), (s3, _), (s4, a4) = asyncio.run(main())
         assert (s1, a1["response"]["allowed"]) == (200, True)
         assert (s2, a2["response"]["allowed"]) == (200, False)
         assert s3 == 400
+        # The process wires the twin's prediction in.
+        assert (s4, a4["response"]["allowed"], a4["response"]["status"]["code"]) == (200, False, 403)
         status, metrics = op.http_get("/metrics")
         assert status == 200
-        for result, count in (("allowed", 1), ("invalid", 1), ("bad_review", 1), ("warned", 0)):
+        for result, count in (("allowed", 1), ("invalid", 1), ("bad_review", 1), ("predicted_failure", 1),
+                              ("warned", 0)):
             assert f'kvpilot_admission_reviews_total{{result="{result}"}} {count}.0' in metrics, result
         assert "admission webhook on https://127.0.0.1:" in op.log()
