@@ -28,6 +28,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from pydantic_core import from_json
+
 from kvpilot.api.documents import brief
 from kvpilot.api.models import InferenceService
 from kvpilot.api.validation import ValidationIssue, check_object
@@ -105,23 +107,13 @@ class Answer:
     result: str  # one of RESULTS
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-# NaN and Infinity are Python's extension, not JSON: the API server never sends them.
-_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
-
-
 def _load(body: bytes) -> Any:
+    # pydantic-core's JSON parser (jiter): a third of json.loads's time on a review, and strict JSON
+    # (no NaN or Infinity, nesting past 200 levels refused: no Kubernetes object comes near that).
     try:
-        return _DECODER.decode(body.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise BadReview("the body is not UTF-8 JSON") from None
-    except ValueError as exc:  # json.JSONDecodeError included
+        return from_json(body, allow_inf_nan=False)
+    except ValueError as exc:
         raise BadReview(f"the body is not JSON: {exc}") from None
-    except RecursionError:
-        raise BadReview("the body is not JSON this webhook reads: nested too deeply") from None
 
 
 def _mapping(parent: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
@@ -183,9 +175,11 @@ def _status(code: int, reason: str, message: str, details: Mapping[str, Any] | N
 
 
 def _bad(exc: BadReview) -> Answer:
-    reason = {400: "BadRequest", 413: "RequestEntityTooLarge", 408: "Timeout", 415: "UnsupportedMediaType"}
+    reason = {400: "BadRequest", 404: "NotFound", 405: "MethodNotAllowed", 408: "Timeout",
+              413: "RequestEntityTooLarge"}
+    prefix = "" if exc.status in (404, 405) else "malformed AdmissionReview: "
     status = {"kind": "Status", "apiVersion": "v1",
-              **_status(exc.status, reason.get(exc.status, "BadRequest"), f"malformed AdmissionReview: {exc}")}
+              **_status(exc.status, reason.get(exc.status, "BadRequest"), f"{prefix}{exc}")}
     return Answer(exc.status, json.dumps(status).encode(), BAD_REVIEW)
 
 

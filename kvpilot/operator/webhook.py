@@ -76,7 +76,8 @@ class WebhookServer:
     # the webhook's timeoutSeconds (at most 30 s), so a slower body is never an honest one.
     read_timeout_seconds: float = 10.0
     on_result: Callable[[str], None] | None = None
-    _runner: web.AppRunner | None = field(default=None, init=False, repr=False)
+    _server: asyncio.Server | None = field(default=None, init=False, repr=False)
+    _http: web.Server | None = field(default=None, init=False, repr=False)
     _reload: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
     _context: ssl.SSLContext | None = field(default=None, init=False, repr=False)
     _stamps: tuple[object, object] = field(default=(None, None), init=False, repr=False)
@@ -86,19 +87,17 @@ class WebhookServer:
         """Bind and serve; an unreadable certificate or a taken port raises here (OSError, ssl.SSLError)."""
         self._stamps = (_stamp(self.cert_file), _stamp(self.key_file))
         self._context = server_ssl_context(self.cert_file, self.key_file)
-        app = web.Application(client_max_size=MAX_REVIEW_BYTES)
-        app.router.add_post(WEBHOOK_PATH, self._review)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await runner.setup()
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        try:
-            sock = socket.create_server((self.host, self.port), family=family, backlog=1024)
-        except OSError:
-            await runner.cleanup()
-            raise
+        sock = socket.create_server((self.host, self.port), family=family, backlog=1024)
         self.bound_port = sock.getsockname()[1]
-        await web.SockSite(runner, sock, ssl_context=self._context).start()
-        self._runner = runner
+        # aiohttp's low-level server: one path, one method, no router or middlewares to run per review.
+        self._http = web.Server(self._handle, access_log=None)
+        try:
+            self._server = await asyncio.get_running_loop().create_server(
+                self._http, sock=sock, ssl=self._context, backlog=1024)
+        except BaseException:
+            sock.close()
+            raise
         self._reload = asyncio.create_task(self._watch_certificates(), name="webhook certificate reload")
 
     async def stop(self) -> None:
@@ -107,9 +106,12 @@ class WebhookServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reload
             self._reload = None
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        if self._server is not None:
+            self._server.close()
+            if self._http is not None:
+                await self._http.shutdown(timeout=5.0)
+            await self._server.wait_closed()
+            self._server = self._http = None
 
     def reload_certificates(self) -> bool:
         """Load the certificate files again if they changed; True when the served certificate changed.
@@ -131,25 +133,38 @@ class WebhookServer:
             await asyncio.sleep(self.reload_seconds)
             self.reload_certificates()
 
-    async def _review(self, request: web.Request) -> web.Response:
-        answer: Answer
-        length = request.content_length
-        if length is not None and length > MAX_REVIEW_BYTES:
-            answer = bad_review_answer(f"the body is {length} bytes, more than the {MAX_REVIEW_BYTES} allowed", 413)
+    async def _handle(self, request: web.BaseRequest) -> web.Response:
+        if request.path != WEBHOOK_PATH:
+            answer = bad_review_answer(f"no webhook at {request.path[:200]!r}; AdmissionReviews go to {WEBHOOK_PATH}", 404)
+        elif request.method != "POST":
+            answer = bad_review_answer(f"AdmissionReviews are POSTed (got {request.method[:20]})", 405)
         else:
-            try:
-                async with asyncio.timeout(self.read_timeout_seconds):
-                    body = await request.read()
-            except web.HTTPRequestEntityTooLarge:
-                answer = bad_review_answer(f"the body is more than the {MAX_REVIEW_BYTES} bytes allowed", 413)
-            except TimeoutError:
-                answer = bad_review_answer(
-                    f"the body did not arrive within {self.read_timeout_seconds:g} s", 408)
-            else:
-                answer = self.reviewer.answer(body)
+            answer = await self._review(request)
         if self.on_result is not None:
             self.on_result(answer.result)
         response = web.Response(status=answer.status, body=answer.body, headers=_JSON)
-        if answer.status in (408, 413):
+        if answer.status in (408, 413) or (answer.status != 200 and not request.content.is_eof()):
             response.force_close()  # the rest of that body is never read: the connection cannot go on
         return response
+
+    async def _review(self, request: web.BaseRequest) -> Answer:
+        length = request.content_length
+        if length is not None and length > MAX_REVIEW_BYTES:
+            return bad_review_answer(f"the body is {length} bytes, more than the {MAX_REVIEW_BYTES} allowed", 413)
+        try:
+            async with asyncio.timeout(self.read_timeout_seconds):
+                if length is not None:
+                    body = await request.content.readexactly(length) if length else b""
+                else:  # chunked: read up to the limit
+                    parts, size = [], 0
+                    while chunk := await request.content.readany():
+                        size += len(chunk)
+                        if size > MAX_REVIEW_BYTES:
+                            return bad_review_answer(f"the body is more than the {MAX_REVIEW_BYTES} bytes allowed", 413)
+                        parts.append(chunk)
+                    body = b"".join(parts)
+        except TimeoutError:
+            return bad_review_answer(f"the body did not arrive within {self.read_timeout_seconds:g} s", 408)
+        except asyncio.IncompleteReadError:
+            return bad_review_answer("the connection closed inside the body", 400)
+        return self.reviewer.answer(body)
