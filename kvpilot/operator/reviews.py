@@ -245,7 +245,7 @@ class Reviewer:
             name = _object_name(request, obj)
             message = f'{KIND}.{GROUP} "{name}" is invalid: ' + (
                 str(issues[0]) if len(issues) == 1 else "[" + "; ".join(str(i) for i in issues) + "]")
-            details = {"name": name, "group": GROUP, "kind": PLURAL,
+            details = {"name": name, "group": GROUP, "kind": KIND,
                        "causes": [_cause(i) for i in issues]}
             return {"uid": uid, "allowed": False, "status": _status(422, "Invalid", message, details)}, INVALID
         if self.predictor is None:
@@ -260,7 +260,7 @@ class Reviewer:
             name = _object_name(request, obj)
             message = (f'{KIND}.{GROUP} "{name}": vLLM would refuse to start this engine: '
                        f"{' '.join(str(prediction.failure).split())}")
-            details = {"name": name, "group": GROUP, "kind": PLURAL}
+            details = {"name": name, "group": GROUP, "kind": KIND}
             response = {"uid": uid, "allowed": False, "status": _status(403, "Forbidden", message, details)}
             return response, PREDICTED_FAILURE
         warnings = _warnings(prediction.warnings)

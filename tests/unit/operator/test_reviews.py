@@ -64,3 +64,31 @@ def test_the_twins_prediction_reads_the_spec_only() -> None:
     obj["spec"]["resources"]["gpuType"] = "NVIDIA-H100-80GB-HBM3"
     typed = strict_validate(obj)
     assert predict(typed) == predict(typed.spec)
+
+
+def test_the_answers_docs_webhook_md_shows_are_the_webhooks() -> None:
+    """docs/webhook.md quotes the webhook's answer for each service of docs/examples/predict.yaml."""
+    import json
+    import re
+
+    from kvpilot.operator.reviews import Reviewer
+    from kvpilot.operator.runner import predictor
+
+    root = Path(__file__).resolve().parents[3]
+    text = (root / "docs" / "webhook.md").read_text()
+    (block,) = re.findall(r"^```json\n(.*?)^```", text, flags=re.S | re.M)
+    shown = [json.loads(line) for line in block.splitlines()]
+    reviewer = Reviewer(predictor=predictor())
+    answered = []
+    for obj in yaml.safe_load_all((root / "docs" / "examples" / "predict.yaml").read_text()):
+        if obj["kind"] != "InferenceService":
+            continue
+        review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+            "uid": "1", "operation": "CREATE", "name": obj["metadata"]["name"], "namespace": "inference",
+            "kind": {"group": "kvpilot.dev", "version": "v1alpha1", "kind": "InferenceService"}, "object": obj}}
+        answer = reviewer.answer(json.dumps(review).encode())
+        answered.append({"name": obj["metadata"]["name"], "response": json.loads(answer.body)["response"]})
+    assert shown == answered
+    for warning in (w for a in answered for w in a["response"].get("warnings", [])):
+        if "KV cache" in warning:
+            assert f"Warning: {warning}" in text  # the kubectl sample shows a real warning
