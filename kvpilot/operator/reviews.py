@@ -10,10 +10,12 @@ Two kinds of "no", as Kubernetes draws the line:
   to the webhook was made improperly, so the webhook answers HTTP 400 with a metav1.Status body
   saying what is wrong.  The API server then applies the webhook's failurePolicy.
 * The InferenceService is wrong: HTTP 200 with `response.allowed: false` and a metav1.Status the
-  API server hands to the user.  An invalid field is 422 Invalid (as the API server's own
-  validation answers), each field also listed in `details.causes`; an engine vLLM is predicted
-  to refuse at start-up is 403 Forbidden (as a quota or a Pod Security refusal: legal values that
-  do not fit), in vLLM's own words.
+  API server hands to the user: 422 Invalid, as the API server's own validation and a
+  ValidatingAdmissionPolicy answer, each field in `details.causes` (which is what kubectl prints
+  for an Invalid answer).  An engine vLLM is predicted to refuse at start-up is 422 too, its cause
+  on `spec.engine` in vLLM's own words: the values cannot work together on that GPU, and every
+  client that writes engines (the tuner's trials included) already reads 422 as "this config is
+  refused", not as a permission problem (403) to retry or escalate.
 
 Risky but legal settings are allowed with AdmissionReview `warnings`, which kubectl prints as
 `Warning: ...` lines.
@@ -258,10 +260,12 @@ class Reviewer:
             return {"uid": uid, "allowed": True, "warnings": _warnings([warning])}, WARNED
         if prediction.failure:
             name = _object_name(request, obj)
-            message = (f'{KIND}.{GROUP} "{name}": vLLM would refuse to start this engine: '
-                       f"{' '.join(str(prediction.failure).split())}")
-            details = {"name": name, "group": GROUP, "kind": KIND}
-            response = {"uid": uid, "allowed": False, "status": _status(403, "Forbidden", message, details)}
+            why = f"vLLM would refuse to start this engine: {' '.join(str(prediction.failure).split())}"
+            message = f'{KIND}.{GROUP} "{name}" is invalid: spec.engine: {why}'
+            # The cause is what kubectl prints for an Invalid answer (it shows causes, not the message).
+            details = {"name": name, "group": GROUP, "kind": KIND,
+                       "causes": [{"reason": "FieldValueInvalid", "message": why, "field": "spec.engine"}]}
+            response = {"uid": uid, "allowed": False, "status": _status(422, "Invalid", message, details)}
             return response, PREDICTED_FAILURE
         warnings = _warnings(prediction.warnings)
         if warnings:

@@ -225,9 +225,13 @@ def test_a_predicted_start_up_failure_is_denied_in_vllms_words(pki: Pki) -> None
                               Reviewer(predictor=lambda _svc: StubPrediction(failure=failure)))
     response = response_of(status, answer, sent)
     assert response["allowed"] is False
-    assert (response["status"]["code"], response["status"]["reason"]) == (403, "Forbidden")
+    assert (response["status"]["code"], response["status"]["reason"]) == (422, "Invalid")
     assert response["status"]["message"] == (
-        f'InferenceService.kvpilot.dev "llama-8b-chat": vLLM would refuse to start this engine: {failure}')
+        f'InferenceService.kvpilot.dev "llama-8b-chat" is invalid: spec.engine: vLLM would refuse to start '
+        f'this engine: {failure}')
+    assert response["status"]["details"]["causes"] == [{
+        "reason": "FieldValueInvalid", "field": "spec.engine",
+        "message": f"vLLM would refuse to start this engine: {failure}"}]
 
 
 def test_an_invalid_service_never_reaches_the_predictor(pki: Pki) -> None:
@@ -261,7 +265,7 @@ def test_the_operators_predictor_denies_an_engine_vllm_would_refuse_in_vllms_wor
     status, answer = run_with(pki, lambda s, srv: post(s, srv, sent), Reviewer(predictor=predictor()))
     response = response_of(status, answer, sent)
     assert response["allowed"] is False
-    assert (response["status"]["code"], response["status"]["reason"]) == (403, "Forbidden")
+    assert (response["status"]["code"], response["status"]["reason"]) == (422, "Invalid")
     assert response["status"]["message"].endswith(f"vLLM would refuse to start this engine: {' '.join(failure.split())}")
 
 
@@ -535,7 +539,8 @@ def test_the_operator_process_serves_the_webhook_and_counts_its_answers(
         assert (s2, a2["response"]["allowed"]) == (200, False)
         assert s3 == 400
         # The process wires the twin's prediction in.
-        assert (s4, a4["response"]["allowed"], a4["response"]["status"]["code"]) == (200, False, 403)
+        assert (s4, a4["response"]["allowed"]) == (200, False)
+        assert "vLLM would refuse to start this engine" in a4["response"]["status"]["message"]
         status, metrics = op.http_get("/metrics")
         assert status == 200
         for result, count in (("allowed", 1), ("invalid", 1), ("bad_review", 1), ("predicted_failure", 1),
