@@ -116,7 +116,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     hook = op.add_argument_group(
         "admission webhook",
         "Serve a validating admission webhook for InferenceServices (AdmissionReview admission.k8s.io/v1 "
-        f"over HTTPS at {WEBHOOK_PATH}): the checks of `kvpilot validate`, and AdmissionReview warnings for "
+        f"over HTTPS at {WEBHOOK_PATH}): the checks of `kvpilot validate`, vLLM's start-up predicted as by "
+        "`kvpilot validate --predict` (an engine it would refuse is refused), and AdmissionReview warnings for "
         "risky settings. Off unless --webhook-port is given. The certificate files are read again when "
         "they change (a renewed certificate needs no restart). See docs/webhook.md.")
     hook.add_argument("--webhook-port", type=_port, default=None, metavar="P",
