@@ -182,7 +182,7 @@ def _bad(exc: BadReview) -> Answer:
     prefix = "" if exc.status in (404, 405) else "malformed AdmissionReview: "
     status = {"kind": "Status", "apiVersion": "v1",
               **_status(exc.status, reason.get(exc.status, "BadRequest"), f"{prefix}{exc}")}
-    return Answer(exc.status, json.dumps(status).encode(), BAD_REVIEW)
+    return Answer(exc.status, json.dumps(status, separators=(",", ":")).encode(), BAD_REVIEW)
 
 
 def bad_review_answer(message: str, status: int = 400) -> Answer:
@@ -228,7 +228,7 @@ class Reviewer:
             return _bad(exc)
         response, result = self.decide(request)
         review = {"apiVersion": ADMISSION_API_VERSION, "kind": ADMISSION_KIND, "response": response}
-        return Answer(200, json.dumps(review, ensure_ascii=False).encode(), result)
+        return Answer(200, json.dumps(review, ensure_ascii=False, separators=(",", ":")).encode(), result)
 
     def decide(self, request: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
         """The AdmissionResponse for a well-formed request, and its result."""
