@@ -440,6 +440,21 @@ def test_a_huge_chunked_body_is_refused_with_413(pki: Pki) -> None:
         assert answer["reason"] == "RequestEntityTooLarge"
 
 
+def test_a_review_sent_in_chunks_is_read_whole(pki: Pki) -> None:
+    sent = _good()
+    data = json.dumps(sent).encode()
+
+    async def scenario(session: aiohttp.ClientSession, server: WebhookServer) -> Any:
+        async def chunks() -> AsyncIterator[bytes]:
+            for i in range(0, len(data), 100):
+                yield data[i:i + 100]
+
+        async with session.post(url(server), data=chunks()) as resp:  # Transfer-Encoding: chunked
+            return resp.status, json.loads(await resp.read())
+
+    assert response_of(*run_with(pki, scenario), sent)["allowed"] is True
+
+
 def test_a_body_that_never_arrives_is_answered_408_not_held(pki: Pki) -> None:
     async def scenario(_session: aiohttp.ClientSession, server: WebhookServer) -> tuple[int, dict[str, Any]]:
         def client() -> tuple[int, dict[str, Any]]:
