@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import functools
 import json
 import multiprocessing
 import os
@@ -125,10 +126,15 @@ def in_process_us(bodies: list[bytes], cpu: int) -> float:
 # --- the reviews ---------------------------------------------------------------------------------
 
 
-def _object(index: int, seqs: int, tokens: int) -> dict[str, Any]:
+@functools.cache
+def _full() -> dict[str, Any]:
     import yaml
 
-    obj = yaml.safe_load((ROOT / "examples" / "full.yaml").read_text())
+    return dict(yaml.safe_load((ROOT / "examples" / "full.yaml").read_text()))
+
+
+def _object(index: int, seqs: int, tokens: int) -> dict[str, Any]:
+    obj = copy.deepcopy(_full())
     obj["spec"]["resources"]["gpuType"] = GPU
     obj["spec"]["engine"].update(maxNumSeqs=seqs, maxNumBatchedTokens=tokens)
     obj["spec"]["tuning"]["space"]["maxNumSeqs"] = [64, 1024]
@@ -153,7 +159,7 @@ def reviews(mix: str, distinct: int, count: int) -> list[bytes]:
     bodies = []
     for i in range(count):
         n = i % distinct if distinct else i
-        obj = _object(n, 64 + n % 960, 256 + 16 * (n // 960))
+        obj = _object(n, 64 + n % 192, 256 + 16 * (n // 192))  # maxNumSeqs <= maxNumBatchedTokens: valid
         kind = {"create": "CREATE", "update": "UPDATE"}.get(mix) or (
             "INVALID" if i % 10 == 9 else ("CREATE", "UPDATE")[i % 2])
         old = None
