@@ -51,7 +51,7 @@ ALLOWED = "allowed"
 WARNED = "warned"  # allowed, with warnings
 INVALID = "invalid"  # denied: a field is invalid
 PREDICTED_FAILURE = "predicted_failure"  # denied: vLLM would refuse to start
-BAD_REVIEW = "bad_review"  # HTTP 400: the review itself is malformed
+BAD_REVIEW = "bad_review"  # HTTP 4xx: the review itself is malformed (or too large, or too slow)
 RESULTS = (ALLOWED, WARNED, INVALID, PREDICTED_FAILURE, BAD_REVIEW)
 
 
@@ -121,7 +121,7 @@ def _load(body: bytes) -> Any:
 def _mapping(parent: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
     value = parent.get(key)
     if not isinstance(value, dict):
-        got = "missing" if value is None else _json_type(value)
+        got = "missing" if key not in parent else _json_type(value)
         raise BadReview(f"{where}{key} must be an object (got {got})")
     return value
 

@@ -350,6 +350,7 @@ MALFORMED: list[tuple[str, Any, str]] = [
                                                   "resource": "pods"}), "reviews inferenceservices only"),
     ("no object", _without("request.object"), "request.object must be an object (got missing)"),
     ("object a list", _with("request.object", [FULL]), "request.object must be an object (got an array)"),
+    ("object null", _with("request.object", None), "request.object must be an object (got null)"),
     ("object a string", _with("request.object", json.dumps(FULL)), "request.object must be an object (got a string)"),
     ("update without oldObject", {**_good(), "request": {**_good()["request"], "operation": "UPDATE"}},
      "request.oldObject must be an object (got missing)"),
