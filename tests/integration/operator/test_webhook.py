@@ -353,7 +353,7 @@ MALFORMED: list[tuple[str, Any, str]] = [
     ("object null", _with("request.object", None), "request.object must be an object (got null)"),
     ("object a string", _with("request.object", json.dumps(FULL)), "request.object must be an object (got a string)"),
     ("update without oldObject", {**_good(), "request": {**_good()["request"], "operation": "UPDATE"}},
-     "request.oldObject must be an object (got missing)"),
+     "request.oldObject must be an object (got null)"),
 ]
 
 
