@@ -210,17 +210,23 @@ def predict(service: InferenceService | InferenceServiceSpec, *,
     if model is None or gpu is None:
         return Prediction(missing=tuple(missing), warnings=tuple(_warnings(spec, None, None)),
                           model=model.name if model else None, gpu=gpu.name if gpu else None)
-    argv = [spec.model, *serving.typed_flags(spec), "--gpu", gpu.name]
-    config: EngineConfig | None = None
-    plan: MemoryPlan | None = None
-    failure: str | None = None
-    try:
-        args = _parser().parse_args(argv)
-        config = engine_config_from_args(args, model=model, gpu=gpu)
-        plan = config.memory_plan()  # what Engine(config) runs first, and the only part that refuses
-    except EngineStartupError as exc:
-        failure = str(exc)
-    except _FlagError as exc:  # the twin's `vllm serve` parser would exit 2 with this
-        failure = str(exc)
+    argv = (spec.model, *serving.typed_flags(spec), "--gpu", gpu.name)
+    config, plan, failure = _start_up(argv, model, gpu)
     return Prediction(missing=(), plan=plan, failure=failure, warnings=tuple(_warnings(spec, config, plan)),
                       model=model.name, gpu=gpu.name, config=config)
+
+
+@functools.lru_cache(maxsize=4096)
+def _start_up(argv: tuple[str, ...], model: ModelSpec,
+              gpu: GpuSpec) -> tuple[EngineConfig | None, MemoryPlan | None, str | None]:
+    """The twin's start-up for a `kvpilot twin serve` command line: (config, plan, failure).  Pure (every
+    input is immutable), so cached: an admission webhook sees the same few engines over and over."""
+    config: EngineConfig | None = None
+    try:
+        args = _parser().parse_args(list(argv))
+        config = engine_config_from_args(args, model=model, gpu=gpu)
+        return config, config.memory_plan(), None  # what Engine(config) runs first, and the only part that refuses
+    except EngineStartupError as exc:
+        return config, None, str(exc)
+    except _FlagError as exc:  # the twin's `vllm serve` parser would exit 2 with this
+        return config, None, str(exc)

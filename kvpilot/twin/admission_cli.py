@@ -59,7 +59,7 @@ def extend_validate(validate: argparse.ArgumentParser) -> None:
 def _parse_model_configs(values: list[str]) -> _ModelConfigs:
     out = _ModelConfigs()
     for value in values:
-        model, eq, path = value.rpartition("=")
+        model, eq, path = value.partition("=")
         if eq and model:
             out.by_model[model] = path
         else:

@@ -5,7 +5,8 @@ The twin's side is its real start-up entry, not the prediction: the operator ren
 pod's command line for the service (`kvpilot twin serve ...`, builders.engine.engine_args), the real
 `kvpilot` parser reads it, `engine_config_from_args` resolves it (naming the model and the GPU itself) and
 `Engine(config)` starts the engine, which is what `serve_command` does before it opens its port.  A few of
-the refused configs also run as a real `kvpilot twin serve` process, whose stderr must carry the message.
+the refused configs also run as a real `kvpilot twin serve` process, whose stderr must carry the message,
+and one predicted to start runs until healthy, reporting the predicted block count.
 
 The prediction's side is the same service as engine.kind vllm on spec.resources.gpuType (the product label,
 or the twin's name for the GPU), so the gpuType mapping is checked too.  Combinations are drawn seeded
@@ -205,3 +206,30 @@ def test_the_real_twin_serve_process_prints_the_predicted_failure(tmp_path: Path
 
 if __name__ == "__main__":  # pragma: no cover - benchmarks/admission_agreement.py is the printing entry
     pytest.main([__file__, "-q"])
+
+
+def test_a_real_twin_pod_command_starts_with_the_predicted_kv_cache(tmp_path: Path) -> None:
+    """A config predicted to start, a model from a config.json (the pod's mounted ConfigMap): the real
+    `kvpilot twin serve` process gets healthy and reports the predicted block count in vllm:cache_config_info."""
+    import re
+    import urllib.request
+
+    from tests.support.twin_process import twin_server
+
+    config = hf_config(MODEL_PRESETS["Qwen2.5-0.5B"])
+    case = Case("acme/small-chat", config, "L4", "NVIDIA-L4",
+                {"maxModelLen": 4096, "maxNumBatchedTokens": 2048, "maxNumSeqs": 64, "gpuMemoryUtilization": 0.8})
+    p = predict(case.service("vllm"), model_config=json.dumps(config))
+    assert p.failure is None and p.plan is not None
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    argv = engine_args(case.service("twin"))
+    for flag in ("--port", "--host"):  # the harness picks a free port on 127.0.0.1
+        i = argv.index(flag)
+        del argv[i:i + 2]
+    argv = [str(path) if a == MODEL_CONFIG_PATH else a for a in argv]
+    with twin_server(*argv, log_dir=tmp_path) as twin, urllib.request.urlopen(twin.metrics_url, timeout=10) as resp:
+        metrics = resp.read().decode()
+    m = re.search(r'^vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', metrics, flags=re.M)
+    assert m is not None, metrics[:2000]
+    assert int(m.group(1)) == p.plan.num_gpu_blocks
