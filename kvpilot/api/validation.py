@@ -2,7 +2,8 @@
 
 One function, `validate_object`, turns anything (a parsed YAML document) into a list of
 issues, each naming the field path and what is allowed.  `kvpilot validate`, the operator's
-InvalidSpec condition and a future admission webhook all print exactly these messages.
+InvalidSpec condition and the admission webhook (kvpilot.operator.reviews) all print exactly
+these messages.
 """
 
 from __future__ import annotations
@@ -123,8 +124,14 @@ def issues_from_error(error: ValidationError) -> list[ValidationIssue]:
 
 def validate_object(obj: Any) -> list[ValidationIssue]:
     """Every problem with one InferenceService document; an empty list means valid."""
+    return check_object(obj)[1]
+
+
+def check_object(obj: Any) -> tuple[InferenceService | None, list[ValidationIssue]]:
+    """`validate_object` that also hands back the typed object when it is valid (one validation,
+    for callers that go on with the object: the admission webhook predicts its start-up)."""
     if not isinstance(obj, dict):
-        return [ValidationIssue("", f"an InferenceService must be a mapping (got {type(obj).__name__})")]
+        return None, [ValidationIssue("", f"an InferenceService must be a mapping (got {type(obj).__name__})")]
     head: list[ValidationIssue] = []
     if obj.get("apiVersion") != API_VERSION:
         head.append(ValidationIssue("apiVersion", f"must be {API_VERSION} (got {brief(obj.get('apiVersion'))})"))
@@ -132,12 +139,11 @@ def validate_object(obj: Any) -> list[ValidationIssue]:
         head.append(ValidationIssue("kind", f"must be {KIND} (got {brief(obj.get('kind'))})"))
     if head:
         # Another kind's fields would only bury the real problem under noise.
-        return head
+        return None, head
     try:
-        strict_validate(obj)
+        return strict_validate(obj), []
     except ValidationError as exc:
-        return issues_from_error(exc)
-    return []
+        return None, issues_from_error(exc)
 
 
 def strict_validate(obj: Any) -> InferenceService:

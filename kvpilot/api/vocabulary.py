@@ -48,6 +48,13 @@ FIELD_MANAGER_TUNER = "kvpilot-tuner"
 ENV_TUNER_STORAGE = "KVPILOT_TUNER_STORAGE"
 # The operator's image allowlist: patterns separated by commas (the chart writes --allowed-image flags).
 ENV_ALLOWED_IMAGES = "KVPILOT_ALLOWED_IMAGES"
+# The operator's validating admission webhook: its HTTPS port (unset: no webhook), and the PEM
+# serving certificate and key (the chart writes --webhook-* flags).
+ENV_WEBHOOK_PORT = "KVPILOT_WEBHOOK_PORT"
+ENV_WEBHOOK_CERT_FILE = "KVPILOT_WEBHOOK_CERT_FILE"
+ENV_WEBHOOK_KEY_FILE = "KVPILOT_WEBHOOK_KEY_FILE"
+# Where the API server POSTs AdmissionReviews for InferenceServices (the chart's clientConfig path).
+WEBHOOK_PATH = "/validate-inferenceservices"
 
 _NOT_LABEL_CHAR = re.compile(r"[^a-zA-Z0-9_]")
 
@@ -125,6 +132,7 @@ METRIC_RECONCILES_TOTAL = "kvpilot_reconciles_total"
 METRIC_RECONCILE_DURATION = "kvpilot_reconcile_duration_seconds"
 METRIC_ROLLBACKS_TOTAL = "kvpilot_rollbacks_total"
 METRIC_ENGINE_INFO = "kvpilot_engine_info"
+METRIC_ADMISSION_REVIEWS_TOTAL = "kvpilot_admission_reviews_total"
 # kvpilot_engine_info's labels, as the dashboard reads them.
 ENGINE_INFO_LABELS: tuple[str, ...] = (
     "namespace", "name", "max_num_batched_tokens", "gpu_memory_utilization", "max_num_seqs", "config_hash",

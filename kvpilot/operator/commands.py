@@ -6,8 +6,15 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
-from kvpilot.api.vocabulary import ENV_ALLOWED_IMAGES
+from kvpilot.api.vocabulary import (
+    ENV_ALLOWED_IMAGES,
+    ENV_WEBHOOK_CERT_FILE,
+    ENV_WEBHOOK_KEY_FILE,
+    ENV_WEBHOOK_PORT,
+    WEBHOOK_PATH,
+)
 from kvpilot.operator.builders.common import DEFAULT_TWIN_IMAGE
 
 
@@ -106,6 +113,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     help="run vLLM containers as this non-root uid, with HOME and /tmp on emptyDirs and a "
                     "read-only root (what the restricted Pod Security Standard needs); default: the "
                     "image's own user, with every capability dropped")
+    hook = op.add_argument_group(
+        "admission webhook",
+        "Serve a validating admission webhook for InferenceServices (AdmissionReview admission.k8s.io/v1 "
+        f"over HTTPS at {WEBHOOK_PATH}): the checks of `kvpilot validate`, vLLM's start-up predicted as by "
+        "`kvpilot validate --predict` (an engine it would refuse is refused), and AdmissionReview warnings for "
+        "risky settings. Off unless --webhook-port is given. The certificate files are read again when "
+        "they change (a renewed certificate needs no restart). See docs/webhook.md.")
+    hook.add_argument("--webhook-port", type=_port, default=None, metavar="P",
+                      help=f"HTTPS port of the webhook (also ${ENV_WEBHOOK_PORT}); default: no webhook")
+    hook.add_argument("--webhook-host", default="0.0.0.0", metavar="HOST",
+                      help="address the webhook listens on (default: %(default)s)")
+    hook.add_argument("--webhook-cert-file", default=None, metavar="FILE",
+                      help=f"PEM serving certificate, chain included (also ${ENV_WEBHOOK_CERT_FILE}); "
+                      "required with --webhook-port")
+    hook.add_argument("--webhook-key-file", default=None, metavar="FILE",
+                      help=f"PEM private key of that certificate (also ${ENV_WEBHOOK_KEY_FILE}); "
+                      "required with --webhook-port")
     op.add_argument("-v", "--verbose", action="store_true", help="log more")
     op.set_defaults(handler=_operator)
 
@@ -142,7 +166,13 @@ def _operator(args: argparse.Namespace) -> int:
     except AllowlistError as exc:
         print(f"kvpilot operator: {exc}", file=sys.stderr)
         return 2
+    try:
+        webhook = _webhook_options(args)
+    except ValueError as exc:
+        print(f"kvpilot operator: {exc}", file=sys.stderr)
+        return 2
     settings = OperatorSettings(
+        **webhook,
         namespaces=tuple(args.namespace), all_namespaces=args.all_namespaces, twin_image=args.twin_image,
         metrics_host=args.metrics_host, metrics_port=args.metrics_port, log_format=args.log_format,
         verbose=args.verbose, max_workers=args.max_workers, api_timeout_seconds=args.api_timeout,
@@ -158,6 +188,24 @@ def _operator(args: argparse.Namespace) -> int:
         print(f"kvpilot operator: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _webhook_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The webhook's settings from the flags, each flag falling back to its environment variable."""
+    port = args.webhook_port
+    if port is None and os.environ.get(ENV_WEBHOOK_PORT, "").strip():
+        try:
+            port = _port(os.environ[ENV_WEBHOOK_PORT].strip())
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"${ENV_WEBHOOK_PORT} {exc}") from None
+    cert = args.webhook_cert_file or os.environ.get(ENV_WEBHOOK_CERT_FILE) or None
+    key = args.webhook_key_file or os.environ.get(ENV_WEBHOOK_KEY_FILE) or None
+    if port is not None and not (cert and key):
+        missing = [flag for flag, value in (("--webhook-cert-file", cert), ("--webhook-key-file", key))
+                   if not value]
+        raise ValueError(f"--webhook-port needs {' and '.join(missing)} (a PEM serving certificate and its key)")
+    return {"webhook_port": port, "webhook_host": args.webhook_host,
+            "webhook_cert_file": cert, "webhook_key_file": key}
 
 
 def _render(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvpilot.api.vocabulary import (
     ENGINE_INFO_LABELS,
+    METRIC_ADMISSION_REVIEWS_TOTAL,
     METRIC_ENGINE_INFO,
     METRIC_RECONCILE_DURATION,
     METRIC_RECONCILES_TOTAL,
@@ -19,6 +20,9 @@ from kvpilot.api.vocabulary import (
 )
 
 RESULTS = ("success", "invalid", "error", "retry")
+# The admission webhook's results (kvpilot.operator.reviews.RESULTS; restated so this module
+# stays free of the review code, and a test checks both say the same).
+ADMISSION_RESULTS = ("allowed", "warned", "invalid", "predicted_failure", "bad_review")
 
 
 @dataclass
@@ -43,6 +47,12 @@ class OperatorMetrics:
             METRIC_ENGINE_INFO, "The engine config in force for an InferenceService (its Deployment's pod "
             "template): one series per InferenceService, value 1.",
             list(ENGINE_INFO_LABELS), registry=self.registry)
+        self.admission_reviews = Counter(
+            METRIC_ADMISSION_REVIEWS_TOTAL, "AdmissionReviews the validating webhook answered, by result "
+            "(allowed, warned: allowed with warnings, invalid: a field refused, predicted_failure: vLLM "
+            "would not start, bad_review: a malformed review answered 400-class).",
+            ["result"], registry=self.registry)
+        self._admission = {r: self.admission_reviews.labels(result=r) for r in ADMISSION_RESULTS}
         # (namespace, name) -> the label values of its one engine_info series.
         self._engine_series: dict[tuple[str, str], tuple[str, ...]] = {}
 
@@ -60,6 +70,9 @@ class OperatorMetrics:
         if values is not None:
             self.engine_info.labels(*values).set(1)
             self._engine_series[key] = values
+
+    def count_admission(self, result: str) -> None:
+        self._admission[result].inc()
 
     def forget_engine(self, namespace: str, name: str) -> None:
         self.set_engine(namespace, name, None)

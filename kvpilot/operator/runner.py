@@ -5,14 +5,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from pathlib import Path
 
 import kopf
 
+from kvpilot.api.vocabulary import WEBHOOK_PATH
 from kvpilot.operator.handlers import build_registry, credentials
 from kvpilot.operator.kube import KubeClient
 from kvpilot.operator.metrics import OperatorMetrics, start_http
 from kvpilot.operator.reconcile import Runtime
+from kvpilot.operator.reviews import CachedPredictor, Predictor, Reviewer
 from kvpilot.operator.settings import OperatorSettings
+from kvpilot.operator.webhook import WebhookServer
 
 logger = logging.getLogger("kvpilot.operator")
 
@@ -37,6 +41,14 @@ async def run_operator(settings: OperatorSettings) -> None:
     # The HTTP endpoints first: a taken port fails the start before kopf touches the cluster.
     http = await start_http(rt.metrics, settings.metrics_host, settings.metrics_port,
                             healthy=lambda: ready.is_set() and operator is not None and not operator.done())
+    webhook = None
+    if settings.webhook_port is not None:
+        try:
+            webhook = await start_webhook(settings, rt.metrics)
+        except BaseException:
+            await http.cleanup()
+            await client.close()
+            raise
     operator = asyncio.create_task(kopf.operator(
         registry=registry,
         standalone=True,
@@ -47,8 +59,38 @@ async def run_operator(settings: OperatorSettings) -> None:
     where = "all namespaces" if settings.all_namespaces else ", ".join(settings.watched_namespaces)
     logger.info("kvpilot operator watching %s; /healthz and /metrics on %s:%d",
                 where, settings.metrics_host, settings.metrics_port)
+    if webhook is not None:
+        logger.info("kvpilot admission webhook on https://%s:%d%s", settings.webhook_host,
+                    webhook.bound_port, WEBHOOK_PATH)
     try:
         await operator
     finally:
+        if webhook is not None:
+            await webhook.stop()
         await http.cleanup()
         await client.close()
+
+
+def predictor() -> Predictor:
+    """The start-up prediction the webhook runs on every valid engine: the twin's
+    (kvpilot.twin.admission.predict, what `kvpilot validate --predict` prints), once per distinct spec.
+
+    Where spec.modelConfig names a ConfigMap the webhook does not read it (an API call inside the
+    API server's wait): such a model, like one that is not a twin preset or an engine without
+    spec.resources.gpuType, is not predicted, only validated."""
+    from kvpilot.twin.admission import predict
+
+    return CachedPredictor(predict)
+
+
+async def start_webhook(settings: OperatorSettings, metrics: OperatorMetrics) -> WebhookServer:
+    """The admission webhook's HTTPS server, serving; OSError or ssl.SSLError (bad files, taken port) if not."""
+    if not settings.webhook_cert_file or not settings.webhook_key_file:
+        raise OSError("the admission webhook needs --webhook-cert-file and --webhook-key-file")
+    server = WebhookServer(
+        Reviewer(predictor=predictor()), cert_file=Path(settings.webhook_cert_file),
+        key_file=Path(settings.webhook_key_file), host=settings.webhook_host,
+        port=settings.webhook_port or 0, reload_seconds=settings.webhook_cert_reload_seconds,
+        on_result=metrics.count_admission)
+    await server.start()
+    return server

@@ -52,6 +52,14 @@ class OperatorSettings:
     # admitted where the "restricted" Pod Security Standard is enforced; None keeps the image's own
     # user (root in vllm/vllm-openai).  See builders/deployment.py for what each choice costs.
     engine_run_as_user: int | None = None
+    # The validating admission webhook (kvpilot.operator.webhook): AdmissionReviews over HTTPS on
+    # webhook_port; None serves none.  The PEM certificate (with its chain) and key are read again
+    # whenever they change, checked every webhook_cert_reload_seconds.
+    webhook_port: int | None = None
+    webhook_host: str = "0.0.0.0"
+    webhook_cert_file: str | None = None
+    webhook_key_file: str | None = None
+    webhook_cert_reload_seconds: float = 60.0
 
     @property
     def watched_namespaces(self) -> tuple[str, ...]:

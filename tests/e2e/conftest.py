@@ -189,7 +189,9 @@ def _local_operator(target: Target, release: str, namespace: str, workdir: Path)
         "-l", f"app.kubernetes.io/instance={release},app.kubernetes.io/component=operator")["items"]
     pod = deployment["spec"]["template"]["spec"]
     args = [a for a in pod["containers"][0]["args"][1:]  # [0] is the subcommand
-            if not a.startswith(("--metrics-port", "--log-format"))]  # the local process picks its own
+            # The local process picks its own port and log format, and serves no admission webhook:
+            # the API server calls the webhook's Service, never this process (failurePolicy decides).
+            if not a.startswith(("--metrics-port", "--log-format", "--webhook-"))]
     kubeconfig = target.control_plane.service_account_kubeconfig(
         workdir / "operator.kubeconfig", namespace, pod["serviceAccountName"])
     with operator_process(kubeconfig, workdir, *args) as op:

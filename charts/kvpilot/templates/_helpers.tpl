@@ -123,3 +123,28 @@ the kubelet expand the password into the process's command line, which `ps` and
 {{- end }}
 - --metrics-port={{ .Values.tuner.metricsPort }}
 {{- end -}}
+
+{{/* The Secret holding the webhook's serving certificate (Helm's or cert-manager's). */}}
+{{- define "kvpilot.webhookSecretName" -}}
+{{- printf "%s-webhook-tls" (include "kvpilot.fullname" .) -}}
+{{- end -}}
+
+{{/* The namespaces the webhook reviews when not watching all of them: the watched ones except the
+release namespace, which the webhook never reviews (the operator's own namespace is never blocked). */}}
+{{- define "kvpilot.webhookNamespaces" -}}
+{{- $namespaces := list -}}
+{{- if not .Values.watch.allNamespaces -}}
+{{- range (include "kvpilot.watchNamespaces" . | fromJsonArray) -}}
+{{- if ne . $.Release.Namespace -}}{{- $namespaces = append $namespaces . -}}{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- toJson $namespaces -}}
+{{- end -}}
+
+{{/* "true" when the webhook is served: webhook.enabled, and a namespace for it to review (watching only
+the release namespace leaves none, and then no webhook objects are installed). */}}
+{{- define "kvpilot.webhookServed" -}}
+{{- if and .Values.webhook.enabled (or .Values.watch.allNamespaces (include "kvpilot.webhookNamespaces" . | fromJsonArray)) -}}
+true
+{{- end -}}
+{{- end -}}

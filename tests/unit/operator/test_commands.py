@@ -33,7 +33,8 @@ def test_operator_help_names_every_option() -> None:
     code, out, _ = run(["operator", "--help"])
     assert code == 0
     for option in ("--namespace", "--all-namespaces", "--twin-image", "--metrics-port", "--log-format",
-                   "--max-workers", "--crash-loop-restarts", "--allowed-image", "--engine-run-as-user"):
+                   "--max-workers", "--crash-loop-restarts", "--allowed-image", "--engine-run-as-user",
+                   "--webhook-port", "--webhook-host", "--webhook-cert-file", "--webhook-key-file"):
         assert option in out
 
 
@@ -129,3 +130,58 @@ def test_operator_with_its_metrics_port_taken_exits_with_the_reason(tmp_path: Pa
     assert done.returncode == 1
     assert "address already in use" in done.stderr.lower()
     assert "Traceback" not in done.stderr + done.stdout
+
+
+@pytest.mark.parametrize(("argv", "env", "complaint"), [
+    (["operator", "--webhook-port", "9443"], {}, "--webhook-port needs --webhook-cert-file and --webhook-key-file"),
+    (["operator", "--webhook-port", "9443", "--webhook-cert-file", "tls.crt"], {}, "needs --webhook-key-file ("),
+    (["operator"], {"KVPILOT_WEBHOOK_PORT": "9443", "KVPILOT_WEBHOOK_CERT_FILE": "tls.crt"},
+     "--webhook-port needs --webhook-key-file"),
+    (["operator"], {"KVPILOT_WEBHOOK_PORT": "https"}, "$KVPILOT_WEBHOOK_PORT must be a port number 1-65535"),
+    (["operator", "--webhook-port", "0"], {}, "must be a port number 1-65535 (got 0)"),
+])
+def test_webhook_options_are_refused_with_a_reason(
+        monkeypatch: pytest.MonkeyPatch, argv: list[str], env: dict[str, str], complaint: str) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code, _, err = run(argv)
+    assert code == 2
+    assert complaint in err, err
+    assert "Traceback" not in err
+
+
+def test_webhook_settings_come_from_flags_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpilot.operator.commands import _webhook_options
+
+    parser = build_parser()
+    assert _webhook_options(parser.parse_args(["operator"]))["webhook_port"] is None  # no webhook by default
+    flags = parser.parse_args(["operator", "--webhook-port", "9443", "--webhook-cert-file", "/tls/tls.crt",
+                               "--webhook-key-file", "/tls/tls.key", "--webhook-host", "127.0.0.1"])
+    assert _webhook_options(flags) == {"webhook_port": 9443, "webhook_host": "127.0.0.1",
+                                       "webhook_cert_file": "/tls/tls.crt", "webhook_key_file": "/tls/tls.key"}
+    monkeypatch.setenv("KVPILOT_WEBHOOK_PORT", "8443")
+    monkeypatch.setenv("KVPILOT_WEBHOOK_CERT_FILE", "/env/tls.crt")
+    monkeypatch.setenv("KVPILOT_WEBHOOK_KEY_FILE", "/env/tls.key")
+    from_env = _webhook_options(parser.parse_args(["operator"]))
+    assert (from_env["webhook_port"], from_env["webhook_cert_file"], from_env["webhook_key_file"]) == (
+        8443, "/env/tls.crt", "/env/tls.key")
+    assert _webhook_options(flags)["webhook_port"] == 9443  # a flag wins over the environment
+
+
+def test_a_webhook_certificate_that_cannot_be_read_fails_the_start_plainly(tmp_path: Path) -> None:
+    """The webhook starts before kopf touches the cluster: a missing certificate is exit 1 and one line."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "k", "cluster": {"server": "https://127.0.0.1:1"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}))
+    env = dict(os.environ, KUBECONFIG=str(kubeconfig))
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvpilot.cli", "operator", "--metrics-port", str(free_port()),
+         "--webhook-port", str(free_port()), "--webhook-cert-file", str(tmp_path / "missing.crt"),
+         "--webhook-key-file", str(tmp_path / "missing.key")],
+        env=env, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 1, proc.stderr
+    assert "kvpilot operator:" in proc.stderr and "No such file" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -51,3 +51,16 @@ def test_one_series_per_service_replaced_on_change_and_removed_on_delete() -> No
     assert [s["name"] for s in series(metrics)] == ["beta"]
     metrics.set_engine("ns", "beta", None)
     assert series(metrics) == []
+
+
+def test_admission_results_are_the_webhooks_and_counted_from_zero() -> None:
+    from kvpilot.operator import reviews
+    from kvpilot.operator.metrics import ADMISSION_RESULTS
+
+    assert ADMISSION_RESULTS == reviews.RESULTS
+    metrics = OperatorMetrics()
+    metrics.count_admission("invalid")
+    text = generate_latest(metrics.registry).decode()
+    counts = {s.labels["result"]: s.value for family in text_string_to_metric_families(text)
+              if family.name == "kvpilot_admission_reviews" for s in family.samples if s.name.endswith("_total")}
+    assert counts == {r: (1.0 if r == "invalid" else 0.0) for r in ADMISSION_RESULTS}

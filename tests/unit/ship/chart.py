@@ -57,10 +57,17 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "networkPolicy": {
             "enabled": True,
             "apiServer": {"cidrs": ["10.0.0.1/32"], "ports": [6443]},
+            "webhook": {"sourceCidrs": ["10.0.0.0/24"]},
             "tuner": {"extraEgress": [{"to": [{"ipBlock": {"cidr": "10.0.5.7/32"}}],
                                        "ports": [{"port": 5432, "protocol": "TCP"}]}]},
             "engine": {"clients": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}]},
         },
+    },
+    # The admission webhook's certificate from cert-manager (a ClusterIssuer of the cluster's), and
+    # Fail as its failurePolicy.
+    "webhook-cert-manager": {
+        "webhook": {"failurePolicy": "Fail", "timeoutSeconds": 3,
+                    "certManager": {"enabled": True, "issuerRef": {"name": "cluster-ca", "kind": "ClusterIssuer"}}},
     },
     # Operator only: no tuner Deployment, no tuner RBAC, no PVC, no dashboard.
     "operator-only": {
@@ -150,3 +157,26 @@ def validate_values(values: Mapping[str, Any]) -> None:
         chart.validate_schema(dict(values))
     finally:
         chart.close()
+
+
+def local_operator_args(chart_args: list[str], workdir: Path) -> list[str]:
+    """The chart's operator arguments (after the subcommand), runnable as a local process: no
+    --metrics-port (the harness picks a free one), and the admission webhook on a free port with a
+    throwaway certificate written to `workdir` in place of the Secret the pod mounts."""
+    import trustme
+
+    from tests.support.kmock_api import free_port
+
+    cert = trustme.CA().issue_cert("127.0.0.1")
+    cert_file, key_file = workdir / "webhook-tls.crt", workdir / "webhook-tls.key"
+    cert.cert_chain_pems[0].write_to_path(str(cert_file))
+    cert.private_key_pem.write_to_path(str(key_file))
+    local = {"--webhook-port": str(free_port()), "--webhook-cert-file": str(cert_file),
+             "--webhook-key-file": str(key_file)}
+    args = []
+    for arg in chart_args:
+        flag = arg.split("=", 1)[0]
+        if flag == "--metrics-port":
+            continue
+        args.append(f"{flag}={local[flag]}" if flag in local else arg)
+    return args

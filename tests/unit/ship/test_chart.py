@@ -42,6 +42,9 @@ KUBE_VERSIONS = ("1.30", "1.33")
 CUSTOM_KINDS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
     ("monitoring.coreos.com/v1", "PrometheusRule"),
+    # cert-manager's, for the admission webhook's certificate (test_chart_webhook.py checks them).
+    ("cert-manager.io/v1", "Issuer"),
+    ("cert-manager.io/v1", "Certificate"),
 }
 FULLNAME = f"{RELEASE}-kvpilot"
 SETS = sorted(VALUE_SETS)
@@ -95,7 +98,7 @@ def test_every_object_validates_strictly(value_set: str, kube_version: str) -> N
 @pytest.mark.parametrize("value_set", SETS)
 def test_names_and_namespaces(value_set: str) -> None:
     objects = render(value_set)
-    cluster_scoped = {"ClusterRole", "ClusterRoleBinding"}
+    cluster_scoped = {"ClusterRole", "ClusterRoleBinding", "ValidatingWebhookConfiguration"}
     seen: set[tuple[str, str | None, str]] = set()
     for r in objects:
         assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", r.name) and len(r.name) <= 63, r.name
@@ -471,7 +474,11 @@ def test_monitoring_objects_are_off_by_default_and_on_when_asked() -> None:
         assert selector["matchLabels"].items() <= labels.items()
         assert expression["operator"] == "In" and labels[expression["key"]] in expression["values"]
         assert sm["spec"]["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"]
-    assert one(render("operator-only"), "Service")["metadata"]["name"].endswith("-operator")
+    # The webhook's Service (component webhook) is not scraped: it serves no /metrics.
+    webhook = one(objects, "Service", "-webhook")["metadata"]["labels"]
+    assert webhook[expression["key"]] not in expression["values"]
+    scraped = [s for s in find(render("operator-only"), "Service") if not s["metadata"]["name"].endswith("-webhook")]
+    assert [s["metadata"]["name"][-9:] for s in scraped] == ["-operator"]
     assert sm["spec"]["namespaceSelector"]["matchNames"] == [NAMESPACE]
     rule = one(objects, "PrometheusRule")
     alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.unit.ship.chart import ROOT, VALUE_SETS, Rendered, find, render
+from tests.unit.ship.chart import ROOT, VALUE_SETS, Rendered, find, local_operator_args, render
 
 Permission = tuple[str, str, str]
 
@@ -313,7 +313,7 @@ def test_every_call_of_a_real_operator_run_is_granted(tmp_path: Path) -> None:
         )
         chart_args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
         assert chart_args[0] == "operator"
-        args = [a for a in chart_args[1:] if not a.startswith("--metrics-port")]
+        args = local_operator_args(chart_args[1:], tmp_path)
         with kmock_api.kopf_operator(api, tmp_path, *args):
             api.create_isvc(isvc)
             deploy_path = f"/apis/apps/v1/namespaces/team-a/deployments/{name}"
@@ -346,7 +346,7 @@ def test_operator_works_with_only_the_chart_rbac(value_set: str, tmp_path: Path)
     objects = render(value_set)
     deployment = next(r.obj for r in objects if r.kind == "Deployment" and r.name.endswith("-operator"))
     chart_args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
-    args = [a for a in chart_args[1:] if not a.startswith("--metrics-port")]
+    args = local_operator_args(chart_args[1:], tmp_path)
     isvc = yaml.safe_load((ROOT / "examples" / "twin.yaml").read_text())
     isvc["metadata"]["namespace"] = "team-a"
     name = isvc["metadata"]["name"]

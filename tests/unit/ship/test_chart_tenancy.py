@@ -112,10 +112,19 @@ def test_a_component_admits_only_prometheus_on_its_metrics_port(component: str) 
     assert selector.items() <= pod["metadata"]["labels"].items()
     assert all(not selector.items() <= other["metadata"]["labels"].items() for other in others)
     assert policy["policyTypes"] == ["Ingress", "Egress"]
-    (rule,) = policy["ingress"]
+    rule, *webhook = policy["ingress"]
     assert _prometheus_peer(rule["from"]) and len(rule["from"]) == 1
     (port,) = rule["ports"]
     assert port["port"] in {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
+    # The operator also admits the API server's calls to its admission webhook, from the CIDRs given.
+    assert webhook == ([{"ports": [{"port": "https-webhook", "protocol": "TCP"}],
+                         "from": [{"ipBlock": {"cidr": "10.0.0.0/24"}}]}] if component == "operator" else [])
+
+
+def test_the_webhook_port_is_open_to_any_address_without_source_cidrs() -> None:
+    objects = render({"networkPolicy": {"enabled": True, "engine": {"enabled": False}}})
+    _, webhook = _policies(objects)[(NAMESPACE, "kvp-kvpilot-operator")]["spec"]["ingress"]
+    assert webhook == {"ports": [{"port": "https-webhook", "protocol": "TCP"}]}
 
 
 def test_the_operator_may_reach_the_api_server_and_nothing_else() -> None:

@@ -1,0 +1,318 @@
+"""How many AdmissionReviews the operator's webhook answers per second on one core, and how fast.
+
+    python benchmarks/webhook.py [--seconds 10] [--connections 16] [--clients 1] [--mix mixed]
+                                 [--distinct 64] [--server-cpu 0] [--profile webhook.prof]
+
+Starts the real webhook server (kvpilot.operator.webhook.WebhookServer with the operator's own
+Reviewer and cached start-up predictor) in a subprocess pinned to one core (os.sched_setaffinity),
+with a throwaway CA and serving certificate from trustme, and drives it over TLS from `--clients`
+client processes (pinned to the other cores where there are any), each keeping `--connections`
+keep-alive connections busy with aiohttp, as the API server does.
+
+The reviews are what the API server sends for `kubectl apply` of examples/full.yaml with a GPU type
+(metadata with managedFields and the last-applied annotation, about 7 KB; an UPDATE carries the
+object twice): `--mix create` (all CREATE), `update` (all UPDATE that change the spec), or `mixed`
+(45% CREATE, 45% UPDATE, 10% invalid CREATE, denied with the field).  `--distinct N` specs take
+turns, so the start-up prediction runs N times and is then found in its cache (`--distinct 0`: every
+review a new spec, every one predicted).
+
+Prints one JSON object: reviews per second (wall clock, and per second of the server process's own
+CPU time, which is what one core can do when the machine is shared), p50/p99/max latency seen by the
+clients, what one review costs the reviewer itself in-process (no HTTP, no TLS), the results, the
+machine's load, and the goal: 3,000 reviews/s on one core with p99 <= 7.2 ms.  `--floor` answers
+every review with a constant without reading it: what aiohttp and TLS alone cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import functools
+import json
+import multiprocessing
+import os
+import signal
+import ssl
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+GOAL_PER_S = 3000
+GOAL_P99_MS = 7.2
+GPU = "NVIDIA-H100-80GB-HBM3"
+
+
+# --- the server, in its own process on one core -------------------------------------------------
+
+
+class ConstantReviewer:
+    """--floor: every review allowed without reading it, to measure HTTP and TLS alone."""
+
+    def answer(self, body: bytes) -> Any:
+        from kvpilot.operator.reviews import Answer
+
+        return Answer(200, b'{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview",'
+                           b'"response":{"uid":"1","allowed":true}}', "allowed")
+
+
+def serve(cert: str, key: str, cpu: int, profile: str | None, floor: bool) -> None:
+    os.sched_setaffinity(0, {cpu})
+    from kvpilot.operator.reviews import Reviewer
+    from kvpilot.operator.runner import predictor
+    from kvpilot.operator.webhook import WebhookServer
+
+    async def main() -> None:
+        results: dict[str, int] = {}
+
+        def count(result: str) -> None:
+            results[result] = results.get(result, 0) + 1
+
+        reviewer: Any = ConstantReviewer() if floor else Reviewer(predictor=predictor())
+        server = WebhookServer(reviewer, cert_file=Path(cert), key_file=Path(key),
+                               host="127.0.0.1", port=0, on_result=count)
+        await server.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        print(f"PORT {server.bound_port}", flush=True)
+        await stop.wait()
+        await server.stop()
+        print(f"RESULTS {json.dumps(results)}", flush=True)
+
+    if profile:
+        import cProfile
+
+        cProfile.runctx("asyncio.run(main())", globals(), {"asyncio": asyncio, "main": main}, filename=profile)
+    else:
+        asyncio.run(main())
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def in_process_us(bodies: list[bytes], cpu: int) -> float:
+    """What one review costs the reviewer itself, without HTTP or TLS: the best of five passes over
+    the bodies, on the server's core (the best pass is the one least disturbed by other work)."""
+    from kvpilot.operator.reviews import Reviewer
+    from kvpilot.operator.runner import predictor
+
+    affinity = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        reviewer = Reviewer(predictor=predictor())
+        for body in bodies:
+            reviewer.answer(body)  # the predictions cached, as in the server after its warm-up
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            for body in bodies:
+                reviewer.answer(body)
+            best = min(best, (time.perf_counter() - start) / len(bodies))
+    finally:
+        os.sched_setaffinity(0, affinity)
+    return round(best * 1e6, 1)
+
+
+# --- the reviews ---------------------------------------------------------------------------------
+
+
+@functools.cache
+def _full() -> dict[str, Any]:
+    import yaml
+
+    return dict(yaml.safe_load((ROOT / "examples" / "full.yaml").read_text()))
+
+
+def _object(index: int, seqs: int, tokens: int) -> dict[str, Any]:
+    obj = copy.deepcopy(_full())
+    obj["spec"]["resources"]["gpuType"] = GPU
+    obj["spec"]["engine"].update(maxNumSeqs=seqs, maxNumBatchedTokens=tokens)
+    obj["spec"]["tuning"]["space"]["maxNumSeqs"] = [64, 1024]
+    applied = json.dumps(obj, separators=(",", ":"))
+    meta = obj["metadata"]
+    meta.update(
+        name=f"llama-{index}", uid=f"6f2c1a7e-0000-4000-8000-{index:012d}", resourceVersion=str(100000 + index),
+        generation=1, creationTimestamp="2026-12-02T01:00:00Z",
+        annotations={"kubectl.kubernetes.io/last-applied-configuration": applied + "\n"},
+        managedFields=[{
+            "manager": "kubectl-client-side-apply", "operation": "Update", "apiVersion": "kvpilot.dev/v1alpha1",
+            "time": "2026-12-02T01:00:00Z", "fieldsType": "FieldsV1",
+            "fieldsV1": {"f:metadata": {"f:annotations": {".": {}, "f:kubectl.kubernetes.io/last-applied-configuration": {}},
+                                        "f:labels": {".": {}, "f:team": {}}},
+                         "f:spec": {f"f:{k}": {} for k in obj["spec"]}},
+        }])
+    return obj
+
+
+def reviews(mix: str, distinct: int, count: int) -> list[bytes]:
+    """`count` review bodies; with distinct > 0 their specs repeat every `distinct` reviews."""
+    bodies = []
+    for i in range(count):
+        n = i % distinct if distinct else i
+        obj = _object(n, 64 + n % 192, 256 + 16 * (n // 192))  # maxNumSeqs <= maxNumBatchedTokens: valid
+        kind = {"create": "CREATE", "update": "UPDATE"}.get(mix) or (
+            "INVALID" if i % 10 == 9 else ("CREATE", "UPDATE")[i % 2])
+        old = None
+        if kind == "UPDATE":
+            old = copy.deepcopy(obj)
+            old["spec"]["engine"]["maxNumSeqs"] = 32
+        if kind == "INVALID":
+            obj["spec"]["engine"]["blockSize"] = 7
+        request = {
+            "uid": f"00000000-0000-4000-8000-{i:012d}",
+            "kind": {"group": "kvpilot.dev", "version": "v1alpha1", "kind": "InferenceService"},
+            "resource": {"group": "kvpilot.dev", "version": "v1alpha1", "resource": "inferenceservices"},
+            "requestKind": {"group": "kvpilot.dev", "version": "v1alpha1", "kind": "InferenceService"},
+            "requestResource": {"group": "kvpilot.dev", "version": "v1alpha1", "resource": "inferenceservices"},
+            "name": obj["metadata"]["name"], "namespace": "inference",
+            "operation": "UPDATE" if kind == "UPDATE" else "CREATE",
+            "userInfo": {"username": "kubernetes-admin", "groups": ["system:masters", "system:authenticated"]},
+            "object": obj, "oldObject": old, "dryRun": False,
+            "options": {"kind": "CreateOptions", "apiVersion": "meta.k8s.io/v1", "fieldManager": "kubectl-client-side-apply"},
+        }
+        bodies.append(json.dumps({"kind": "AdmissionReview", "apiVersion": "admission.k8s.io/v1",
+                                  "request": request}).encode())
+    return bodies
+
+
+# --- the clients ---------------------------------------------------------------------------------
+
+
+def client(port: int, ca_pem: str, bodies: list[bytes], connections: int, warmup: float, seconds: float,
+           cpus: list[int], start_at: float) -> dict[str, Any]:
+    if cpus:
+        os.sched_setaffinity(0, set(cpus))
+    import aiohttp
+
+    from kvpilot.api.vocabulary import WEBHOOK_PATH
+
+    url = f"https://127.0.0.1:{port}{WEBHOOK_PATH}"
+
+    async def main() -> dict[str, Any]:
+        context = ssl.create_default_context(cadata=ca_pem)
+        latencies: list[float] = []
+        statuses: dict[str, int] = {}
+        measure_from, measure_to = start_at + warmup, start_at + warmup + seconds
+        headers = {"Content-Type": "application/json"}
+        connector = aiohttp.TCPConnector(ssl=context, limit=connections)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            async def worker(w: int) -> None:
+                i = w
+                while (now := time.perf_counter()) < measure_to:
+                    body = bodies[i % len(bodies)]
+                    i += connections
+                    async with session.post(url, data=body, headers=headers) as resp:
+                        answer = await resp.read()
+                    done = time.perf_counter()
+                    if now >= measure_from:
+                        latencies.append(done - now)
+                        key = str(resp.status) if resp.status != 200 else (
+                            "allowed" if b'"allowed":true' in answer else "denied")
+                        statuses[key] = statuses.get(key, 0) + 1
+
+            while time.perf_counter() < start_at:
+                await asyncio.sleep(0.01)
+            await asyncio.gather(*(worker(w) for w in range(connections)))
+        return {"latencies": latencies, "statuses": statuses}
+
+    return asyncio.run(main())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=10.0, help="measured time (default: %(default)s)")
+    parser.add_argument("--warmup", type=float, default=2.0, help="unmeasured time first (default: %(default)s)")
+    parser.add_argument("--connections", type=int, default=16,
+                        help="keep-alive connections per client process, each one review in flight (default: %(default)s)")
+    parser.add_argument("--clients", type=int, default=1, help="client processes (default: %(default)s)")
+    parser.add_argument("--mix", choices=("create", "update", "mixed"), default="mixed")
+    parser.add_argument("--distinct", type=int, default=64,
+                        help="distinct specs taking turns; 0: every review a new spec (default: %(default)s)")
+    parser.add_argument("--server-cpu", type=int, default=0, help="the core the server is pinned to (default: %(default)s)")
+    parser.add_argument("--profile", metavar="FILE", help="cProfile the server into FILE (slows it down)")
+    parser.add_argument("--floor", action="store_true",
+                        help="answer every review with a constant, unread: what HTTP and TLS alone cost")
+    parser.add_argument("--serve", nargs=5, metavar=("CERT", "KEY", "CPU", "PROFILE", "FLOOR"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        cert, key, cpu, profile, floor = args.serve
+        serve(cert, key, int(cpu), profile or None, floor == "floor")
+        return
+
+    import trustme
+
+    ca = trustme.CA()
+    issued = ca.issue_cert("127.0.0.1")
+    with tempfile.TemporaryDirectory() as tmp:
+        cert, key = Path(tmp) / "tls.crt", Path(tmp) / "tls.key"
+        issued.cert_chain_pems[0].write_to_path(str(cert))
+        issued.private_key_pem.write_to_path(str(key))
+        server = subprocess.Popen(
+            [sys.executable, __file__, "--serve", str(cert), str(key), str(args.server_cpu), args.profile or "",
+             "floor" if args.floor else ""],
+            stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        try:
+            assert server.stdout is not None
+            line = server.stdout.readline()
+            if not line.startswith("PORT "):
+                raise SystemExit(f"the webhook server did not start: {line!r}")
+            port = int(line.split()[1])
+            others = sorted(os.sched_getaffinity(0) - {args.server_cpu})
+            count = args.distinct if args.distinct else 20000
+            bodies = reviews(args.mix, args.distinct, max(count, 200) if args.distinct else count)
+            start_at = time.perf_counter() + 1.0
+            ca_pem = ca.cert_pem.bytes().decode()
+            with multiprocessing.get_context("fork").Pool(args.clients) as pool:
+                pending = [pool.apply_async(client, (port, ca_pem, bodies, args.connections, args.warmup,
+                                                     args.seconds, others, start_at))
+                           for _ in range(args.clients)]
+                time.sleep(max(0.0, start_at + args.warmup - time.perf_counter()))
+                cpu_before = cpu_seconds(server.pid)
+                time.sleep(args.seconds)
+                cpu_used = cpu_seconds(server.pid) - cpu_before
+                outs = [p.get(timeout=args.seconds + args.warmup + 60) for p in pending]
+        finally:
+            server.send_signal(signal.SIGTERM)
+            rest, _ = server.communicate(timeout=60)
+    review_us = in_process_us(bodies, args.server_cpu) if not args.floor else None
+    latencies = sorted(x for o in outs for x in o["latencies"])
+    statuses: dict[str, int] = {}
+    for o in outs:
+        for k, v in o["statuses"].items():
+            statuses[k] = statuses.get(k, 0) + v
+    n = len(latencies)
+    per_s = n / args.seconds
+    figures = {
+        "reviews": n,
+        "reviews_per_s": round(per_s, 1),
+        "reviews_per_server_cpu_s": round(n / cpu_used, 1) if cpu_used else None,
+        "server_cpu_busy": round(cpu_used / args.seconds, 3),
+        "review_in_process_us_best": review_us,
+        "p50_ms": round(statistics.median(latencies) * 1e3, 3),
+        "p99_ms": round(latencies[min(n - 1, int(n * 0.99))] * 1e3, 3),
+        "max_ms": round(latencies[-1] * 1e3, 3),
+        "results": statuses,
+        "review_bytes_mean": round(statistics.mean(len(b) for b in bodies)),
+        "mix": args.mix, "distinct_specs": args.distinct or "all",
+        "clients": args.clients, "connections_per_client": args.connections,
+        "server_cpu": args.server_cpu, "client_cpus": others,
+        "load_average_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
+        "goal": {"reviews_per_s": GOAL_PER_S, "p99_ms": GOAL_P99_MS},
+    }
+    print(json.dumps(figures, indent=2))
+    if args.profile:
+        print(f"server profile in {args.profile} (python -m pstats {args.profile})", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""AdmissionReview (admission.k8s.io/v1) for InferenceServices: bytes in, an HTTP status and bytes out.
+
+No HTTP server here (kvpilot.operator.webhook serves this), so every answer is testable as a
+plain function call, and the server's hot path is one call.
+
+Two kinds of "no", as Kubernetes draws the line:
+
+* The review itself is wrong (not JSON, not an admission.k8s.io/v1 AdmissionReview, no request
+  or uid, an object that is not a mapping, another resource than InferenceServices): the request
+  to the webhook was made improperly, so the webhook answers HTTP 400 with a metav1.Status body
+  saying what is wrong.  The API server then applies the webhook's failurePolicy.
+* The InferenceService is wrong: HTTP 200 with `response.allowed: false` and a metav1.Status the
+  API server hands to the user: 422 Invalid, as the API server's own validation and a
+  ValidatingAdmissionPolicy answer, each field in `details.causes` (which is what kubectl prints
+  for an Invalid answer).  An engine vLLM is predicted to refuse at start-up is 422 too, its cause
+  on `spec.engine` in vLLM's own words: the values cannot work together on that GPU, and every
+  client that writes engines (the tuner's trials included) already reads 422 as "this config is
+  refused", not as a permission problem (403) to retry or escalate.
+
+Risky but legal settings are allowed with AdmissionReview `warnings`, which kubectl prints as
+`Warning: ...` lines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pydantic_core import from_json
+
+from kvpilot.api.documents import brief
+from kvpilot.api.models import InferenceService
+from kvpilot.api.validation import ValidationIssue, check_object
+from kvpilot.api.vocabulary import GROUP, KIND, PLURAL
+
+logger = logging.getLogger("kvpilot.operator.webhook")
+
+ADMISSION_API_VERSION = "admission.k8s.io/v1"
+ADMISSION_KIND = "AdmissionReview"
+OPERATIONS = ("CREATE", "UPDATE", "DELETE", "CONNECT")
+# Kubernetes may truncate warnings beyond 256 characters each, and a screenful helps nobody.
+MAX_WARNINGS = 10
+MAX_WARNING_CHARS = 256
+
+# Results, as the operator's kvpilot_admission_reviews_total counts them.
+ALLOWED = "allowed"
+WARNED = "warned"  # allowed, with warnings
+INVALID = "invalid"  # denied: a field is invalid
+PREDICTED_FAILURE = "predicted_failure"  # denied: vLLM would refuse to start
+BAD_REVIEW = "bad_review"  # HTTP 4xx: the review itself is malformed (or too large, or too slow)
+RESULTS = (ALLOWED, WARNED, INVALID, PREDICTED_FAILURE, BAD_REVIEW)
+
+
+class PredictionLike(Protocol):
+    """What the webhook reads from a start-up prediction (kvpilot.twin.admission.Prediction)."""
+
+    @property
+    def failure(self) -> str | None: ...  # vLLM's start-up error, in vLLM's words; None if it starts
+
+    @property
+    def warnings(self) -> Sequence[str]: ...  # risky but legal settings
+
+
+# The prediction seam: the typed, valid InferenceService in, its predicted start-up out.
+Predictor = Callable[[InferenceService], PredictionLike]
+
+
+class CachedPredictor:
+    """`predictor` remembered per spec: the prediction is a pure function of the spec (the model,
+    the GPU and the engine's flags; kvpilot.twin.admission.predict reads nothing else), and it costs
+    several times a whole review, so the webhook predicts each distinct spec once.  The key is the
+    typed spec's canonical JSON (defaults filled in, fields in model order): two specs that mean
+    the same share it, and no two that differ do.  The least recently used entries go first."""
+
+    def __init__(self, predictor: Predictor, size: int = 4096) -> None:
+        self.predictor = predictor
+        self.size = size
+        self._cache: OrderedDict[str, PredictionLike] = OrderedDict()
+
+    def __call__(self, service: InferenceService) -> PredictionLike:
+        key = service.spec.model_dump_json()
+        found = self._cache.get(key)
+        if found is not None:
+            self._cache.move_to_end(key)
+            return found
+        prediction = self.predictor(service)
+        self._cache[key] = prediction
+        if len(self._cache) > self.size:
+            self._cache.popitem(last=False)
+        return prediction
+
+
+class BadReview(ValueError):
+    """The AdmissionReview itself is malformed: an HTTP 400 (or `status`) answer, never a crash."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    status: int  # the HTTP status of the webhook's reply
+    body: bytes  # JSON: an AdmissionReview (200) or a metav1.Status (4xx)
+    result: str  # one of RESULTS
+
+
+def _load(body: bytes) -> Any:
+    # pydantic-core's JSON parser (jiter): a third of json.loads's time on a review, and strict JSON
+    # (no NaN or Infinity, nesting past 200 levels refused: no Kubernetes object comes near that).
+    try:
+        return from_json(body, allow_inf_nan=False)
+    except ValueError as exc:
+        raise BadReview(f"the body is not JSON: {exc}") from None
+
+
+def _mapping(parent: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
+    value = parent.get(key)
+    if not isinstance(value, dict):
+        got = "missing" if key not in parent else _json_type(value)
+        raise BadReview(f"{where}{key} must be an object (got {got})")
+    return value
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return {str: "a string", list: "an array", dict: "an object", type(None): "null"}.get(
+        type(value), type(value).__name__)
+
+
+def parse_review(body: bytes) -> Mapping[str, Any]:
+    """The review's `request`, checked as far as this webhook relies on it; BadReview otherwise."""
+    review = _load(body)
+    if not isinstance(review, dict):
+        raise BadReview(f"an AdmissionReview must be a JSON object (got {_json_type(review)})")
+    if review.get("apiVersion") != ADMISSION_API_VERSION:
+        raise BadReview(f"apiVersion must be {ADMISSION_API_VERSION} (got {brief(review.get('apiVersion'))}); "
+                        "this webhook takes admissionReviewVersions [v1] only")
+    if review.get("kind") != ADMISSION_KIND:
+        raise BadReview(f"kind must be {ADMISSION_KIND} (got {brief(review.get('kind'))})")
+    request = _mapping(review, "request", "")
+    uid = request.get("uid")
+    if not isinstance(uid, str) or not uid:
+        raise BadReview(f"request.uid must be a non-empty string (got {brief(uid)})")
+    operation = request.get("operation")
+    if operation not in OPERATIONS:
+        raise BadReview(f"request.operation must be one of {', '.join(OPERATIONS)} (got {brief(operation)})")
+    gvk = _mapping(request, "kind", "request.")
+    if gvk.get("group") != GROUP or gvk.get("kind") != KIND:
+        raise BadReview(f"this webhook reviews {GROUP} {KIND} objects only (request.kind is "
+                        f"{brief(gvk.get('group'))} {brief(gvk.get('kind'))}); check the "
+                        "ValidatingWebhookConfiguration's rules")
+    resource = request.get("resource")
+    if isinstance(resource, dict) and resource.get("resource") not in (None, PLURAL):
+        raise BadReview(f"this webhook reviews {PLURAL} only (request.resource.resource is "
+                        f"{brief(resource.get('resource'))})")
+    if operation in ("CREATE", "UPDATE"):
+        _mapping(request, "object", "request.")
+    if operation == "UPDATE":
+        _mapping(request, "oldObject", "request.")
+    return request
+
+
+def _status(code: int, reason: str, message: str, details: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    status: dict[str, Any] = {"metadata": {}, "status": "Failure", "message": message,
+                              "reason": reason, "code": code}
+    if details:
+        status["details"] = details
+    return status
+
+
+def _bad(exc: BadReview) -> Answer:
+    reason = {400: "BadRequest", 404: "NotFound", 405: "MethodNotAllowed", 408: "Timeout",
+              413: "RequestEntityTooLarge"}
+    prefix = "" if exc.status in (404, 405) else "malformed AdmissionReview: "
+    status = {"kind": "Status", "apiVersion": "v1",
+              **_status(exc.status, reason.get(exc.status, "BadRequest"), f"{prefix}{exc}")}
+    return Answer(exc.status, json.dumps(status, separators=(",", ":")).encode(), BAD_REVIEW)
+
+
+def bad_review_answer(message: str, status: int = 400) -> Answer:
+    """The answer to a review the server refused before reading it (too large, too slow)."""
+    return _bad(BadReview(message, status))
+
+
+def _object_name(request: Mapping[str, Any], obj: Mapping[str, Any]) -> str:
+    name = request.get("name")
+    if not isinstance(name, str) or not name:
+        meta = obj.get("metadata")
+        meta = meta if isinstance(meta, dict) else {}
+        name = meta.get("name") or meta.get("generateName") or ""
+    return str(name)[:253]
+
+
+def _cause(issue: ValidationIssue) -> dict[str, str]:
+    reason = "FieldValueRequired" if issue.message == "required field is missing" else "FieldValueInvalid"
+    return {"reason": reason, "message": issue.message, "field": issue.path}
+
+
+def _warnings(found: Sequence[str]) -> list[str]:
+    out = []
+    for text in list(found)[:MAX_WARNINGS]:
+        line = " ".join(str(text).split())  # one line: the API server sends warnings in a header
+        out.append(line if len(line) <= MAX_WARNING_CHARS else line[: MAX_WARNING_CHARS - 3] + "...")
+    return out
+
+
+@dataclass(slots=True)
+class Reviewer:
+    """Answers AdmissionReviews for InferenceServices.
+
+    `predictor`, when given, predicts vLLM's start-up for every valid engine (the seam for
+    kvpilot.twin.admission.predict); without one the webhook runs the validation only."""
+
+    predictor: Predictor | None = None
+
+    def answer(self, body: bytes) -> Answer:
+        try:
+            request = parse_review(body)
+        except BadReview as exc:
+            return _bad(exc)
+        response, result = self.decide(request)
+        review = {"apiVersion": ADMISSION_API_VERSION, "kind": ADMISSION_KIND, "response": response}
+        return Answer(200, json.dumps(review, ensure_ascii=False, separators=(",", ":")).encode(), result)
+
+    def decide(self, request: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+        """The AdmissionResponse for a well-formed request, and its result."""
+        uid = request["uid"]
+        operation = request["operation"]
+        if operation not in ("CREATE", "UPDATE") or request.get("subResource"):
+            return {"uid": uid, "allowed": True}, ALLOWED  # deletes, and status writes if ever routed here
+        obj = request["object"]
+        if operation == "UPDATE" and _unchanged(obj, request["oldObject"]):
+            # Metadata only (labels, finalizers, kopf's annotations), or a deletion in progress:
+            # never block the operator's own bookkeeping, nor the removal of an object that was
+            # admitted before this webhook (or these rules) existed.
+            return {"uid": uid, "allowed": True}, ALLOWED
+        service, issues = check_object(obj)
+        if service is None:
+            name = _object_name(request, obj)
+            message = f'{KIND}.{GROUP} "{name}" is invalid: ' + (
+                str(issues[0]) if len(issues) == 1 else "[" + "; ".join(str(i) for i in issues) + "]")
+            details = {"name": name, "group": GROUP, "kind": KIND,
+                       "causes": [_cause(i) for i in issues]}
+            return {"uid": uid, "allowed": False, "status": _status(422, "Invalid", message, details)}, INVALID
+        if self.predictor is None:
+            return {"uid": uid, "allowed": True}, ALLOWED
+        try:
+            prediction = self.predictor(service)
+        except Exception as exc:  # a bug of ours must not block applies: validation above still held
+            logger.exception("start-up prediction failed for %s", _object_name(request, obj))
+            warning = f"start-up not predicted: the prediction failed ({type(exc).__name__}: {exc})"
+            return {"uid": uid, "allowed": True, "warnings": _warnings([warning])}, WARNED
+        if prediction.failure:
+            name = _object_name(request, obj)
+            why = f"vLLM would refuse to start this engine: {' '.join(str(prediction.failure).split())}"
+            message = f'{KIND}.{GROUP} "{name}" is invalid: spec.engine: {why}'
+            # The cause is what kubectl prints for an Invalid answer (it shows causes, not the message).
+            details = {"name": name, "group": GROUP, "kind": KIND,
+                       "causes": [{"reason": "FieldValueInvalid", "message": why, "field": "spec.engine"}]}
+            response = {"uid": uid, "allowed": False, "status": _status(422, "Invalid", message, details)}
+            return response, PREDICTED_FAILURE
+        warnings = _warnings(prediction.warnings)
+        if warnings:
+            return {"uid": uid, "allowed": True, "warnings": warnings}, WARNED
+        return {"uid": uid, "allowed": True}, ALLOWED
+
+
+def _unchanged(new: Mapping[str, Any], old: Any) -> bool:
+    meta = new.get("metadata")
+    if isinstance(meta, dict) and meta.get("deletionTimestamp"):
+        return True
+    return (isinstance(old, dict) and new.get("spec") == old.get("spec")
+            and new.get("apiVersion") == old.get("apiVersion") and new.get("kind") == old.get("kind"))

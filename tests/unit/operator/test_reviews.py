@@ -1,0 +1,94 @@
+"""kvpilot.operator.reviews without HTTP: the prediction cache (the HTTPS behaviour is in
+tests/integration/operator/test_webhook.py)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvpilot.api.validation import strict_validate
+from kvpilot.operator.reviews import CachedPredictor
+
+FULL = yaml.safe_load((Path(__file__).resolve().parents[3] / "examples" / "full.yaml").read_text())
+
+
+@dataclass
+class Counted:
+    calls: list[Any] = field(default_factory=list)
+
+    def __call__(self, service: Any) -> Any:
+        self.calls.append(service)
+        return f"prediction {len(self.calls)}"
+
+
+def service(**engine: Any) -> Any:
+    obj = copy.deepcopy(FULL)
+    obj["spec"]["engine"].update(engine)
+    return strict_validate(obj)
+
+
+def test_each_distinct_spec_is_predicted_once_and_the_oldest_is_forgotten_first() -> None:
+    inner = Counted()
+    cached = CachedPredictor(inner, size=2)
+    a, b, c = service(maxNumSeqs=64), service(maxNumSeqs=128), service(maxNumSeqs=256)
+    assert cached(a) == cached(service(maxNumSeqs=64)) == "prediction 1"  # same spec, another object
+    assert cached(b) == "prediction 2"
+    assert cached(a) == "prediction 1"  # a is now the most recently used
+    assert cached(c) == "prediction 3"  # b goes
+    assert cached(a) == "prediction 1"
+    assert cached(b) == "prediction 4"
+    assert len(inner.calls) == 4
+
+
+def test_specs_that_differ_anywhere_are_predicted_apart_and_metadata_does_not_matter() -> None:
+    inner = Counted()
+    cached = CachedPredictor(inner)
+    renamed = copy.deepcopy(FULL)
+    renamed["metadata"]["name"] = "another"
+    gpu = copy.deepcopy(FULL)
+    gpu["spec"]["resources"]["gpuType"] = "NVIDIA-L4"
+    first = cached(strict_validate(FULL))
+    assert cached(strict_validate(renamed)) == first
+    assert cached(strict_validate(gpu)) != first
+
+
+def test_the_twins_prediction_reads_the_spec_only() -> None:
+    """What makes the spec a complete cache key."""
+    from kvpilot.twin.admission import predict
+
+    obj = copy.deepcopy(FULL)
+    obj["spec"]["resources"]["gpuType"] = "NVIDIA-H100-80GB-HBM3"
+    typed = strict_validate(obj)
+    assert predict(typed) == predict(typed.spec)
+
+
+def test_the_answers_docs_webhook_md_shows_are_the_webhooks() -> None:
+    """docs/webhook.md quotes the webhook's answer for each service of docs/examples/predict.yaml."""
+    import json
+    import re
+
+    from kvpilot.operator.reviews import Reviewer
+    from kvpilot.operator.runner import predictor
+
+    root = Path(__file__).resolve().parents[3]
+    text = (root / "docs" / "webhook.md").read_text()
+    (block,) = re.findall(r"^```json\n(.*?)^```", text, flags=re.S | re.M)
+    shown = [json.loads(line) for line in block.splitlines()]
+    reviewer = Reviewer(predictor=predictor())
+    answered = []
+    for obj in yaml.safe_load_all((root / "docs" / "examples" / "predict.yaml").read_text()):
+        if obj["kind"] != "InferenceService":
+            continue
+        review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+            "uid": "1", "operation": "CREATE", "name": obj["metadata"]["name"], "namespace": "inference",
+            "kind": {"group": "kvpilot.dev", "version": "v1alpha1", "kind": "InferenceService"}, "object": obj}}
+        answer = reviewer.answer(json.dumps(review).encode())
+        answered.append({"name": obj["metadata"]["name"], "response": json.loads(answer.body)["response"]})
+    assert shown == answered
+    for warning in (w for a in answered for w in a["response"].get("warnings", [])):
+        if "KV cache" in warning:
+            assert f"Warning: {warning}" in text  # the kubectl sample shows a real warning
