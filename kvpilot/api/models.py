@@ -353,7 +353,13 @@ class ObservabilitySpec(_Wire):
         description="How the Prometheus Operator scrapes the engine's /metrics: a ServiceMonitor (through the "
         "Service's endpoints), a PodMonitor (the pods directly, for a Prometheus that selects only PodMonitors), "
         "or None (scrape it yourself, and keep the pod label kvpilot.dev/inferenceservice as the series label "
-        "kvpilot_dev_inferenceservice: the SLO rules, the dashboard and the tuner select on it).",
+        "kvpilot_dev_inferenceservice: the SLO rules, the dashboard and the tuner select on it). Both monitors, "
+        "and a scrape config of your own, should carry the metric relabelling source_labels [__name__], regex "
+        f"{vllm.METRIC_NAME_ESCAPED_REGEX}, target_label __name__, replacement "
+        f"{vllm.METRIC_NAME_ESCAPED_REPLACEMENT}, action replace: where vLLM's metrics are served through "
+        "prometheus_client's content negotiation (its /metrics/ mount), Prometheus 2.x gets OpenMetrics with "
+        "escaping=underscores, vllm: names written vllm_ (prometheus/client_python#1177); where the names "
+        "arrive with their colon (vLLM 0.32's GET /metrics, Prometheus 3.x) the rule changes nothing.",
     )
 
 

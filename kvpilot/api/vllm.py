@@ -24,6 +24,19 @@ REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )
 
+# Every vLLM metric is named `vllm:<name>`.  vLLM's GET /metrics (prometheus-fastapi-instrumentator's
+# route, text format) keeps the colon for any Prometheus.  Served through prometheus_client's content
+# negotiation instead (the app vLLM mounts under /metrics/, or a build whose /metrics negotiates),
+# Prometheus 2.x's Accept header (OpenMetrics 1.0.0 without `escaping=allow-utf-8`) gets OpenMetrics
+# with `escaping=underscores` from prometheus_client 0.26: sample names `vllm_<name>`
+# (prometheus/client_python#1177; Prometheus 3.x asks for allow-utf-8 and keeps the colon).  A metric
+# relabelling puts it back: replace `__name__` matching METRIC_NAME_ESCAPED_REGEX with
+# METRIC_NAME_ESCAPED_REPLACEMENT.  No vLLM series is genuinely named `vllm_...`, so where the names
+# arrive with the colon the rule changes nothing.
+METRIC_PREFIX = "vllm:"
+METRIC_NAME_ESCAPED_REGEX = "vllm_(.+)"
+METRIC_NAME_ESCAPED_REPLACEMENT = "vllm:$1"
+
 # Metric names (0.11+), and the pre-0.11 names that queries must still understand.
 METRIC_TTFT = "vllm:time_to_first_token_seconds"
 METRIC_ITL = "vllm:inter_token_latency_seconds"

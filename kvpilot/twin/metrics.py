@@ -13,14 +13,19 @@ Metrics named `kvpilot_twin_*` are the twin's own, not vLLM's.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, choose_encoder, generate_latest
 
 from kvpilot.api import vllm, vocabulary
 
+# vLLM serves GET /metrics from prometheus-fastapi-instrumentator's route (`expose()`), registered
+# before the prometheus_client ASGI app it mounts at /metrics: `generate_latest` under
+# CONTENT_TYPE_LATEST whatever the Accept header, so the `vllm:` names reach any Prometheus as
+# declared (`render()`).  Only `/metrics/` and deeper paths reach the mount, which negotiates
+# (`exposition()`).  tests/vllm/test_rendered_serve.py holds the twin to real vLLM on both paths.
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # vLLM's FinishReason strings (`FINISH_REASON_STRINGS` in vllm/v1/engine): the Prometheus logger
 # exports every one from the start, at zero, so a query on any of them finds a series.  The twin
@@ -213,4 +218,16 @@ class VllmMetrics:
         self.twin_aborted.inc()
 
     def render(self) -> bytes:
+        """What vLLM's GET /metrics answers: the text format, names as declared (CONTENT_TYPE)."""
         return generate_latest(self.registry)
+
+    def exposition(self, accept: str | None, names: Sequence[str] = ()) -> tuple[bytes, str]:
+        """(body, Content-Type) as prometheus_client's `make_asgi_app` answers, which vLLM mounts under
+        /metrics/: the format from the Accept header (several joined by ",") by `choose_encoder`, and
+        only the families in `names` (its `name[]` parameter) when some are given.  To Prometheus
+        2.x's Accept header (OpenMetrics 1.0.0 without `escaping=allow-utf-8`) prometheus_client 0.26
+        answers OpenMetrics with `escaping=underscores`: sample names `vllm_...` instead of `vllm:...`
+        (prometheus/client_python#1177)."""
+        encoder, content_type = choose_encoder(accept or "")
+        registry = self.registry.restricted_registry(list(names)) if names else self.registry
+        return encoder(registry), content_type

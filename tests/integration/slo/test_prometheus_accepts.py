@@ -56,8 +56,10 @@ def exporter() -> Iterator[str]:
         h.observe(v)
     for ns, name in DECOYS:
         ttft.labels(ns, name, "m").observe(30.0)
-    # The text format (0.0.4), as vLLM's and the twin's /metrics serve it.  (prometheus_client's
-    # own server negotiates OpenMetrics, where release 0.26 writes `vllm:x` as `vllm_x`.)
+    # The text format, names as declared, as vLLM's and the twin's GET /metrics serve it whatever the
+    # Accept header.  (prometheus_client's own negotiating server, like the one vLLM mounts under
+    # /metrics/, answers Prometheus 2.x with OpenMetrics, where release 0.26 writes `vllm:x` as `vllm_x`;
+    # the monitors' metric relabelling renames them back: test_monitor_relabeling_prometheus.)
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             body = generate_latest(reg)

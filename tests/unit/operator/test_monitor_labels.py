@@ -201,3 +201,35 @@ def test_the_check_catches_a_selector_no_scraped_series_satisfies() -> None:
     assert "no series matches" in found and "lack" not in found
     assert problems(series, [(f'vllm:num_requests_running{{namespace="{NS}"}}', {"node"})])
     assert problems(series, [(f'vllm:num_requests_running{{namespace=~"team-.*",pod=~"{NAME}-.+"}}', {"pod"})]) == []
+
+
+def sample_names(exposition: bytes) -> set[str]:
+    return {line.split("{")[0].split(" ")[0] for line in exposition.decode().splitlines()
+            if line and not line.startswith("#")}
+
+
+@pytest.mark.parametrize("monitor_kind", MONITOR_KINDS)
+def test_the_monitors_metric_relabelling_gives_back_vllms_names_where_prometheus_2_gets_them_escaped(
+        monitor_kind: str) -> None:
+    """Served through prometheus_client's negotiation (vLLM's /metrics/ mount), Prometheus 2.x's
+    Accept header gets `vllm_` sample names; the monitor's `metricRelabelings` (Prometheus's
+    `metric_relabel_configs`) give back every declared name, and leave names with the colon as they are."""
+    from tests.support.prometheus import PROMETHEUS_2_ACCEPT
+
+    monitor = one(render_manifests(the_isvc(monitor_kind), RenderOptions()), monitor_kind)
+    configs = po.metric_relabel_configs(monitor)
+    metrics = VllmMetrics("m", max_model_len=8192, cache_config={"block_size": 16})
+    declared = sample_names(metrics.render())
+    escaped = sample_names(metrics.exposition(PROMETHEUS_2_ACCEPT)[0])
+    assert vllm.METRIC_RUNNING in declared and vllm.METRIC_RUNNING not in escaped  # not vacuous
+
+    def renamed_by_the_monitor(names: set[str]) -> set[str]:
+        out = set()
+        for name in names:
+            relabelled = po.metric_relabel(name, {"engine": "0"}, configs)
+            assert relabelled is not None and relabelled[1] == {"engine": "0"}, relabelled
+            out.add(relabelled[0])
+        return out
+
+    assert renamed_by_the_monitor(escaped) == declared
+    assert renamed_by_the_monitor(declared) == declared

@@ -117,3 +117,40 @@ def test_two_instances_do_not_collide():
     a.record_first_token(0.1)
     assert sample(families(a)[vllm.METRIC_TTFT], "_count") == 1
     assert sample(families(b)[vllm.METRIC_TTFT], "_count") == 0
+
+
+# --- content negotiation, as vLLM's prometheus_client mount under /metrics/ does it (choose_encoder) --
+
+def sample_names(body: bytes) -> set[str]:
+    return {line.split("{")[0].split(" ")[0] for line in body.decode().splitlines() if line and line[0] != "#"}
+
+
+def test_no_accept_header_gets_the_text_format_with_vllms_names(metrics):
+    body, content_type = metrics.exposition(None)
+    assert content_type == "text/plain; version=0.0.4; charset=utf-8"
+    assert body == metrics.render() and metrics.exposition("")[0] == body
+    assert vllm.METRIC_RUNNING in sample_names(body)
+    only, _ = metrics.exposition(None, [vllm.METRIC_RUNNING])
+    assert sample_names(only) == {vllm.METRIC_RUNNING}
+
+
+def test_prometheus_2_gets_openmetrics_with_underscores_for_colons(metrics):
+    from tests.support.prometheus import PROMETHEUS_2_ACCEPT
+
+    body, content_type = metrics.exposition(PROMETHEUS_2_ACCEPT)
+    assert content_type == "application/openmetrics-text; version=1.0.0; charset=utf-8; escaping=underscores"
+    names = sample_names(body)
+    # The samples lose the colon (prometheus/client_python#1177); HELP and TYPE keep it.
+    assert "vllm_num_requests_running" in names and "vllm_time_to_first_token_seconds_count" in names
+    assert not {n for n in names if n.startswith("vllm:")}
+    assert f"# TYPE {vllm.METRIC_RUNNING} gauge" in body.decode()
+    assert body.decode().endswith("# EOF\n")
+
+
+def test_prometheus_3_gets_openmetrics_with_vllms_names(metrics):
+    from tests.support.prometheus import PROMETHEUS_3_ACCEPT
+
+    body, content_type = metrics.exposition(PROMETHEUS_3_ACCEPT)
+    assert content_type == "application/openmetrics-text; version=1.0.0; charset=utf-8; escaping=allow-utf-8"
+    names = sample_names(body)
+    assert vllm.METRIC_RUNNING in names and not {n for n in names if n.startswith("vllm_")}

@@ -200,3 +200,25 @@ def test_prefix_cache_counters_count_a_shared_system_prompt():
     assert queries >= 2 * prompt_tokens - 10  # both lookups (the prompts differ by a word or two)
     assert 0 < hits < prompt_tokens  # the second request found the system prompt's full blocks
     assert hits % 16 == 0
+
+
+def test_metrics_ignores_accept_and_metrics_slash_negotiates_as_vllm_does():
+    """vLLM's GET /metrics is the instrumentator's route (text, names as declared, whatever the
+    Accept header); /metrics/ reaches its prometheus_client mount, which negotiates and gzips."""
+    from tests.support.prometheus import PROMETHEUS_2_ACCEPT
+
+    async def body(srv, session, url):
+        out = {}
+        for path in ("/metrics", "/metrics/"):
+            async with session.get(url + path, headers={"Accept": PROMETHEUS_2_ACCEPT,
+                                                        "Accept-Encoding": "gzip"}) as resp:
+                text = await resp.text()
+                out[path] = (resp.status, resp.headers["Content-Type"], resp.headers.get("Content-Encoding"),
+                             "\nvllm:num_requests_running{" in text, "\nvllm_num_requests_running{" in text)
+        return out
+
+    assert run_with_server(body) == {
+        "/metrics": (200, "text/plain; version=1.0.0; charset=utf-8", None, True, False),
+        "/metrics/": (200, "application/openmetrics-text; version=1.0.0; charset=utf-8; escaping=underscores",
+                      "gzip", False, True),
+    }
