@@ -28,7 +28,8 @@ Two trial strategies (spec.tuning.trialStrategy):
   share of the requests; both tracks are measured in the same window (TrackSignals.measure_tracks)
   and compared paired, poll by poll, by a sequential test (`sequential.PairedSPRT`) that stops
   early once the canary is clearly worse or clearly better; undecided at the window's end, the
-  whole window decides (canary score against stable score, as the objective ranks them).  A fast
+  whole window decides (canary score against stable score, as the objective ranks them), unless
+  the test has already ruled "better" out (`canary_guard`).  A fast
   burn on the canary track stops the canary at once and prunes the trial; the stable track is
   never touched, so nothing is put back and no cool-down is needed (the canary's burn is read over
   no more than its own lifetime, so a pruned predecessor's errors never count against the next).
@@ -182,6 +183,7 @@ class LiveSettings:
     max_trials: int = 30
     strategy: TrialStrategy = TrialStrategy.ROLLING
     sequential: SequentialSettings = field(default_factory=SequentialSettings)
+    canary_guard: bool = True  # an undecided canary is promoted only while the test still allows "better"
 
 
 class TunerStopped(Exception):
@@ -453,8 +455,8 @@ class LiveTuner:
             raise TrialPruned(burn)
         return self.tracks.measure_tracks(interval_s)
 
-    def _canary_window(self, serving_since: float) -> tuple[Verdict, Measurement, Measurement]:
-        """Warm-up, then the paired window with its sequential test.  Returns (verdict, stable, canary)
+    def _canary_window(self, serving_since: float) -> tuple[PairedSPRT, Measurement, Measurement]:
+        """Warm-up, then the paired window with its sequential test.  Returns (the test, stable, canary)
         measured over the window (or the part of it run before the test decided)."""
         assert self.tracks is not None
         end = self.clock.monotonic() + self.s.warmup_s
@@ -488,7 +490,7 @@ class LiveTuner:
                 self._wait_for_signals()  # a window with a hole in it is not a measurement
                 self.obs.phase(TuningPhase.MEASURING, "SignalsBack", "signals are back; the window starts again")
                 continue
-            return sprt.verdict, stable_m, canary_m
+            return sprt, stable_m, canary_m
 
     def _stop_canary(self) -> bool:
         """Stop the canary; never raises (it runs on the way out of errors).  True when it is gone."""
@@ -517,7 +519,7 @@ class LiveTuner:
         serving_since = self.clock.monotonic()
         self.obs.phase(TuningPhase.WARMING_UP, "CanaryServing", f"trial {number}: {self.s.warmup_s:g}s warm-up")
         try:
-            verdict, stable_m, canary_m = self._canary_window(serving_since)
+            sprt, stable_m, canary_m = self._canary_window(serving_since)
         except TrialPruned as exc:
             self.canary.stop_canary()  # at once: the stable track is untouched, nothing to put back
             self.study.prune(
@@ -530,6 +532,7 @@ class LiveTuner:
             self._event(number, TrialEvent.ROLLED_BACK)
             self.verdicts.append((number, Verdict.WORSE))
             return "pruned"
+        verdict = sprt.verdict
         self.verdicts.append((number, verdict))
         outcome = score(self.goal, canary_m, self.study.slo)
         stable = score(self.goal, stable_m, self.study.slo)
@@ -539,7 +542,11 @@ class LiveTuner:
         elif verdict is Verdict.WORSE:
             promote = False
         else:
-            promote = outcome.feasible and (not stable.feasible or better(self.goal, outcome.value, stable.value))
+            # Undecided: the whole window decides, as the objective ranks it -- unless the test has
+            # already accepted that the canary is not better (its "better" side closed): a lucky
+            # window's edge on a quarter of the requests is not a reason to roll the fleet.
+            promote = (outcome.feasible and (not self.s.canary_guard or sprt.better_open)
+                       and (not stable.feasible or better(self.goal, outcome.value, stable.value)))
         if promote:
             self.obs.phase(TuningPhase.APPLYING, "Promoting", f"trial {number} beat the stable track: "
                            f"{outcome.value:.3f} against {stable.value:.3f}; rolling it out")

@@ -235,3 +235,22 @@ def test_sequential_settings_name_the_bad_field() -> None:
 def test_an_outcome_hook_without_events_is_fine() -> None:
     Observer().trial_event(0, TrialStrategy.CANARY, TrialEvent.STARTED)
     assert Outcome(1.0, (0.0,), True, "WithinSLO").feasible
+
+
+def test_an_equal_canary_is_not_promoted_on_a_lucky_window() -> None:
+    # Same latency as the stable engine (only max_num_seqs differs, which the fake world ignores):
+    # the test rules "better" out long before the window ends, so the window's coin flip never rolls
+    # the fleet.  Without the guard about half of these would be promoted.
+    twin = EngineParams(2048, 0.90, 128)
+    promoted = {True: 0, False: 0}
+    for guard in (True, False):
+        for seed in range(6):
+            world = World(engine=START, noise=0.03, seed=seed)
+            settings = LiveSettings(**{**SETTINGS.__dict__, "canary_guard": guard})
+            tuner, _ = _tuner(world, settings=settings)
+            _first_trial_in_place(tuner)
+            n, p = _next(tuner, twin)
+            tuner.run_trial(n, p)
+            promoted[guard] += world.engine == twin
+    assert promoted[True] == 0
+    assert promoted[False] >= 1
