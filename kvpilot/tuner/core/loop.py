@@ -134,7 +134,8 @@ class TrialEvent(StrEnum):
     """What happened to a trial, counted by strategy (kvpilot_tuning_*_total{strategy})."""
 
     STARTED = "started"
-    PROMOTED = "promoted"  # its engine became the stable one (canary) / the incumbent (rolling)
+    PROMOTED = "promoted"  # its engine replaced the best known: rolled onto the stable track (canary), or
+    # made the incumbent (rolling; it is in force already)
     PRUNED = "pruned"  # a fast burn cut it short
     ROLLED_BACK = "rolled_back"  # its engine taken out of service after a failure (prune, failed start)
 
@@ -400,6 +401,7 @@ class LiveTuner:
         if not outcome.feasible or outcome.measurement is None:
             return
         load = outcome.measurement.request_rate
+        before = self.fallback()
         inc = self.study.incumbent
         if inc is not None and inc.params != params and _drifted(inc.request_rate, load, self.s.drift):
             inc = self._remeasure(inc)
@@ -407,7 +409,7 @@ class LiveTuner:
             new = Incumbent(params, outcome.value, load, number)
             self.study.incumbent = new
             self.obs.best_changed(new)
-            if inc is None or inc.params != params:
+            if params != before:  # a new engine is the best (not the one in force measured again)
                 self._event(number, TrialEvent.PROMOTED)
 
     def _remeasure(self, inc: Incumbent) -> Incumbent | None:

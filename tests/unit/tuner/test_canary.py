@@ -254,3 +254,13 @@ def test_an_equal_canary_is_not_promoted_on_a_lucky_window() -> None:
             promoted[guard] += world.engine == twin
     assert promoted[True] == 0
     assert promoted[False] >= 1
+
+
+def test_the_starting_engine_measured_first_is_no_promotion() -> None:
+    for strategy in TrialStrategy:
+        world = World(engine=START)
+        tuner, ev = _tuner(world, settings=LiveSettings(**{**SETTINGS.__dict__, "strategy": strategy}))
+        n, p = tuner.study.ask()
+        tuner.run_trial(n, p)
+        assert tuner.study.incumbent is not None and tuner.study.incumbent.params == START
+        assert [e for _, _, e in ev.events] == ["started"], strategy
