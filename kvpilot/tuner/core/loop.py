@@ -488,9 +488,15 @@ class LiveTuner:
                     if _usable(cs) and _usable(ss) and sprt.add(cs, ss) is not Verdict.UNDECIDED:
                         break
                 stable_m, canary_m = self.tracks.measure_tracks(self.clock.monotonic() - start)
-            except SignalsUnavailable:
-                self._wait_for_signals()  # a window with a hole in it is not a measurement
-                self.obs.phase(TuningPhase.MEASURING, "SignalsBack", "signals are back; the window starts again")
+            except SignalsUnavailable as exc:
+                # A window with a hole in it is not a measurement.  The service's own signals may be
+                # fine while one track's are not (a canary that gets no connections: clients that keep
+                # theirs open stay on the stable track): say so, the canary keeps its share meanwhile.
+                self.pauses += 1
+                self.obs.phase(TuningPhase.PAUSED, exc.reason,
+                               f"canary trial: {exc.message}; the window starts again when both tracks read")
+                self.clock.sleep(self.s.pause_poll_s)
+                self._wait_for_signals()
                 continue
             return sprt, stable_m, canary_m
 

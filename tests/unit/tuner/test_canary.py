@@ -264,3 +264,26 @@ def test_the_starting_engine_measured_first_is_no_promotion() -> None:
         tuner.run_trial(n, p)
         assert tuner.study.incumbent is not None and tuner.study.incumbent.params == START
         assert [e for _, _, e in ev.events] == ["started"], strategy
+
+
+def test_a_canary_track_without_signals_pauses_the_window_and_says_why() -> None:
+    world = World(engine=START)
+    tuner, _ = _tuner(world)
+    _first_trial_in_place(tuner)
+    phases: list[tuple[str, str]] = []
+    tuner.obs.phase = lambda phase, reason, message: phases.append((phase, reason))  # type: ignore[method-assign]
+    real = world.measure_tracks
+    dark_until = world.clock.t + 200
+
+    def measure_tracks(window_s: float):  # type: ignore[no-untyped-def]
+        if world.clock.t < dark_until:
+            from kvpilot.tuner.core.loop import SignalsUnavailable
+
+            raise SignalsUnavailable("NoTraffic", "no requests on the canary track")
+        return real(window_s)
+
+    world.measure_tracks = measure_tracks  # type: ignore[method-assign]
+    n, p = _next(tuner, WORSE)
+    assert tuner.run_trial(n, p) == "complete"
+    assert ("Paused", "NoTraffic") in phases
+    assert world.clock.t >= dark_until and world.canary is None
