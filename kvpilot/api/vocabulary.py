@@ -39,6 +39,26 @@ ANNOTATION_ENGINE = f"{GROUP}/engine"
 # On the InferenceService, written by the tuner with the tuned fields: the trial they belong to.
 ANNOTATION_TUNING_TRIAL = f"{GROUP}/tuning-trial"
 
+# On canary trials' pods (and the stable ones beside them): which track a pod serves.  The monitor turns it
+# into the series label TRACK_SERIES_LABEL, so the tuner reads each track's latency and burn apart.
+LABEL_TRACK = f"{GROUP}/track"
+
+
+class Track(StrEnum):
+    """The two tracks of a canary trial: the incumbent's pods and the trial engine's."""
+
+    STABLE = "stable"
+    CANARY = "canary"
+
+
+class TrialStrategy(StrEnum):
+    """spec.tuning.trialStrategy: how a live trial is put in front of traffic.  `rolling` rolls the whole
+    fleet to the trial engine; `canary` runs it beside the stable track and compares the two paired."""
+
+    ROLLING = "rolling"
+    CANARY = "canary"
+
+
 # The tuner's server-side-apply field manager: a GitOps tool ignores exactly this manager's fields.
 FIELD_MANAGER_TUNER = "kvpilot-tuner"
 
@@ -73,6 +93,8 @@ def prometheus_label(kubernetes_label: str) -> str:
 SERIES_POD_LABELS: tuple[str, ...] = (LABEL_INFERENCESERVICE,)
 # The series label of LABEL_INFERENCESERVICE: `kvpilot_dev_inferenceservice`.
 SERIES_LABEL_INFERENCESERVICE = prometheus_label(LABEL_INFERENCESERVICE)
+# The series label of LABEL_TRACK: `kvpilot_dev_track` (stable|canary), what per-track queries select on.
+SERIES_LABEL_TRACK = prometheus_label(LABEL_TRACK)
 
 
 class MonitorKind(StrEnum):
@@ -141,6 +163,12 @@ METRIC_TUNING_TRIALS_TOTAL = "kvpilot_tuning_trials_total"
 METRIC_TUNING_BEST_VALUE = "kvpilot_tuning_best_value"
 METRIC_TUNING_CURRENT_TRIAL = "kvpilot_tuning_current_trial"
 METRIC_TUNING_PAUSED = "kvpilot_tuning_paused"
+# Trials by strategy (rolling|canary): started; promoted (the trial engine became the stable one); pruned
+# (a fast burn cut it short); rolled back (its engine taken out of service unpromoted after a failure).
+METRIC_TUNING_TRIALS_STARTED_TOTAL = "kvpilot_tuning_trials_started_total"
+METRIC_TUNING_PROMOTIONS_TOTAL = "kvpilot_tuning_promotions_total"
+METRIC_TUNING_PRUNED_TOTAL = "kvpilot_tuning_pruned_total"
+METRIC_TUNING_ROLLBACKS_TOTAL = "kvpilot_tuning_rollbacks_total"
 METRIC_TWIN_STEPS_TOTAL = "kvpilot_twin_engine_steps_total"
 METRIC_TWIN_SIMULATED_SECONDS_TOTAL = "kvpilot_twin_simulated_seconds_total"
 METRIC_TWIN_BEHIND_SECONDS_TOTAL = "kvpilot_twin_behind_seconds_total"

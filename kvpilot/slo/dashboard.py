@@ -14,7 +14,12 @@ export them with labels `namespace` and `name`):
   (operator: the engine config in force);
 * `kvpilot_tuning_trials_total{namespace,name,state}` (tuner: finished trials by state);
 * `kvpilot_tuning_best_value{namespace,name}` and `kvpilot_tuning_current_trial{namespace,name}` (tuner);
-* `kvpilot_tuning_paused{namespace,name,reason}` (tuner: 1 while the budget gate holds trials back).
+* `kvpilot_tuning_paused{namespace,name,reason}` (tuner: 1 while the budget gate holds trials back);
+* `kvpilot_tuning_{trials_started,promotions,pruned,rollbacks}_total{namespace,name,strategy}` (tuner:
+  trials by strategy, rolling or canary).
+
+Canary trials: the engine series carry `kvpilot_dev_track` (stable|canary); the "Canary against stable"
+panels draw each track's p99s (and, with the service's SLO known, each track's 5m burn rate).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from kvpilot.api import vllm, vocabulary
 from kvpilot.slo import promql
 from kvpilot.slo.objectives import BURN_ALERTS, SLI_SHORT, SLIS, Sli, SloTarget, target_for
-from kvpilot.slo.promql import Selector
+from kvpilot.slo.promql import Matcher, Selector
 from kvpilot.slo.rules import RECORD_OBJECTIVE, budget_remaining_record, threshold_record, worst_budget_left
 
 if TYPE_CHECKING:
@@ -37,7 +42,14 @@ TUNING_TRIALS = vocabulary.METRIC_TUNING_TRIALS_TOTAL
 TUNING_BEST = vocabulary.METRIC_TUNING_BEST_VALUE
 TUNING_CURRENT = vocabulary.METRIC_TUNING_CURRENT_TRIAL
 TUNING_PAUSED = vocabulary.METRIC_TUNING_PAUSED
-KVPILOT_METRICS = (ENGINE_INFO, TUNING_TRIALS, TUNING_BEST, TUNING_CURRENT, TUNING_PAUSED)
+TUNING_BY_STRATEGY = (
+    (vocabulary.METRIC_TUNING_TRIALS_STARTED_TOTAL, "started"),
+    (vocabulary.METRIC_TUNING_PROMOTIONS_TOTAL, "promoted"),
+    (vocabulary.METRIC_TUNING_PRUNED_TOTAL, "pruned"),
+    (vocabulary.METRIC_TUNING_ROLLBACKS_TOTAL, "rolled back"),
+)
+KVPILOT_METRICS = (ENGINE_INFO, TUNING_TRIALS, TUNING_BEST, TUNING_CURRENT, TUNING_PAUSED,
+                   *(m for m, _ in TUNING_BY_STRATEGY))
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 NS_VAR, ISVC_VAR = "$namespace", "$inferenceservice"
@@ -265,6 +277,26 @@ def _panels(src: _Source) -> list[dict[str, Any]]:
         "1 while spec.tuning.budgetGate holds trials back (BudgetLow, BudgetUnknown, OutsideWindow); the best "
         "engine stays in force meanwhile. 'budget left' is the error budget left over the SLO period.",
         min=0), 8, 8)
+
+    tracks = [(t, pods.with_matchers((Matcher(vocabulary.SERIES_LABEL_TRACK, t.value),))) for t in vocabulary.Track]
+    refs = iter("ABCDEFGH")
+    lay.add(_timeseries("Canary against stable: p99 TTFT / ITL", [
+        _target(promql.quantile(sli, 0.99, sel, rate), f"{SLI_SHORT[sli]} {track.value}", next(refs))
+        for sli in SLIS for track, sel in tracks], "s",
+        "Each track's p99 during canary trials (series labelled kvpilot_dev_track): the trial engine on the "
+        "canary track against the incumbent on the stable track, under the same load."), 8, 8)
+    if src.target is not None:
+        refs = iter("ABCDEFGH")
+        lay.add(_timeseries("Canary against stable: burn rate (5m)", [
+            _target(promql.burn_rate(sli, src.target.threshold(sli), src.target.objective, sel, "5m"),
+                    f"{SLI_SHORT[sli]} {track.value}", next(refs))
+            for sli in SLIS for track, sel in tracks], "x",
+            "Each track's 5m burn rate; a canary at the fast-burn threshold (14.4x) is removed at once."), 8, 8)
+    refs = iter("ABCDEFGH")
+    lay.add(_timeseries("Trials by strategy", [
+        _target(f"sum by (strategy) (increase({metric}{{{kv}}}[1h]))", f"{{{{strategy}}}} {what}", next(refs))
+        for metric, what in TUNING_BY_STRATEGY], "short",
+        "Trials started, promoted, pruned (fast burn) and rolled back per hour, by trial strategy."), 8, 8)
     return lay.panels
 
 

@@ -96,6 +96,16 @@ def register(subparsers: Any) -> None:
     live.add_argument("--slots", metavar="A,B",
                       help="the two backend ports engines alternate on (default: the engine's --port +1 and +2); "
                            "clients and Prometheus use the engine's --port")
+    live.add_argument("--trial-strategy", choices=("rolling", "canary"), default="rolling",
+                      help="rolling: each trial engine replaces the engine in force; canary: it runs beside it "
+                           "(a second process on --canary-port) taking --canary-weight of new connections, both "
+                           "measured in the same window and compared paired.  Canary needs Prometheus to scrape "
+                           "the canary port with kvpilot_dev_track=\"canary\" and the slots with "
+                           "kvpilot_dev_track=\"stable\" (the run logs the scrape configs); default %(default)s")
+    live.add_argument("--canary-port", type=int, metavar="P",
+                      help="canary: the canary engine's port (default: the engine's --port + 3)")
+    live.add_argument("--canary-weight", type=float, default=0.25, metavar="W",
+                      help="canary: its share of new connections, in (0, 1) (default %(default)s: stable 3 : canary 1)")
     live.add_argument("--warm-start", action="store_true",
                       help="first search the twin (--model/--gpu) under the measured workload; try its best 3 first")
     live.add_argument("--warm-start-trials", type=int, default=20, help="twin trials of the warm start")

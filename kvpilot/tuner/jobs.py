@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import shlex
 import signal
@@ -14,6 +15,7 @@ from typing import Any
 import yaml
 from optuna.trial import FrozenTrial
 
+from kvpilot.api.vocabulary import TrialStrategy
 from kvpilot.tuner.core.objective import SLO, Goal, Measurement, Outcome, infeasible, score
 from kvpilot.tuner.core.space import EngineParams, SearchSpace
 from kvpilot.tuner.core.study import (
@@ -366,11 +368,16 @@ def tune_local(args: argparse.Namespace) -> int:
                     slo=slo, seed=args.seed, n_trials=args.trials)
     st.enqueue(start, "current")
     st.enqueue(EngineParams.vllm_defaults(defaults), "vllmDefaults")
+    strategy = TrialStrategy(getattr(args, "trial_strategy", None) or TrialStrategy.ROLLING)
+    weight = getattr(args, "canary_weight", 0.25)
+    if not 0.0 < weight < 1.0:
+        raise UsageError(f"--canary-weight: the canary's share of new connections, in (0, 1); got {weight:g}")
     settings = LiveSettings(warmup_s=args.warmup, window_s=args.window, poll_s=args.poll,
                             fast_burn_window_s=args.fast_burn_window, pause_poll_s=args.poll,
-                            max_trials=args.trials)
+                            max_trials=args.trials, strategy=strategy)
     signals = FirstSignalsWatchdog(
-        PrometheusSignals(args.prometheus, selector=args.selector, slo=slo, objective=args.objective),
+        PrometheusSignals(args.prometheus, selector=args.selector, slo=slo, objective=args.objective,
+                          min_window_s=min(args.poll, args.window) if strategy is TrialStrategy.CANARY else 0.0),
         args.signals_timeout,
         f"check --prometheus {args.prometheus}, that it scrapes the engine on port {port}, and that it has traffic")
     # Engines run on two backend ports behind the forwarder on the public port; Prometheus may
@@ -379,7 +386,11 @@ def tune_local(args: argparse.Namespace) -> int:
     if args.slots:
         a, b = parse_range(args.slots.replace(",", ":"), "--slots", int)
         slots = (a, b)
-    applier = LocalApplier(command, port=port, start=start, slots=slots)
+    applier = LocalApplier(command, port=port, start=start, slots=slots,
+                           canary_port=getattr(args, "canary_port", None) or port + 3, canary_weight=weight)
+    if strategy is TrialStrategy.CANARY:
+        log.info("canary trials: Prometheus must scrape both tracks, e.g. scrape_configs: %s",
+                 json.dumps(applier.scrape_configs("vllm")))
     # SIGTERM (a service manager, `kill`, a CI timeout) ends the run as Ctrl-C does: through the
     # `finally` below, so the engine this run started does not outlive it on its port.
     previous = signal.signal(signal.SIGTERM, _exit_on_signal)

@@ -9,11 +9,16 @@ from kvpilot.api.vocabulary import (
     METRIC_TUNING_BEST_VALUE,
     METRIC_TUNING_CURRENT_TRIAL,
     METRIC_TUNING_PAUSED,
+    METRIC_TUNING_PROMOTIONS_TOTAL,
+    METRIC_TUNING_PRUNED_TOTAL,
+    METRIC_TUNING_ROLLBACKS_TOTAL,
+    METRIC_TUNING_TRIALS_STARTED_TOTAL,
     METRIC_TUNING_TRIALS_TOTAL,
+    TrialStrategy,
     TuningPhase,
 )
 from kvpilot.tuner.core.gate import REASONS, Closed
-from kvpilot.tuner.core.loop import Observer
+from kvpilot.tuner.core.loop import Observer, TrialEvent
 from kvpilot.tuner.core.objective import Outcome
 from kvpilot.tuner.core.space import EngineParams
 from kvpilot.tuner.core.study import Incumbent
@@ -47,6 +52,9 @@ class LogObserver(Observer):
         else:
             log.info("gate=closed reason=%s target=%s %s", closed.reason, self.target, closed.message)
 
+    def trial_event(self, number: int, strategy: TrialStrategy, event: TrialEvent) -> None:
+        log.info("trial=%d strategy=%s event=%s target=%s", number, strategy.value, event.value, self.target)
+
 
 class Fanout(Observer):
     def __init__(self, *observers: Observer) -> None:
@@ -72,10 +80,17 @@ class Fanout(Observer):
         for o in self.observers:
             o.gate_changed(closed)
 
+    def trial_event(self, number: int, strategy: TrialStrategy, event: TrialEvent) -> None:
+        for o in self.observers:
+            o.trial_event(number, strategy, event)
+
 
 class TunerMetrics:
     """kvpilot_tuning_trials_total{state}, kvpilot_tuning_best_value, kvpilot_tuning_current_trial,
-    kvpilot_tuning_paused{reason}, each labelled with the InferenceService's namespace and name."""
+    kvpilot_tuning_paused{reason}, and by trial strategy (rolling|canary) kvpilot_tuning_trials_started_total,
+    kvpilot_tuning_promotions_total, kvpilot_tuning_pruned_total and kvpilot_tuning_rollbacks_total, each
+    labelled with the InferenceService's namespace and name.  The strategy is a label of counters of their
+    own: kvpilot_tuning_trials_total keeps its labels, which dashboards already sum by."""
 
     def __init__(self, registry: Any = None) -> None:
         from prometheus_client import REGISTRY, Counter, Gauge
@@ -89,6 +104,19 @@ class TunerMetrics:
                              labels, registry=reg)
         self.paused = Gauge(METRIC_TUNING_PAUSED, "1 while the budget gate holds trials back, by reason "
                             "(BudgetLow, BudgetUnknown, OutsideWindow)", (*labels, "reason"), registry=reg)
+        by = (*labels, "strategy")
+        self.by_event = {
+            TrialEvent.STARTED: Counter(METRIC_TUNING_TRIALS_STARTED_TOTAL, "Tuning trials started, by strategy",
+                                        by, registry=reg),
+            TrialEvent.PROMOTED: Counter(METRIC_TUNING_PROMOTIONS_TOTAL, "Trial engines promoted to the "
+                                         "stable track (canary) or made the incumbent (rolling), by strategy",
+                                         by, registry=reg),
+            TrialEvent.PRUNED: Counter(METRIC_TUNING_PRUNED_TOTAL, "Trials cut short by a fast burn, by strategy",
+                                       by, registry=reg),
+            TrialEvent.ROLLED_BACK: Counter(METRIC_TUNING_ROLLBACKS_TOTAL, "Trial engines taken out of service "
+                                            "after a failure (fast burn, failed start), by strategy",
+                                            by, registry=reg),
+        }
 
     def observer(self, namespace: str, name: str) -> Observer:
         return _MetricsObserver(self, namespace, name)
@@ -98,6 +126,9 @@ class _MetricsObserver(Observer):
     def __init__(self, m: TunerMetrics, namespace: str, name: str) -> None:
         self.m, self.labels = m, (namespace, name)
         self.gate_changed(None)
+        for counter in m.by_event.values():  # a series per strategy from the start, to graph a rate on
+            for strategy in TrialStrategy:
+                counter.labels(*self.labels, strategy.value)
 
     def trial_started(self, number: int, params: EngineParams, kind: str) -> None:
         self.m.current.labels(*self.labels).set(number)
@@ -113,3 +144,6 @@ class _MetricsObserver(Observer):
         # Every reason is exported (0 or 1), so a series exists to alert or graph on before any pause.
         for reason in REASONS:
             self.m.paused.labels(*self.labels, reason).set(1 if closed and closed.reason == reason else 0)
+
+    def trial_event(self, number: int, strategy: TrialStrategy, event: TrialEvent) -> None:
+        self.m.by_event[event].labels(*self.labels, strategy.value).inc()

@@ -42,11 +42,16 @@ class FirstSignalsWatchdog:
         self.seen = True
         return value
 
-    def burn_rate(self, window_s: float) -> float:
-        return self._guard(lambda: self.inner.burn_rate(window_s))
+    def burn_rate(self, window_s: float, track: Any = None) -> float:
+        if track is None:
+            return self._guard(lambda: self.inner.burn_rate(window_s))
+        return self._guard(lambda: self.inner.burn_rate(window_s, track=track))
 
     def measure(self, window_s: float) -> Measurement:
         return self._guard(lambda: self.inner.measure(window_s))
+
+    def measure_tracks(self, window_s: float) -> tuple[Measurement, Measurement]:
+        return self._guard(lambda: self.inner.measure_tracks(window_s))
 
     def __getattr__(self, name: str) -> Any:  # request_rate, quantiles, ...: as the wrapped source
         return getattr(self.inner, name)

@@ -202,9 +202,13 @@ async def run_load(base_url: str, *, num_requests: int, rate: float | None = Non
                    model: str | None = None, prompt_words: int = 32,
                    prompt: Callable[[int], str] | None = None, max_tokens: int = 16,
                    ignore_eos: bool = True, max_duration_s: float = 60.0,
-                   request_timeout_s: float = 60.0, extra_body: dict[str, Any] | None = None) -> LoadResult:
+                   request_timeout_s: float = 60.0, extra_body: dict[str, Any] | None = None,
+                   keepalive: bool = True, stop: Callable[[], bool] | None = None) -> LoadResult:
     """Send `num_requests` streaming requests, open loop at Poisson `rate` req/s or closed loop with
-    `concurrency` workers (exactly one of the two).  `base_url` is the server root (no /v1)."""
+    `concurrency` workers (exactly one of the two).  `base_url` is the server root (no /v1).
+    `keepalive=False`: a connection per request (a forwarder that splits connections then splits
+    requests).  `stop`: polled before each request; once true, no more are sent and the run ends
+    when those in flight have finished (none is cancelled)."""
     if (rate is None) == (concurrency is None):
         raise ValueError("give exactly one of rate= (open loop) or concurrency= (closed loop)")
     if rate is not None and rate <= 0:
@@ -228,7 +232,8 @@ async def run_load(base_url: str, *, num_requests: int, rate: float | None = Non
         return body
 
     records: list[RequestRecord] = []
-    connector = aiohttp.TCPConnector(limit=0)  # no client-side queueing: it would distort TTFT
+    # No client-side queueing: it would distort TTFT.
+    connector = aiohttp.TCPConnector(limit=0, force_close=not keepalive)
     t0 = time.monotonic()
     deadline_hit = False
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -245,6 +250,8 @@ async def run_load(base_url: str, *, num_requests: int, rate: float | None = Non
             rng = random.Random(seed)
             next_at = t0
             for i in range(num_requests):
+                if stop is not None and stop():
+                    break
                 next_at += rng.expovariate(rate)
                 delay = next_at - time.monotonic()
                 if delay > 0:

@@ -9,6 +9,17 @@ twin's drain) - never below one ready engine, like a RollingUpdate with maxUnava
 
 A new engine that exits or never gets healthy is a failed rollout: it is killed, the old one
 keeps serving untouched, and the trial is told as infeasible.
+
+Canary trials (`start_canary`/`stop_canary`): the trial engine runs as a second process on a port of
+its own beside the stable one, and the forwarder splits new connections between them by weight
+(`canary_weight`, 0.25 by default: stable 3 : canary 1, like one canary pod beside three stable ones
+in a Service), deterministically (smooth weighted round-robin), so the canary's share is exact.  A
+Service splits connections, not requests, and so does the forwarder: a client that keeps a
+connection alive stays on its track.  Stopping the canary takes it out of the split first, waits
+(up to the shutdown timeout) for the connections already on it to finish, then sends SIGTERM; so no
+request is cut, and none is sent to an engine that is going away.  Each track's /metrics is scraped
+on its own ports (`scrape_configs`), with the `kvpilot_dev_track` label the operator's monitor
+puts on the in-cluster series.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from pathlib import Path
 
 from kvpilot.api.engine import EngineArgsError, ServeDefaults, parse_engine_args, resolve
 from kvpilot.api.startup import cause_line
+from kvpilot.api.vocabulary import SERIES_LABEL_TRACK, Track
 from kvpilot.tuner.core.loop import ApplyFailed
 from kvpilot.tuner.core.space import TUNED_FIELDS, EngineParams
 
@@ -59,10 +71,18 @@ def parse_engine_command(argv: Sequence[str], defaults: ServeDefaults) -> tuple[
 
 
 class _Forwarder:
-    """A TCP forwarder on 127.0.0.1:port; each new connection goes to the current backend."""
+    """A TCP forwarder on 127.0.0.1:port; each new connection goes to the current backend, or, while
+    a canary is set, to the canary for `canary_weight` of the connections (smooth weighted
+    round-robin: exact shares, no randomness).  Counts connections per backend port."""
 
     def __init__(self, port: int, backend: int, host: str = "127.0.0.1") -> None:
         self.port, self.backend, self.host = port, backend, host
+        self.canary: int | None = None
+        self.canary_weight = 0.0
+        self._credit = 0.0  # the canary's running credit in the weighted round-robin
+        self.accepted: dict[int, int] = {}  # connections sent to each backend port, ever
+        self.open: dict[int, int] = {}  # connections open now to each backend port
+        self._counts = threading.Lock()  # the counts are read from the tuner's thread
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.base_events.Server | None = None
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvpilot-forwarder", daemon=True)
@@ -76,13 +96,48 @@ class _Forwarder:
     async def _serve(self) -> None:
         self._server = await asyncio.start_server(self._handle, self.host, self.port, reuse_address=True)
 
+    def set_canary(self, port: int | None, weight: float = 0.0) -> None:
+        """Route `weight` of new connections to `port` (None: none to a canary)."""
+        self.canary, self.canary_weight, self._credit = port, weight if port is not None else 0.0, 0.0
+
+    def _pick(self) -> int:
+        """The backend for a new connection (runs on the forwarder's one event-loop thread)."""
+        canary, weight = self.canary, self.canary_weight
+        if canary is None or weight <= 0.0:
+            return self.backend
+        self._credit += weight
+        if self._credit >= 1.0 - 1e-9:
+            self._credit -= 1.0
+            return canary
+        return self.backend
+
+    def open_to(self, port: int) -> int:
+        with self._counts:
+            return self.open.get(port, 0)
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         if task is not None:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+        backend = self._pick()
+        with self._counts:
+            self.accepted[backend] = self.accepted.get(backend, 0) + 1
+            self.open[backend] = self.open.get(backend, 0) + 1
         try:
-            up_r, up_w = await asyncio.open_connection(self.host, self.backend)
+            await self._forward(reader, writer, backend)
+        finally:
+            with self._counts:
+                self.open[backend] -= 1
+
+    def counts(self) -> dict[int, int]:
+        """Connections sent to each backend port so far."""
+        with self._counts:
+            return dict(self.accepted)
+
+    async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, backend: int) -> None:
+        try:
+            up_r, up_w = await asyncio.open_connection(self.host, backend)
         except OSError:
             writer.close()
             return
@@ -146,7 +201,11 @@ class LocalApplier:
         shutdown_timeout_s: float = 30.0,
         log_dir: str | None = None,
         env: dict[str, str] | None = None,
+        canary_port: int | None = None,
+        canary_weight: float = 0.25,
     ) -> None:
+        if not 0.0 < canary_weight < 1.0:
+            raise ValueError(f"canary weight: the canary's share of connections, in (0, 1); got {canary_weight}")
         self.command = list(command)
         self.port = port
         self.slots = slots or (free_port(), free_port())
@@ -154,6 +213,10 @@ class LocalApplier:
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvpilot-local-"))
         self.env = env
         self._start_params = start
+        self.canary_port = canary_port or free_port()
+        self.canary_weight = canary_weight
+        self._canary: _Engine | None = None
+        self.canaries: list[CanaryRun] = []  # every canary that served, with its requests
         self._engine: _Engine | None = None
         self._forwarder: _Forwarder | None = None
         self.history: list[tuple[float, EngineParams, int | None]] = []  # (monotonic, engine, trial) when in force
@@ -239,15 +302,106 @@ class LocalApplier:
             self._engine = new
             self.history.append((time.monotonic(), params, trial))
             if old is not None:
+                if self._forwarder is not None:
+                    self._drain(self._forwarder, old.port)
                 self._kill(old, grace=self.shutdown_timeout_s)  # SIGTERM: the old one drains
 
+    # -- CanaryApplier -------------------------------------------------------------------
+    def scrape_configs(self, job: str) -> list[dict[str, object]]:
+        """Prometheus scrape configs for both tracks: the two stable slots and the canary's port, each
+        labelled with its track (`kvpilot_dev_track`), as the operator's monitor labels pods."""
+        return [
+            {"job_name": f"{job}-{track.value}", "static_configs": [
+                {"targets": [f"127.0.0.1:{p}" for p in ports], "labels": {"job": job, SERIES_LABEL_TRACK: track.value}}
+            ]}
+            for track, ports in ((Track.STABLE, self.slots), (Track.CANARY, (self.canary_port,)))
+        ]
+
+    @property
+    def canary(self) -> EngineParams | None:
+        return self._canary.params if self._canary else None
+
+    def start_canary(self, params: EngineParams, trial: int) -> None:
+        with self._lock:
+            self._stop_canary()
+            eng = self._launch(params, self.canary_port)
+            try:
+                self._wait_healthy(eng)
+            except ApplyFailed:
+                self._kill(eng, grace=0.0)
+                raise
+            self._canary = eng
+            fw = self._forwarder
+            run = CanaryRun(params, trial, time.monotonic(), _accepted(fw))
+            run.port = eng.port
+            self.canaries.append(run)
+            if fw is not None:
+                fw.set_canary(eng.port, self.canary_weight)
+            log.info("canary pid %d on port %d takes %.0f%% of new connections: %s", eng.proc.pid, eng.port,
+                     self.canary_weight * 100, params.label())
+
+    def stop_canary(self) -> None:
+        with self._lock:
+            self._stop_canary()
+
+    def _stop_canary(self) -> None:
+        eng, self._canary = self._canary, None
+        if eng is None:
+            return
+        fw = self._forwarder
+        if fw is not None:
+            fw.set_canary(None)  # no new connections to it
+            self._drain(fw, eng.port)
+        run = self.canaries[-1]
+        run.stopped = time.monotonic()
+        run.accepted_after = _accepted(fw)
+        self._kill(eng, grace=self.shutdown_timeout_s)
+        log.info("canary on port %d stopped after %d connections", eng.port, run.served)
+
+    def _drain(self, fw: _Forwarder, port: int) -> None:
+        """Wait (up to the shutdown timeout) for the connections open to `port` to finish."""
+        deadline = time.monotonic() + self.shutdown_timeout_s
+        while fw.open_to(port) > 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+
     def stop(self) -> None:
+        with self._lock:
+            self._stop_canary()
         if self._forwarder is not None:
             self._forwarder.stop()
             self._forwarder = None
         if self._engine is not None:
             self._kill(self._engine, grace=self.shutdown_timeout_s)
             self._engine = None
+
+
+class CanaryRun:
+    """One canary's life: its engine, its trial, when it served, and the forwarder's connection counts
+    (per backend port) when it started and stopped."""
+
+    def __init__(self, params: EngineParams, trial: int, started: float, accepted_before: dict[int, int]) -> None:
+        self.params, self.trial, self.started = params, trial, started
+        self.stopped: float | None = None
+        self.accepted_before = accepted_before
+        self.accepted_after: dict[int, int] = {}
+        self.port: int | None = None
+
+    def _delta(self) -> dict[int, int]:
+        return {p: n - self.accepted_before.get(p, 0) for p, n in self.accepted_after.items()}
+
+    @property
+    def served(self) -> int:
+        """Connections (requests, for clients that do not keep connections alive) the canary took."""
+        return sum(n for p, n in self._delta().items() if p == self.port)
+
+    @property
+    def all_served(self) -> int:
+        """Connections both tracks took while the canary served."""
+        return sum(self._delta().values())
+
+
+def _accepted(fw: _Forwarder | None) -> dict[int, int]:
+    return fw.counts() if fw is not None else {}
 
 
 # How much of a dead engine's log to search for why it died: vLLM V1 logs the root cause in the

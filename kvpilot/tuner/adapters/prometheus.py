@@ -3,6 +3,11 @@
 Queries come from `kvpilot.slo.promql`.  Any failure to read (connection refused, timeout, a
 query error, an empty or NaN answer, no requests in the window) raises SignalsUnavailable, which
 makes the loop pause: the tuner never judges, or changes, an engine on signals it cannot trust.
+
+Per track (canary trials): the same queries with `kvpilot_dev_track="stable"|"canary"` added to the
+selector, the series label the operator's monitor (and `kvpilot tune --local`'s scrape configs) put
+on each track's engines.  No window is read shorter than `min_window_s` (a few scrape intervals:
+a rate() needs two samples in its range), so a canary's short polls still read.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 
+from kvpilot.api.vocabulary import SERIES_LABEL_TRACK, Track
 from kvpilot.slo import promql
 from kvpilot.slo.promql import Matcher, Selector
 from kvpilot.slo.rules import worst_budget_left
@@ -40,8 +46,9 @@ def parse_selector(text: str) -> Selector:
 
 class PrometheusSignals:
     def __init__(self, url: str, *, selector: Selector | str = "", slo: SLO, objective: float = 0.99,
-                 timeout_s: float = 5.0) -> None:
+                 timeout_s: float = 5.0, min_window_s: float = 0.0) -> None:
         self.url = url.rstrip("/")
+        self.min_window_s = min_window_s
         self.selector = parse_selector(selector) if isinstance(selector, str) else selector
         self.slo, self.objective, self.timeout_s = slo, objective, timeout_s
         self._reader = PrometheusReader(self.url, timeout=timeout_s)
@@ -75,29 +82,43 @@ class PrometheusSignals:
         return v
 
     # -- SignalSource ----------------------------------------------------------------------
-    def request_rate(self, window_s: float) -> float:
-        rate = self.query(promql.observations_rate("ttft", self.selector, promql.seconds_duration(window_s)))
+    def _sel(self, track: Track | None) -> Selector:
+        if track is None:
+            return self.selector
+        return self.selector.with_matchers((Matcher(SERIES_LABEL_TRACK, Track(track).value),))
+
+    def _window(self, window_s: float) -> str:
+        return promql.seconds_duration(max(window_s, self.min_window_s))
+
+    def request_rate(self, window_s: float, track: Track | None = None) -> float:
+        rate = self.query(promql.observations_rate("ttft", self._sel(track), self._window(window_s)))
         if not rate:
-            raise SignalsUnavailable("NoTraffic", f"no requests in the last {window_s:g}s")
+            where = f" on the {Track(track).value} track" if track is not None else ""
+            raise SignalsUnavailable("NoTraffic", f"no requests{where} in the last {window_s:g}s")
         return rate
 
-    def burn_rate(self, window_s: float) -> float:
-        """The faster-burning of the TTFT and ITL SLOs over the window."""
-        self.request_rate(window_s)
-        w = promql.seconds_duration(window_s)
-        ttft = self._need(promql.burn_rate("ttft", self.slo.ttft_seconds, self.objective, self.selector, w), "TTFT")
-        itl = self.query(promql.burn_rate("itl", self.slo.itl_seconds, self.objective, self.selector, w))
+    def burn_rate(self, window_s: float, track: Track | None = None) -> float:
+        """The faster-burning of the TTFT and ITL SLOs over the window (of one track, or all)."""
+        self.request_rate(window_s, track)
+        w, sel = self._window(window_s), self._sel(track)
+        ttft = self._need(promql.burn_rate("ttft", self.slo.ttft_seconds, self.objective, sel, w), "TTFT")
+        itl = self.query(promql.burn_rate("itl", self.slo.itl_seconds, self.objective, sel, w))
         return max(ttft, itl or 0.0)
 
-    def measure(self, window_s: float) -> Measurement:
-        w = promql.seconds_duration(window_s)
-        rate = self.request_rate(window_s)
-        ttft = self._need(promql.quantile("ttft", 0.99, self.selector, w), "p99 TTFT")
-        itl = self.query(promql.quantile("itl", 0.99, self.selector, w))
-        burn = self.burn_rate(window_s)
-        count = self.query(promql.observations("ttft", self.selector, w))
+    def measure(self, window_s: float, track: Track | None = None) -> Measurement:
+        w, sel = self._window(window_s), self._sel(track)
+        rate = self.request_rate(window_s, track)
+        ttft = self._need(promql.quantile("ttft", 0.99, sel, w), "p99 TTFT")
+        itl = self.query(promql.quantile("itl", 0.99, sel, w))
+        burn = self.burn_rate(window_s, track)
+        count = self.query(promql.observations("ttft", sel, w))
         return Measurement(ttft_p99=ttft, itl_p99=itl or 0.0, request_rate=rate, burn_rate=burn,
                            sample_count=int(count or 0))
+
+    def measure_tracks(self, window_s: float) -> tuple[Measurement, Measurement]:
+        """(stable, canary) over the same last `window_s` (one evaluation time would be tighter; the
+        two reads are a few milliseconds apart, against windows of seconds)."""
+        return self.measure(window_s, Track.STABLE), self.measure(window_s, Track.CANARY)
 
 
 def estimate_workload(signals: PrometheusSignals, window_s: float = 3600.0) -> WorkloadEstimate:

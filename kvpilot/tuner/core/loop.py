@@ -20,18 +20,40 @@ Safety, always:
 
 The loop talks to the world through three small protocols (Applier, SignalSource, Clock), so
 the same code drives Kubernetes, a local process, or a fake clock in unit tests.
+
+Two trial strategies (spec.tuning.trialStrategy):
+- rolling: the whole fleet rolls to the trial engine, is measured alone, and is compared with the
+  incumbent measured earlier (re-measured when the load drifted), as above;
+- canary: the trial engine runs beside the stable track (CanaryApplier.start_canary) and takes a
+  share of the requests; both tracks are measured in the same window (TrackSignals.measure_tracks)
+  and compared paired, poll by poll, by a sequential test (`sequential.PairedSPRT`) that stops
+  early once the canary is clearly worse or clearly better; undecided at the window's end, the
+  whole window decides (canary score against stable score, as the objective ranks them), unless
+  the test has already ruled "better" out (`canary_guard`).  A fast
+  burn on the canary track stops the canary at once and prunes the trial; the stable track is
+  never touched, so nothing is put back and no cool-down is needed (the canary's burn is read over
+  no more than its own lifetime, so a pruned predecessor's errors never count against the next).
+  A winner is promoted: `apply(params)` on the stable track (a rolling update, as for a rolling
+  trial), then the canary is stopped.  The paired comparison also refreshes the incumbent's value
+  (the stable track is the incumbent, measured under the same load), so canary trials never
+  re-measure for drift.  A trial whose engine is the stable one is measured in place.  The canary
+  never outlives a trial: stopped on every path out of it (stop, error, prune, verdict), and once
+  more when the loop starts (a leftover of a tuner that died mid-trial).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Protocol
 
-from kvpilot.api.vocabulary import Reason, TuningPhase
+from kvpilot.api.vocabulary import Reason, Track, TrialStrategy, TuningPhase
 from kvpilot.tuner.core.gate import Closed, Gate
-from kvpilot.tuner.core.objective import Goal, Measurement, Outcome, better, infeasible, score
+from kvpilot.tuner.core.objective import Goal, Measurement, Outcome, better, infeasible, latency_score, score
+from kvpilot.tuner.core.sequential import PairedSPRT, SequentialSettings, Verdict
 from kvpilot.tuner.core.space import EngineParams
 from kvpilot.tuner.core.study import KIND_REMEASURE, Incumbent, TunerStudy
 
@@ -80,6 +102,44 @@ class SignalSource(Protocol):
         ...
 
 
+class CanaryApplier(Applier, Protocol):
+    """An Applier that can also run a trial engine beside the stable track (`apply` then promotes:
+    a rolling update of the stable track)."""
+
+    def start_canary(self, params: EngineParams, trial: int) -> None:
+        """Start the canary engine with `params`; return once it is serving its share of requests.
+        Raises ApplyFailed (with vLLM's reason) when it cannot start; nothing of it is left serving."""
+        ...
+
+    def stop_canary(self) -> None:
+        """Take the canary out of service (its in-flight requests finish) and remove it.  Idempotent:
+        no canary is no error."""
+        ...
+
+
+class TrackSignals(SignalSource, Protocol):
+    """A SignalSource that can read each track apart (the `kvpilot_dev_track` series label)."""
+
+    def burn_rate(self, window_s: float, track: Track | None = None) -> float:
+        """The burn rate over the last `window_s` of one track (None: all of the service)."""
+        ...
+
+    def measure_tracks(self, window_s: float) -> tuple[Measurement, Measurement]:
+        """(stable, canary), both over the same last `window_s`.  Raises SignalsUnavailable, also when
+        either track served no requests in it."""
+        ...
+
+
+class TrialEvent(StrEnum):
+    """What happened to a trial, counted by strategy (kvpilot_tuning_*_total{strategy})."""
+
+    STARTED = "started"
+    PROMOTED = "promoted"  # its engine replaced the best known: rolled onto the stable track (canary), or
+    # made the incumbent (rolling; it is in force already)
+    PRUNED = "pruned"  # a fast burn cut it short
+    ROLLED_BACK = "rolled_back"  # its engine taken out of service after a failure (prune, failed start)
+
+
 class Clock(Protocol):
     def monotonic(self) -> float: ...
 
@@ -108,6 +168,9 @@ class Observer:
     def gate_changed(self, closed: Closed | None) -> None:
         """The budget gate closed (with why), changed its reason, or opened again (None)."""
 
+    def trial_event(self, number: int, strategy: TrialStrategy, event: TrialEvent) -> None:
+        """A trial started, was promoted, pruned or rolled back, under `strategy`."""
+
 
 @dataclass(frozen=True)
 class LiveSettings:
@@ -119,6 +182,9 @@ class LiveSettings:
     drift: float = DRIFT
     pause_poll_s: float = 15.0
     max_trials: int = 30
+    strategy: TrialStrategy = TrialStrategy.ROLLING
+    sequential: SequentialSettings = field(default_factory=SequentialSettings)
+    canary_guard: bool = True  # an undecided canary is promoted only while the test still allows "better"
 
 
 class TunerStopped(Exception):
@@ -146,6 +212,15 @@ class LiveTuner:
         self.clock = clock or RealClock()
         self.obs = observer or Observer()
         self.gate = gate
+        self.canary: CanaryApplier | None = None
+        self.tracks: TrackSignals | None = None
+        if settings.strategy is TrialStrategy.CANARY:
+            if not hasattr(applier, "start_canary") or not hasattr(applier, "stop_canary"):
+                raise ValueError("trialStrategy canary: this applier cannot run a canary (use rolling)")
+            if not hasattr(signals, "measure_tracks"):
+                raise ValueError("trialStrategy canary: these signals cannot read tracks apart (use rolling)")
+            self.canary, self.tracks = applier, signals  # type: ignore[assignment]
+        self.verdicts: list[tuple[int, Verdict]] = []  # canary trials' sequential verdicts, in order
         self.gate_pauses = 0  # polls spent with the gate closed
         self.goal: Goal = study.goal
         self.starting = study.starting_engine(applier.current())
@@ -270,8 +345,22 @@ class LiveTuner:
     # -- one trial ------------------------------------------------------------------------
     def run_trial(self, number: int, params: EngineParams, kind: str = "trial") -> str:
         """Apply, measure and tell one trial.  Returns its final state (complete|pruned|infeasible)."""
+        if self.canary is not None and kind != KIND_REMEASURE:
+            self._wait_for_signals()
+            if self.applier.current() != self.fallback():
+                self._restore()  # the stable track carries the best engine known
+            if params != self.applier.current():
+                return self._run_canary_trial(number, params)
+        return self._run_rolling_trial(number, params, kind)
+
+    def _event(self, number: int, event: TrialEvent) -> None:
+        self.obs.trial_event(number, self.s.strategy, event)
+
+    def _run_rolling_trial(self, number: int, params: EngineParams, kind: str) -> str:
         self._wait_for_signals()  # never change the engine blind
         self.obs.trial_started(number, params, kind)
+        if kind != KIND_REMEASURE:
+            self._event(number, TrialEvent.STARTED)
         self.obs.phase(TuningPhase.APPLYING, "TrialStarted", f"trial {number}: {params.label()}")
         try:
             self.applier.apply(params, number)
@@ -280,6 +369,7 @@ class LiveTuner:
             self.study.tell(number, outcome)
             self.obs.trial_finished(number, params, "infeasible", outcome)
             self._restore()
+            self._event(number, TrialEvent.ROLLED_BACK)
             return "infeasible"
         self.obs.phase(TuningPhase.WARMING_UP, Reason.ROLLOUT_COMPLETE, f"trial {number}: {self.s.warmup_s:g}s warm-up")
         try:
@@ -291,7 +381,9 @@ class LiveTuner:
                 constraints=(exc.burn - 1.0,),
             )
             self.obs.trial_finished(number, params, "pruned", None)
+            self._event(number, TrialEvent.PRUNED)
             self._restore()
+            self._event(number, TrialEvent.ROLLED_BACK)
             self._cool_down()
             return "pruned"
         outcome = score(self.goal, m, self.study.slo)
@@ -309,6 +401,7 @@ class LiveTuner:
         if not outcome.feasible or outcome.measurement is None:
             return
         load = outcome.measurement.request_rate
+        before = self.fallback()
         inc = self.study.incumbent
         if inc is not None and inc.params != params and _drifted(inc.request_rate, load, self.s.drift):
             inc = self._remeasure(inc)
@@ -316,6 +409,8 @@ class LiveTuner:
             new = Incumbent(params, outcome.value, load, number)
             self.study.incumbent = new
             self.obs.best_changed(new)
+            if params != before:  # a new engine is the best (not the one in force measured again)
+                self._event(number, TrialEvent.PROMOTED)
 
     def _remeasure(self, inc: Incumbent) -> Incumbent | None:
         """Measure the incumbent again at today's load; returns the refreshed incumbent, or None
@@ -344,10 +439,158 @@ class LiveTuner:
         self.study.incumbent = fresh
         return fresh
 
+    # -- canary trials --------------------------------------------------------------------
+    def _canary_burn_window(self, serving_since: float) -> float:
+        """The canary's burn is read over its own lifetime, capped at the fast-burn window: the canary
+        track's series also hold the last canary's requests, whose errors are not this one's."""
+        lived = self.clock.monotonic() - serving_since
+        return min(self.s.fast_burn_window_s, max(self.s.poll_s, lived))
+
+    def _canary_poll(self, serving_since: float, interval_s: float) -> tuple[Measurement, Measurement]:
+        """One poll: the canary's burn (TrialPruned on a fast burn), then both tracks over the last
+        `interval_s`.  Raises SignalsUnavailable, TunerStopped."""
+        if self.stop_requested:
+            raise TunerStopped()
+        assert self.tracks is not None
+        burn = self.tracks.burn_rate(self._canary_burn_window(serving_since), track=Track.CANARY)
+        if burn >= self.s.fast_burn:
+            raise TrialPruned(burn)
+        return self.tracks.measure_tracks(interval_s)
+
+    def _canary_window(self, serving_since: float) -> tuple[PairedSPRT, Measurement, Measurement]:
+        """Warm-up, then the paired window with its sequential test.  Returns (the test, stable, canary)
+        measured over the window (or the part of it run before the test decided)."""
+        assert self.tracks is not None
+        end = self.clock.monotonic() + self.s.warmup_s
+        while (left := end - self.clock.monotonic()) > 1e-9:  # warm-up: only the canary's burn counts
+            self.clock.sleep(min(self.s.poll_s, left))
+            try:
+                if self.stop_requested:
+                    raise TunerStopped()
+                burn = self.tracks.burn_rate(self._canary_burn_window(serving_since), track=Track.CANARY)
+            except SignalsUnavailable:
+                self._wait_for_signals()
+                continue
+            if burn >= self.s.fast_burn:
+                raise TrialPruned(burn)
+        sprt = PairedSPRT(self.s.sequential)
+        while True:
+            self.obs.phase(TuningPhase.MEASURING, "WindowStarted",
+                           f"canary and stable measured side by side over up to {self.s.window_s:g}s")
+            start = self.clock.monotonic()
+            sprt.reset()
+            try:
+                while (left := start + self.s.window_s - self.clock.monotonic()) > 1e-9:
+                    step = min(self.s.poll_s, left)
+                    self.clock.sleep(step)
+                    stable_i, canary_i = self._canary_poll(serving_since, step)
+                    cs, ss = latency_score(canary_i, self.study.slo), latency_score(stable_i, self.study.slo)
+                    if _usable(cs) and _usable(ss) and sprt.add(cs, ss) is not Verdict.UNDECIDED:
+                        break
+                stable_m, canary_m = self.tracks.measure_tracks(self.clock.monotonic() - start)
+            except SignalsUnavailable as exc:
+                # A window with a hole in it is not a measurement.  The service's own signals may be
+                # fine while one track's are not (a canary that gets no connections: clients that keep
+                # theirs open stay on the stable track): say so, the canary keeps its share meanwhile.
+                self.pauses += 1
+                self.obs.phase(TuningPhase.PAUSED, exc.reason,
+                               f"canary trial: {exc.message}; the window starts again when both tracks read")
+                self.clock.sleep(self.s.pause_poll_s)
+                self._wait_for_signals()
+                continue
+            return sprt, stable_m, canary_m
+
+    def _stop_canary(self) -> bool:
+        """Stop the canary; never raises (it runs on the way out of errors).  True when it is gone."""
+        assert self.canary is not None
+        try:
+            self.canary.stop_canary()
+            return True
+        except Exception as exc:
+            log.error("stopping the canary failed: %s", exc)
+            return False
+
+    def _run_canary_trial(self, number: int, params: EngineParams) -> str:
+        assert self.canary is not None
+        self.obs.trial_started(number, params, "trial")
+        self._event(number, TrialEvent.STARTED)
+        self.obs.phase(TuningPhase.APPLYING, "CanaryStarting", f"trial {number}: canary {params.label()}")
+        try:
+            self.canary.start_canary(params, number)
+        except ApplyFailed as exc:
+            self.canary.stop_canary()
+            outcome = infeasible(self.goal, exc.reason, exc.message)
+            self.study.tell(number, outcome)
+            self.obs.trial_finished(number, params, "infeasible", outcome)
+            self._event(number, TrialEvent.ROLLED_BACK)
+            return "infeasible"
+        serving_since = self.clock.monotonic()
+        self.obs.phase(TuningPhase.WARMING_UP, "CanaryServing", f"trial {number}: {self.s.warmup_s:g}s warm-up")
+        try:
+            sprt, stable_m, canary_m = self._canary_window(serving_since)
+        except TrialPruned as exc:
+            self.canary.stop_canary()  # at once: the stable track is untouched, nothing to put back
+            self.study.prune(
+                number, "FastBurn",
+                f"canary burn {exc.burn:.1f}x >= {self.s.fast_burn:g}x",
+                constraints=(exc.burn - 1.0,),
+            )
+            self.obs.trial_finished(number, params, "pruned", None)
+            self._event(number, TrialEvent.PRUNED)
+            self._event(number, TrialEvent.ROLLED_BACK)
+            self.verdicts.append((number, Verdict.WORSE))
+            return "pruned"
+        verdict = sprt.verdict
+        self.verdicts.append((number, verdict))
+        outcome = score(self.goal, canary_m, self.study.slo)
+        stable = score(self.goal, stable_m, self.study.slo)
+        self._refresh_incumbent(stable, stable_m)
+        if verdict is Verdict.BETTER:
+            promote = outcome.feasible
+        elif verdict is Verdict.WORSE:
+            promote = False
+        else:
+            # Undecided: the whole window decides, as the objective ranks it -- unless the test has
+            # already accepted that the canary is not better (its "better" side closed): a lucky
+            # window's edge on a quarter of the requests is not a reason to roll the fleet.
+            promote = (outcome.feasible and (not self.s.canary_guard or sprt.better_open)
+                       and (not stable.feasible or better(self.goal, outcome.value, stable.value)))
+        if promote:
+            self.obs.phase(TuningPhase.APPLYING, "Promoting", f"trial {number} beat the stable track: "
+                           f"{outcome.value:.3f} against {stable.value:.3f}; rolling it out")
+            try:
+                self.applier.apply(params, number)
+            except ApplyFailed as exc:  # ran as a canary, failed as a rollout: not promoted
+                log.error("promoting trial %d failed: %s", number, exc)
+                promote = False
+                self._restore()
+        self.canary.stop_canary()
+        self.study.tell(number, outcome)
+        if promote:
+            new = Incumbent(params, outcome.value, canary_m.request_rate, number)
+            self.study.incumbent = new
+            self.obs.best_changed(new)
+            self._event(number, TrialEvent.PROMOTED)
+        self.obs.trial_finished(number, params, "complete", outcome)
+        return "complete"
+
+    def _refresh_incumbent(self, stable: Outcome, m: Measurement) -> None:
+        """The stable track is the incumbent measured in the same window: its value now (this is what
+        replaces the drift re-measurement for canary trials)."""
+        inc = self.study.incumbent
+        if inc is None or inc.params != self.applier.current():
+            return
+        if not stable.feasible:
+            self.study.incumbent = None
+            return
+        self.study.incumbent = Incumbent(inc.params, stable.value, m.request_rate, inc.trial)
+
     # -- the loop -------------------------------------------------------------------------
     def run(self) -> EngineParams:
         """Run trials until the budget is spent; leave the best engine in force and return it."""
         try:
+            if self.canary is not None:
+                self.canary.stop_canary()  # a canary left by a tuner that died mid-trial
             while not self.stop_requested and self.study.finished_count() < self.s.max_trials:
                 self._wait_for_gate()
                 number, params = self.study.ask()
@@ -359,9 +602,13 @@ class LiveTuner:
                 self.obs.phase(TuningPhase.APPLYING, "ApplyingBest", f"putting the best engine in force: {best.label()}")
                 self.applier.apply(best, None)
         except TunerStopped:
+            if self.canary is not None:
+                self._stop_canary()
             self.obs.phase(TuningPhase.IDLE, "Stopped", "stopped; a restarted tuner resumes the study")
             return self.applier.current()
         except Exception:
+            if self.canary is not None:
+                self._stop_canary()
             self.put_back()
             raise
         self.obs.phase(TuningPhase.DONE, "BudgetSpent", f"best: {best.label()}")
@@ -372,3 +619,7 @@ def _drifted(old: float, new: float, limit: float) -> bool:
     if old <= 0:
         return new > 0
     return abs(new - old) / old > limit
+
+
+def _usable(score_: float) -> bool:
+    return math.isfinite(score_) and score_ > 0

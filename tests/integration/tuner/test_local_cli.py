@@ -120,3 +120,42 @@ def test_a_finished_run_writes_its_report(tmp_path: Path) -> None:
     text = (tmp_path / "out" / "local.html").read_text()
     assert "p99 TTFT &lt;= 0.25 s, p99 ITL &lt;= 0.1 s" in text
     assert "the worse of p99 TTFT / SLO and p99 ITL / SLO over a 3 s window" in text
+
+
+def test_a_canary_run_measures_the_trial_engine_beside_the_stable_one(tmp_path: Path) -> None:
+    from tests.integration.tuner.test_canary_local import Load
+
+    require_prometheus()
+    port, slots, canary = free_port(), (free_port(), free_port()), free_port()
+    tracks = {"stable": [f"127.0.0.1:{p}" for p in slots], "canary": [f"127.0.0.1:{canary}"]}
+    prom = PrometheusServer(scrape_configs=[
+        {"job_name": f"twin-{track}",
+         "static_configs": [{"targets": targets, "labels": {"job": "twin", "kvpilot_dev_track": track}}]}
+        for track, targets in tracks.items()])
+    prom.start()
+    load = Load(f"http://127.0.0.1:{port}")
+    try:
+        # Trial 0 is the engine in force (measured in place), trial 1 vLLM's defaults: a canary.
+        with tune_local(tmp_path, port, slots, "--prometheus", prom.url, "--selector", 'job="twin"',
+                        "--slo", "ttft=0.25,itl=0.1", "--trials", "2", "--warmup", "1", "--window", "6",
+                        "--poll", "3", "--fast-burn-window", "6", "--report", "", "--trial-strategy", "canary",
+                        "--canary-port", str(canary), "--canary-weight", "0.25") as proc:
+            wait_until(lambda: healthy(port), 90, "the engine behind the forwarder")
+            t0 = time.monotonic()
+            load.start()
+            out, _ = proc.communicate(timeout=240)
+            ended = time.monotonic() - t0
+            err = (tmp_path / "tune.log").read_text()
+            assert proc.returncode == 0, err[-3000:]
+    finally:
+        load.stopping = True
+        prom.stop()
+    result = load.stop()
+    # The run's own end takes the forwarder down: requests from its last seconds on may fail.  None before.
+    failed = [r for r in result.failed() if r.start < ended - 5.0]
+    assert "canary pid" in err and f"on port {canary} takes 25% of new connections" in err
+    assert f"canary on port {canary} stopped" in err
+    assert "Traceback" not in err
+    assert not answers(canary), "the canary outlived the run"
+    assert not failed, [(r.index, r.error) for r in failed[:5]]
+    assert "maxNumBatchedTokens" in out

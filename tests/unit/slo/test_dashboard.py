@@ -58,3 +58,13 @@ def test_layout_is_valid_and_ids_unique() -> None:
 def test_resolve_fills_grafana_variables() -> None:
     expr = 'rate(x{namespace="$namespace",a="$inferenceservice"}[$__rate_interval])'
     assert resolve(expr, "ns", "n", "2m") == 'rate(x{namespace="ns",a="n"}[2m])'
+
+
+def test_canary_panels_draw_each_track() -> None:
+    board = dashboard_for(TARGET)
+    titles = [p["title"] for p in board["panels"]]
+    assert "Canary against stable: p99 TTFT / ITL" in titles and "Trials by strategy" in titles
+    assert "Canary against stable: burn rate (5m)" in titles
+    exprs = "\n".join(expressions(board))
+    assert 'kvpilot_dev_track="canary"' in exprs and 'kvpilot_dev_track="stable"' in exprs
+    assert "Canary against stable: burn rate (5m)" not in [p["title"] for p in dashboard_all()["panels"]]

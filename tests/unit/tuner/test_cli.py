@@ -54,3 +54,11 @@ def test_bad_input_is_one_clear_line(args: list[str], needle: str, capsys: pytes
     assert main(["tune", "--offline", "-q", "--storage", f"sqlite:///{tmp_path}/s.db", *args]) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
+
+
+def test_a_canary_weight_outside_0_1_is_one_clear_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["tune", "--local", "--prometheus", "http://127.0.0.1:9", "--storage", f"sqlite:///{tmp_path}/s.db",
+                 "--report", "", "--trial-strategy", "canary", "--canary-weight", "1.5", "--",
+                 "kvpilot", "twin", "serve", "--port", "8000"]) == 2
+    err = capsys.readouterr().err
+    assert "--canary-weight" in err and "in (0, 1)" in err and "Traceback" not in err
