@@ -23,9 +23,9 @@ rollback is never dropped, and Degraded (reason RollbackFailed) and an Event say
 A rollback at the progress deadline writes its decision (Degraded RolledBack for the generation)
 before it patches the Deployment: an operator stopped between the two would otherwise, restarted,
 render the failed engine again, since nothing in the status would say that generation failed.  The
-fast rollback of `track_pod` patches first and writes the status after (not yet the same order): a
-failure between the two is handled at the pod's next status change, and at worst by the progress
-deadline.  An engine refused by the image allowlist is never put back by either, and their events
+fast rollback of `track_pod` does the same (with lastFailure in the decision); a patch that fails
+after the decision is completed at the failed pod's next status change (its next restart), and at
+worst by the progress deadline.  An engine refused by the image allowlist is never put back by either, and their events
 leave a reconcile's Degraded/ImageNotAllowed standing.
 
 Status writes are read-modify-write (`update_status`): the operator owns the conditions Ready,
@@ -205,9 +205,18 @@ def _engine_summary(engine: dict[str, Any] | None, against: dict[str, Any] | Non
 
 
 def _degraded_only(reason: str, message: str, generation: int | None) -> ComputeStatus:
+    return _decision(reason, message, generation, None)
+
+
+def _decision(reason: str, message: str, generation: int | None, last_failure: dict[str, Any] | None) -> ComputeStatus:
+    """A rollback's decision alone (Degraded with its reason for the generation, and lastFailure), written
+    before the rollback's patch: see the module docstring."""
     def compute(previous: dict[str, Any]) -> dict[str, Any]:
-        return {"conditions": set_condition(previous.get("conditions"), DEGRADED, "True", reason, message,
-                                            generation, now_rfc3339())}
+        status: dict[str, Any] = {"conditions": set_condition(previous.get("conditions"), DEGRADED, "True", reason,
+                                                              message, generation, now_rfc3339())}
+        if last_failure is not None:
+            status["lastFailure"] = last_failure
+        return status
     return compute
 
 
@@ -508,10 +517,12 @@ async def _track_rollout(rt: Runtime, namespace: str, name: str, deployment: dic
             restored_hash = restored["metadata"]["annotations"][ANNOTATION_CONFIG_HASH]
             message = (f"{failed}; put lastGoodEngine back (configHash {restored_hash}); "
                        f"a new spec generation tries again")
+            last_failure = _last_failure(REASON_DEADLINE, rollout.message or REASON_DEADLINE, rollout.config_hash,
+                                         generation)
             if not rolled_back_at(previous, generation):
                 # The decision first (see the module docstring); the write after the patch completes it.
-                await update_status(rt, namespace, name, _degraded_only(REASON_ROLLED_BACK, message, generation),
-                                    parent=parent)
+                await update_status(rt, namespace, name,
+                                    _decision(REASON_ROLLED_BACK, message, generation, last_failure), parent=parent)
                 parent = await rt.client.get_or_none(isvc_path(namespace, name))
                 if parent is None:
                     return
@@ -523,8 +534,6 @@ async def _track_rollout(rt: Runtime, namespace: str, name: str, deployment: dic
                                        f"{exc}", exc)
             deployment = applied.live or deployment
             degraded = (REASON_ROLLED_BACK, message)
-            last_failure = _last_failure(REASON_DEADLINE, rollout.message or REASON_DEADLINE, rollout.config_hash,
-                                         generation)
             rt.metrics.rollbacks.inc()
             emit_on(parent, "Warning", REASON_ROLLED_BACK, message)
             logger.warning("rolled back %s/%s: %s", namespace, name, message)
@@ -670,13 +679,17 @@ async def _track_pod(rt: Runtime, namespace: str, name: str, failure: EngineFail
     generation = previous.get("observedGeneration")
     if generation is None or validate_object({k: v for k, v in parent.items() if k != "status"}):
         return
-    if _already_told(previous, generation, failure.config_hash) or _refused_in_force(rt, parent, previous, generation):
+    last_good = usable_last_good(previous, logger)
+    # The rollback was decided (its status written) but its patch did not hold: this pod of the failed
+    # revision, still rendered, brings it here again to complete it.
+    pending = rolled_back_at(previous, generation) and bool(last_good) and last_good != rollout.engine
+    if (_already_told(previous, generation, failure.config_hash) and not pending) \
+            or _refused_in_force(rt, parent, previous, generation):
         return
     if failure.cause_above:
         failure = await _with_log(rt, namespace, failure, logger)
     described = failure.describe()
     last_failure = _last_failure(failure.reason, described, failure.config_hash, generation, failure.pod)
-    last_good = usable_last_good(previous, logger)
     refusal = image_refusal(rt, EngineSpec.model_validate(last_good), "status.lastGoodEngine.image") \
         if last_good else None
     if refusal is not None:
@@ -687,10 +700,20 @@ async def _track_pod(rt: Runtime, namespace: str, name: str, failure: EngineFail
         emit_on(parent, "Warning", REASON_IMAGE_NOT_ALLOWED, message)
         logger.warning("engine of %s/%s failed: %s", namespace, name, message)
     elif last_good and last_good != rollout.engine:
+        failed = f"rollout of configHash {rollout.config_hash} ({_engine_summary(rollout.engine, last_good)}) failed"
+        if not pending:
+            # The decision first, as at the progress deadline: an operator stopped (or an API failing)
+            # between it and the patch leaves a status that says this generation is given up, so the
+            # next reconcile renders lastGoodEngine, and the next event of this pod completes the patch.
+            await update_status(rt, namespace, name, _decision(
+                REASON_ROLLED_BACK, f"{failed}: {described}; putting lastGoodEngine back; a new spec generation "
+                "tries again", generation, last_failure), parent=parent)
+            parent = await rt.client.get_or_none(isvc_path(namespace, name))
+            if parent is None:
+                return
         live, restored_hash = await _restore_last_good(rt, parent, last_good)
         deployment = live or deployment
-        message = (f"rollout of configHash {rollout.config_hash} ({_engine_summary(rollout.engine, last_good)}) "
-                   f"failed: {described}; put lastGoodEngine back (configHash {restored_hash}); "
+        message = (f"{failed}: {described}; put lastGoodEngine back (configHash {restored_hash}); "
                    f"a new spec generation tries again")
         degraded = (REASON_ROLLED_BACK, message)
         rt.metrics.rollbacks.inc()
