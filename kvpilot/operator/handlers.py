@@ -12,8 +12,17 @@ from typing import Any, cast
 import kopf
 
 from kvpilot.api.vocabulary import GROUP, PLURAL, VERSION
+from kvpilot.operator.builders.canary import is_canary
 from kvpilot.operator.builders.common import LABEL_ISVC, LABEL_MANAGED_BY, MANAGED_BY
-from kvpilot.operator.reconcile import RetryLater, Runtime, reconcile_service, track_pod, track_rollout
+from kvpilot.operator.reconcile import (
+    RetryLater,
+    Runtime,
+    reconcile_service,
+    track_canary,
+    track_canary_pod,
+    track_pod,
+    track_rollout,
+)
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
 
@@ -109,6 +118,11 @@ def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
     @kopf.on.event("apps", "v1", "deployments", registry=registry, id="track-rollout",
                    labels={LABEL_MANAGED_BY: MANAGED_BY})
     async def deployment_event(body: kopf.Body, type: str, logger: Logger, **_: Any) -> None:
+        if is_canary(dict(body)):
+            # The canary track: its own status (status.canary), never the stable rollout's.
+            if type != "DELETED":
+                await track_canary(rt, dict(body), logger)
+            return
         if type == "DELETED":
             parent = (body.metadata.labels or {}).get(LABEL_ISVC)
             if parent and body.metadata.namespace:
@@ -123,6 +137,10 @@ def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
                    labels={LABEL_MANAGED_BY: MANAGED_BY, LABEL_ISVC: kopf.PRESENT})
     async def pod_event(body: kopf.Body, type: str, logger: Logger, **_: Any) -> None:
         if type == "DELETED":
+            return
+        if is_canary(dict(body)):
+            # A canary pod's failure is the trial's: it says so in status.canary, never rolls back.
+            await track_canary_pod(rt, dict(body), emit_on, logger)
             return
         await track_pod(rt, dict(body), emit_on, logger)
 
