@@ -11,7 +11,7 @@ from typing import Any, cast
 
 import kopf
 
-from kvpilot.api.vocabulary import GROUP, PLURAL, VERSION
+from kvpilot.api.vocabulary import ANNOTATION_CANARY, GROUP, PLURAL, VERSION
 from kvpilot.operator.builders.canary import is_canary
 from kvpilot.operator.builders.common import LABEL_ISVC, LABEL_MANAGED_BY, MANAGED_BY
 from kvpilot.operator.reconcile import (
@@ -32,13 +32,43 @@ ANNOTATION_PREFIX = GROUP
 ENGINE_POD_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY},{LABEL_ISVC}"
 
 
+# The annotations under kopf's storage prefix (ours, the group) that kopf must still see change: kopf
+# leaves every annotation under that prefix out of the essence it diffs (its progress storage clears
+# them, its diff-base storage drops them), so a change of the tuner's kvpilot.dev/canary alone would
+# run no update handler.  The two storages below put these back; with them, a change of the annotation
+# (alone, or with spec in one patch) runs `reconcile`, which reads it itself (level-triggered).
+OBSERVED_ANNOTATIONS: tuple[str, ...] = (ANNOTATION_CANARY,)
+
+
+def _put_back(essence: Any, source: Any) -> Any:
+    """`essence` with the OBSERVED_ANNOTATIONS that `source` (an object or an essence) carries."""
+    annotations = ((source or {}).get("metadata") or {}).get("annotations") or {}
+    kept = {key: annotations[key] for key in OBSERVED_ANNOTATIONS if key in annotations}
+    if kept:
+        essence.setdefault("metadata", {}).setdefault("annotations", {}).update(kept)
+    return essence
+
+
+class ProgressStorage(kopf.AnnotationsProgressStorage):
+    """kopf's annotation progress storage, but leaving OBSERVED_ANNOTATIONS in the essence."""
+
+    def clear(self, *, essence: Any) -> Any:
+        return _put_back(super().clear(essence=essence), essence)
+
+
+class DiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
+    """kopf's annotation diff-base storage, but keeping OBSERVED_ANNOTATIONS in the essence."""
+
+    def build(self, *, body: Any, extra_fields: Any = None) -> Any:
+        return _put_back(super().build(body=body, extra_fields=extra_fields), body)
+
+
 def configure_kopf(settings: kopf.OperatorSettings, max_workers: int | None = None, *,
                    exact_namespaces: bool = False) -> None:
     # Keep kopf's bookkeeping in annotations: a structural CRD schema would prune status.kopf,
     # and status belongs to what users and the tuner read.
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=ANNOTATION_PREFIX, key="last-handled-configuration")
+    settings.persistence.progress_storage = ProgressStorage(prefix=ANNOTATION_PREFIX)
+    settings.persistence.diffbase_storage = DiffBaseStorage(prefix=ANNOTATION_PREFIX, key="last-handled-configuration")
     # Only the Events we post ourselves (create, change, skip, rollback), not every handler log line.
     settings.posting.loggers = False
     settings.posting.level = logging.INFO
