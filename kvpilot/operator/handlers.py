@@ -17,6 +17,7 @@ from kvpilot.operator.builders.common import LABEL_ISVC, LABEL_MANAGED_BY, MANAG
 from kvpilot.operator.reconcile import (
     RetryLater,
     Runtime,
+    canary_deleted,
     reconcile_service,
     track_canary,
     track_canary_pod,
@@ -150,7 +151,9 @@ def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
     async def deployment_event(body: kopf.Body, type: str, logger: Logger, **_: Any) -> None:
         if is_canary(dict(body)):
             # The canary track: its own status (status.canary), never the stable rollout's.
-            if type != "DELETED":
+            if type == "DELETED":
+                await canary_deleted(rt, dict(body), emit_on, logger)
+            else:
                 await track_canary(rt, dict(body), logger)
             return
         if type == "DELETED":

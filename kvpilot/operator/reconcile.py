@@ -566,6 +566,27 @@ async def _update_canary(rt: Runtime, namespace: str, name: str, deployment: dic
     return True
 
 
+async def canary_deleted(rt: Runtime, deployment: dict[str, Any],
+                         emit_on: Callable[[dict[str, Any], str, str, str], None], logger: Logger) -> None:
+    """A canary Deployment is gone: if its InferenceService still asks for a canary (someone deleted
+    it by hand), reconcile, which makes it again.  Deleted by the reconcile itself (the annotation
+    removed) or with its owner, there is nothing to do."""
+    meta = deployment.get("metadata", {})
+    name, namespace = (meta.get("labels") or {}).get(LABEL_ISVC), meta.get("namespace")
+    if not name or not namespace:
+        return
+    try:
+        parent = await rt.client.get_or_none(isvc_path(namespace, name))
+        if parent is None or _parent_canary(parent) is None:
+            return  # not asked for (or malformed: the reconcile that deleted it said so)
+        logger.info("canary %s of %s/%s deleted while still asked for: making it again", meta.get("name"),
+                    namespace, name)
+        await reconcile_service(rt, parent, lambda type_, reason, message: emit_on(parent, type_, reason, message),
+                                logger)
+    except (ApiError, RetryLater) as exc:  # the next change of the object (or a restart) makes it
+        logger.warning("canary of %s/%s not made again: %s", namespace, name, exc)
+
+
 async def track_canary_pod(rt: Runtime, pod: dict[str, Any], emit_on: Callable[[dict[str, Any], str, str, str], None],
                            logger: Logger) -> None:
     """A canary pod changed: its engine failed (vLLM's start-up failure, a crash loop) or it cannot be

@@ -126,6 +126,11 @@ def test_a_canary_runs_beside_the_stable_track_and_promotion_removes_it(api: KMo
                        what="the canary's Created Event")
     assert "one replica's resources" in created[0]["message"]
 
+    # Deleted by hand while still asked for: made again.
+    api.delete(dep_path("chat-canary"))
+    canary = wait_for(lambda: api.get_or_none(dep_path("chat-canary")), what="the canary made again")
+    assert canary["spec"]["template"]["metadata"]["labels"][TRACK] == "canary"
+
     # Play the Deployment controller: the canary pod is ready.
     api.patch(dep_path("chat-canary") + "/status", {"status": {
         "observedGeneration": canary["metadata"]["generation"], "replicas": 1, "updatedReplicas": 1,
