@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import kopf
 import pytest
 
 from kvpilot.api.models import InferenceService
@@ -24,6 +25,7 @@ from kvpilot.operator.builders.common import ANNOTATION_CONFIG_HASH, ANNOTATION_
 from kvpilot.operator.builders.deployment import build_deployment
 from kvpilot.operator.builders.pods import engine_failure
 from kvpilot.operator.builders.render import render_manifests
+from kvpilot.operator.handlers import ANNOTATION_PREFIX, DiffBaseStorage, ProgressStorage
 from tests.unit.operator.fixtures import isvc, isvc_dict
 
 TUNED = {"maxNumBatchedTokens": 4096, "gpuMemoryUtilization": 0.85, "maxNumSeqs": 128}
@@ -228,3 +230,25 @@ def test_the_effective_trial_strategy_defaults_by_replicas() -> None:
     assert strategy(3, "rolling") == "rolling" and strategy(1, "rolling") == "rolling"
     with pytest.raises(ValueError, match=r"tuning\.trialStrategy"):
         strategy(1, "canary")
+
+
+def test_kopf_diffs_the_canary_annotation_but_still_none_of_its_own() -> None:
+    """kopf leaves every annotation under its storage prefix (our group) out of the essence it diffs;
+    the operator's storages keep kvpilot.dev/canary in, so a change of it alone runs the reconcile."""
+    diffbase = DiffBaseStorage(prefix=ANNOTATION_PREFIX, key="last-handled-configuration")
+    progress = ProgressStorage(prefix=ANNOTATION_PREFIX)
+
+    def essence(annotations: dict[str, str]) -> Any:
+        body = kopf.Body({"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService",
+                          "metadata": {"name": "llama", "annotations": annotations}, "spec": {"replicas": 2}})
+        return progress.clear(essence=diffbase.build(body=body))
+
+    kopfs = {"kvpilot.dev/last-handled-configuration": '{"spec": {}}', "kvpilot.dev/reconcile": '{"retries": 0}'}
+    plain = essence(kopfs)
+    assert "metadata" not in plain and plain["spec"] == {"replicas": 2}
+    assert essence({**kopfs, "kvpilot.dev/tuning-trial": "3"}) == plain  # as before: not diffed
+    value = json.dumps({"trial": 1, "engine": TUNED})
+    assert essence({**kopfs, ANNOTATION_CANARY: value})["metadata"]["annotations"] == {ANNOTATION_CANARY: value}
+    # The diff base kopf stores (and reads back) carries it too: removing it is a change.
+    stored = diffbase.build(body=kopf.Body({"metadata": {"annotations": {ANNOTATION_CANARY: value}}, "spec": {}}))
+    assert progress.clear(essence=stored)["metadata"]["annotations"] == {ANNOTATION_CANARY: value}
