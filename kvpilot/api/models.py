@@ -422,7 +422,7 @@ class CanaryStatus(_Status):
     trial: int | None = Field(None, description="The tuner's trial the canary runs (from the kvpilot.dev/canary annotation).")
     phase: str | None = Field(None, description="Progressing, Ready or Failed.")
     reason: str | None = Field(None, description="CamelCase: CanaryProgressing, CanaryReady, Unschedulable, "
-                               "EngineStartupFailed, CrashLoopBackOff or InvalidCanary.")
+                               "EngineStartupFailed, CrashLoopBackOff, ProgressDeadlineExceeded or InvalidCanary.")
     ready_replicas: int | None = Field(None, description="Ready pods of the canary Deployment (0 or 1).")
     config_hash: str | None = Field(None, description="configHash of the canary's pod template.")
     message: str | None = Field(None, description="Why, in vLLM's words where the engine failed.")

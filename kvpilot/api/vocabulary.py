@@ -97,7 +97,8 @@ class ConditionType(StrEnum):
     SLO_BURNING = "SLOBurning"
     TUNING = "Tuning"
     # Only while a canary is asked for (ANNOTATION_CANARY): True once its pod is ready; False with
-    # CanaryProgressing, Unschedulable, EngineStartupFailed, CrashLoopBackOff or InvalidCanary.
+    # CanaryProgressing, Unschedulable, EngineStartupFailed, CrashLoopBackOff, ProgressDeadlineExceeded or
+    # InvalidCanary.
     CANARY = "Canary"
 
 

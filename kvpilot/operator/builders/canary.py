@@ -61,7 +61,7 @@ from kvpilot.operator.builders.common import (
     selector_labels,
 )
 from kvpilot.operator.builders.deployment import REVISION_HISTORY_LIMIT, config_hash, pod_template
-from kvpilot.operator.builders.status import ENGINE_FAILURE_REASONS, rollout_of
+from kvpilot.operator.builders.status import ENGINE_FAILURE_REASONS, REASON_DEADLINE, rollout_of
 
 CANARY = ConditionType.CANARY.value
 REASON_INVALID_CANARY = Reason.INVALID_CANARY.value
@@ -204,7 +204,8 @@ def unschedulable(pod: dict[str, Any]) -> str | None:
 def canary_status(*, trial: int | None, deployment: dict[str, Any] | None, previous: dict[str, Any] | None,
                   problem: tuple[str, str] | None = None, invalid: str | None = None) -> dict[str, Any]:
     """status.canary for a canary asked for: from its Deployment as it is now, and `problem` (reason,
-    message) a canary pod just showed (an engine failure or Unschedulable).  An engine failure stays
+    message) a canary pod just showed (an engine failure or Unschedulable).  A canary Deployment past
+    its progress deadline (never ready, e.g. never scheduled) is Failed with ProgressDeadlineExceeded.  An engine failure stays
     (as Failed) for the same template until its pod is ready after all; `invalid` (the annotation's
     fault) is Failed with InvalidCanary and no Deployment."""
     if invalid is not None:
@@ -219,6 +220,10 @@ def canary_status(*, trial: int | None, deployment: dict[str, Any] | None, previ
                 "message": f"canary of trial {trial} ready (configHash {rollout.config_hash})"}
     if problem is None and same and previous.get("reason") in (*ENGINE_FAILURE_REASONS, REASON_UNSCHEDULABLE):
         problem = (str(previous["reason"]), str(previous.get("message") or ""))
+    if rollout.deadline_exceeded and (problem is None or problem[0] == REASON_UNSCHEDULABLE):
+        why = problem[1] if problem is not None else (rollout.message or REASON_DEADLINE)
+        return {**base, "phase": CanaryPhase.FAILED.value, "reason": REASON_DEADLINE,
+                "message": f"canary of trial {trial} not ready within its progress deadline: {why}"}
     if problem is not None:
         reason, message = problem
         phase = CanaryPhase.PROGRESSING if reason == REASON_UNSCHEDULABLE else CanaryPhase.FAILED

@@ -197,6 +197,13 @@ def test_an_engine_failure_stays_failed_for_its_template_until_the_pod_is_ready(
                             problem=("Unschedulable", "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."))
     assert unsched["phase"] == "Progressing" and unsched["reason"] == "Unschedulable"
     assert canary_status(trial=7, deployment=canary_deployment(ready=1), previous=unsched)["phase"] == "Ready"
+    # Never ready within the Deployment's progress deadline (still unschedulable): Failed, saying why.
+    late = canary_deployment()
+    late["status"]["conditions"] = [{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+                                     "message": 'ReplicaSet "llama-canary-5d8f" has timed out progressing.'}]
+    failed_late = canary_status(trial=7, deployment=late, previous=unsched)
+    assert failed_late["phase"] == "Failed" and failed_late["reason"] == "ProgressDeadlineExceeded"
+    assert "Insufficient nvidia.com/gpu" in failed_late["message"]
 
 
 def test_the_canary_condition_is_there_only_while_a_canary_is_asked_for() -> None:
