@@ -594,8 +594,10 @@ async def track_canary_pod(rt: Runtime, pod: dict[str, Any], emit_on: Callable[[
     alone.  A pod scheduled after all clears Unschedulable."""
     failure = engine_failure(pod, crash_loop_restarts=rt.settings.crash_loop_restarts)
     pending = unschedulable(pod) if failure is None else None
-    scheduled = any(c.get("type") == "PodScheduled" and c.get("status") == "True"
-                    for c in (pod.get("status") or {}).get("conditions") or [])
+    conditions = {c.get("type"): c.get("status") for c in (pod.get("status") or {}).get("conditions") or []}
+    # Scheduled but not ready yet: the one time a pod event clears Unschedulable (once it is ready, the
+    # canary Deployment's own event says Ready).
+    scheduled = conditions.get("PodScheduled") == "True" and conditions.get("Ready") != "True"
     if failure is None and pending is None and not scheduled:
         return
     meta = pod.get("metadata", {})

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from kvpilot.operator import rbac
 from tests.support.kmock_api import KMockAPI, OperatorProcess, kopf_operator, wait_for
 from tests.support.vllm_text import KV_SHORT, startup_failure_log, termination_message
 
@@ -37,6 +38,9 @@ def operator(api: KMockAPI, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     with kopf_operator(api, tmp_path_factory.mktemp("operator"), "--crash-loop-restarts", "2") as op:
         yield op
         assert op.proc.poll() is None, f"operator died:\n{op.log()[-4000:]}"
+        errors = [line for line in op.log().splitlines()
+                  if json.loads(line).get("severity") in ("error", "critical") or "Traceback" in line]
+        assert errors == [], "\n".join(errors[:5])
         assert op.stop() == 0, f"operator did not shut down cleanly:\n{op.log()[-4000:]}"
 
 
@@ -150,6 +154,7 @@ def test_a_canary_runs_beside_the_stable_track_and_promotion_removes_it(api: KMo
     assert condition(isvc(api, "chat"), "Canary") == {}
     # The operator deleted it so the garbage collector takes its ReplicaSet and pods too.
     assert ("DELETE", f"/apis/apps/v1/namespaces/{NS}/deployments/chat-canary") in api.calls
+    assert rbac.allows("apps", "deployments", "delete")
     assert [e for e in events_for(api, "chat", "Deleted") if "chat-canary" in e["message"]]
 
 
