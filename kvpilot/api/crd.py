@@ -164,6 +164,13 @@ _CEL_RULES[("spec",)] += [
         "fieldPath": ".engine.kvCacheMemoryBytes",
     },
 ]
+_CEL_RULES[("spec",)] += [
+    {
+        "rule": "!has(self.tuning.trialStrategy) || self.tuning.trialStrategy != 'canary' || self.replicas >= 2",
+        "message": "tuning.trialStrategy canary needs replicas >= 2; use rolling, or leave it unset",
+        "fieldPath": ".tuning.trialStrategy",
+    },
+]
 _CEL_RULES[("spec", "tuning")] += [
     {
         "rule": "self.warmupSeconds < self.trialSeconds",

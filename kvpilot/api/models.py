@@ -284,6 +284,13 @@ class TuningSpec(_Wire):
     max_trials: int = Field(30, ge=1, le=1000, description="Trials before the tuner settles on the best.")
     trial_seconds: int = Field(600, ge=10, le=86400, description="Measurement window of one trial.")
     warmup_seconds: int = Field(120, ge=0, le=86400, description="Wait after a rollout before measuring.")
+    trial_strategy: Literal["canary", "rolling"] | None = Field(
+        None,
+        description="Where a live trial's engine runs. canary: a one-replica <name>-canary Deployment beside the "
+        "stable one, in the same Service (about 1/(replicas+1) of requests; it needs one replica's resources "
+        "beyond the stable replicas, like maxSurge 1); needs replicas >= 2. rolling: the whole fleet rolls to "
+        "the trial engine. Unset: canary when replicas >= 2, else rolling.",
+    )
     budget_gate: BudgetGate | None = Field(
         None,
         description="Start trials only while enough error budget is left and, if windows are given, inside a "
@@ -399,6 +406,14 @@ class InferenceServiceSpec(_Wire):
         description="How Prometheus finds the engine's metrics, and where the engine sends request traces.",
     )
 
+    @property
+    def effective_trial_strategy(self) -> Literal["canary", "rolling"]:
+        """spec.tuning.trialStrategy, or its default: canary when replicas >= 2, else rolling (a schema
+        default cannot depend on replicas)."""
+        if self.tuning.trial_strategy is not None:
+            return self.tuning.trial_strategy
+        return "canary" if self.replicas >= 2 else "rolling"
+
     @model_validator(mode="after")
     def _cross_fields(self) -> InferenceServiceSpec:
         rules.raise_issues("InferenceServiceSpec", rules.spec_issues(self))
@@ -481,6 +496,16 @@ class LastFailure(_Status):
     time: str | None = Field(None, description="RFC 3339 time the operator saw it.")
 
 
+class CanaryStatus(_Status):
+    trial: int | None = Field(None, description="The tuner's trial the canary runs (from the kvpilot.dev/canary annotation).")
+    phase: str | None = Field(None, description="Progressing, Ready or Failed.")
+    reason: str | None = Field(None, description="CamelCase: CanaryProgressing, CanaryReady, Unschedulable, "
+                               "EngineStartupFailed, CrashLoopBackOff, ProgressDeadlineExceeded or InvalidCanary.")
+    ready_replicas: int | None = Field(None, description="Ready pods of the canary Deployment (0 or 1).")
+    config_hash: str | None = Field(None, description="configHash of the canary's pod template.")
+    message: str | None = Field(None, description="Why, in vLLM's words where the engine failed.")
+
+
 class InferenceServiceStatus(_Status):
     observed_generation: int | None = None
     conditions: list[Condition] = Field(default_factory=list)
@@ -496,6 +521,8 @@ class InferenceServiceStatus(_Status):
         None, description="The last rollout that failed (and was rolled back where a lastGoodEngine existed).")
     slo: SLOStatus | None = None
     tuning: TuningStatus | None = None
+    canary: CanaryStatus | None = Field(
+        None, description="The canary trial asked for by the kvpilot.dev/canary annotation; absent when none is.")
 
 
 class InferenceService(_Wire):

@@ -260,6 +260,7 @@ def spec_issues(spec: InferenceServiceSpec) -> list[Issue]:
         (spec.replicas != 1 or rollout.max_surge != 0 or rollout.allow_downtime)
         and (engine.kind != "vllm" or spec.resources.gpus >= engine.tensor_parallel_size)
         and (not spec.tuning.enabled or _engine_inside_space(spec))
+        and (spec.tuning.trial_strategy != "canary" or spec.replicas >= 2)
     ):
         return _NONE
     issues: list[Issue] = []
@@ -281,6 +282,15 @@ def spec_issues(spec: InferenceServiceSpec) -> list[Issue]:
             )
         )
     tuning = spec.tuning
+    if tuning.trial_strategy == "canary" and spec.replicas < 2:
+        issues.append(
+            (
+                ("tuning", "trialStrategy"),
+                f"canary needs replicas >= 2 (a one-pod canary beside one stable pod would take half the "
+                f"requests); got replicas {spec.replicas}: use rolling, or leave it unset",
+                tuning.trial_strategy,
+            )
+        )
     if tuning.enabled:
         space = tuning.space
         tokens_low, tokens_high = space.max_num_batched_tokens

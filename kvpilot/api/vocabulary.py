@@ -40,7 +40,7 @@ ANNOTATION_ENGINE = f"{GROUP}/engine"
 ANNOTATION_TUNING_TRIAL = f"{GROUP}/tuning-trial"
 
 # On canary trials' pods (and the stable ones beside them): which track a pod serves.  The monitor turns it
-# into the series label TRACK_SERIES_LABEL, so the tuner reads each track's latency and burn apart.
+# into the series label SERIES_LABEL_TRACK, so the tuner reads each track's latency and burn apart.
 LABEL_TRACK = f"{GROUP}/track"
 
 
@@ -58,6 +58,15 @@ class TrialStrategy(StrEnum):
     ROLLING = "rolling"
     CANARY = "canary"
 
+
+TRACK_STABLE = Track.STABLE.value
+TRACK_CANARY = Track.CANARY.value
+# On the InferenceService, written by the tuner to ask for a canary trial and removed to end it:
+# compact JSON {"trial": <int>, "engine": {"maxNumBatchedTokens": int, "gpuMemoryUtilization": float,
+# "maxNumSeqs": int}} (the tuned fields only; every other engine field comes from spec.engine).
+ANNOTATION_CANARY = f"{GROUP}/canary"
+# The canary Deployment's name: <InferenceService name> + this suffix.
+CANARY_SUFFIX = "-canary"
 
 # The tuner's server-side-apply field manager: a GitOps tool ignores exactly this manager's fields.
 FIELD_MANAGER_TUNER = "kvpilot-tuner"
@@ -90,7 +99,7 @@ def prometheus_label(kubernetes_label: str) -> str:
 # The pod labels the operator's ServiceMonitor or PodMonitor copies onto every engine series
 # (`podTargetLabels`): a scraped series carries no other pod label, so whatever the SLO rules, the
 # dashboard and the tuner select on beyond the monitor's own labels (namespace, pod, ...) is here.
-SERIES_POD_LABELS: tuple[str, ...] = (LABEL_INFERENCESERVICE,)
+SERIES_POD_LABELS: tuple[str, ...] = (LABEL_INFERENCESERVICE, LABEL_TRACK)
 # The series label of LABEL_INFERENCESERVICE: `kvpilot_dev_inferenceservice`.
 SERIES_LABEL_INFERENCESERVICE = prometheus_label(LABEL_INFERENCESERVICE)
 # The series label of LABEL_TRACK: `kvpilot_dev_track` (stable|canary), what per-track queries select on.
@@ -112,6 +121,10 @@ class ConditionType(StrEnum):
     DEGRADED = "Degraded"
     SLO_BURNING = "SLOBurning"
     TUNING = "Tuning"
+    # Only while a canary is asked for (ANNOTATION_CANARY): True once its pod is ready; False with
+    # CanaryProgressing, Unschedulable, EngineStartupFailed, CrashLoopBackOff, ProgressDeadlineExceeded or
+    # InvalidCanary.
+    CANARY = "Canary"
 
 
 class Reason(StrEnum):
@@ -132,6 +145,22 @@ class Reason(StrEnum):
     CRASH_LOOP_BACK_OFF = "CrashLoopBackOff"
     # spec.engine.image matches none of the operator's allowed image patterns: nothing is applied.
     IMAGE_NOT_ALLOWED = "ImageNotAllowed"
+    # The canary track (ANNOTATION_CANARY); its engine failures reuse EngineStartupFailed/CrashLoopBackOff.
+    CANARY_READY = "CanaryReady"
+    CANARY_PROGRESSING = "CanaryProgressing"
+    # The annotation is not the JSON the contract says: no canary runs.
+    INVALID_CANARY = "InvalidCanary"
+    # The canary pod cannot be placed (pod condition PodScheduled False, reason Unschedulable): it
+    # needs one replica's resources beyond the stable replicas.
+    UNSCHEDULABLE = "Unschedulable"
+
+
+class CanaryPhase(StrEnum):
+    """status.canary.phase."""
+
+    PROGRESSING = "Progressing"
+    READY = "Ready"
+    FAILED = "Failed"
 
 
 class TuningPhase(StrEnum):

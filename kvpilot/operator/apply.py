@@ -78,7 +78,8 @@ async def ensure(client: KubeClient, desired: dict[str, Any], *, likely_absent: 
 
 
 async def ensure_absent(client: KubeClient, manifest: dict[str, Any]) -> ApplyResult | None:
-    """Delete a child we no longer want (a PDB after scaling to one replica), if it is ours."""
+    """Delete a child we no longer want (a PDB after scaling to one replica, the canary after its
+    trial), if it is ours."""
     kind, name = manifest["kind"], manifest["metadata"]["name"]
     live = await client.get_or_none(path_of(manifest))
     if live is None:
@@ -86,7 +87,9 @@ async def ensure_absent(client: KubeClient, manifest: dict[str, Any]) -> ApplyRe
     if _controller_uid(live) != _controller_uid(manifest):
         return None  # not ours to delete
     try:
-        await client.delete(path_of(manifest))
+        # Background, never Orphan: an orphaned canary ReplicaSet would match the stable Deployment's
+        # selector (builders.canary); the garbage collector takes the dependents with their owner.
+        await client.delete(path_of(manifest), params={"propagationPolicy": "Background"})
     except ApiError as exc:
         if not exc.not_found:
             raise

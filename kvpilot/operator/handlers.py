@@ -11,9 +11,19 @@ from typing import Any, cast
 
 import kopf
 
-from kvpilot.api.vocabulary import GROUP, PLURAL, VERSION
+from kvpilot.api.vocabulary import ANNOTATION_CANARY, GROUP, PLURAL, VERSION
+from kvpilot.operator.builders.canary import is_canary
 from kvpilot.operator.builders.common import LABEL_ISVC, LABEL_MANAGED_BY, MANAGED_BY
-from kvpilot.operator.reconcile import RetryLater, Runtime, reconcile_service, track_pod, track_rollout
+from kvpilot.operator.reconcile import (
+    RetryLater,
+    Runtime,
+    canary_deleted,
+    reconcile_service,
+    track_canary,
+    track_canary_pod,
+    track_pod,
+    track_rollout,
+)
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
 
@@ -23,13 +33,43 @@ ANNOTATION_PREFIX = GROUP
 ENGINE_POD_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY},{LABEL_ISVC}"
 
 
+# The annotations under kopf's storage prefix (ours, the group) that kopf must still see change: kopf
+# leaves every annotation under that prefix out of the essence it diffs (its progress storage clears
+# them, its diff-base storage drops them), so a change of the tuner's kvpilot.dev/canary alone would
+# run no update handler.  The two storages below put these back; with them, a change of the annotation
+# (alone, or with spec in one patch) runs `reconcile`, which reads it itself (level-triggered).
+OBSERVED_ANNOTATIONS: tuple[str, ...] = (ANNOTATION_CANARY,)
+
+
+def _put_back(essence: Any, source: Any) -> Any:
+    """`essence` with the OBSERVED_ANNOTATIONS that `source` (an object or an essence) carries."""
+    annotations = ((source or {}).get("metadata") or {}).get("annotations") or {}
+    kept = {key: annotations[key] for key in OBSERVED_ANNOTATIONS if key in annotations}
+    if kept:
+        essence.setdefault("metadata", {}).setdefault("annotations", {}).update(kept)
+    return essence
+
+
+class ProgressStorage(kopf.AnnotationsProgressStorage):
+    """kopf's annotation progress storage, but leaving OBSERVED_ANNOTATIONS in the essence."""
+
+    def clear(self, *, essence: Any) -> Any:
+        return _put_back(super().clear(essence=essence), essence)
+
+
+class DiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
+    """kopf's annotation diff-base storage, but keeping OBSERVED_ANNOTATIONS in the essence."""
+
+    def build(self, *, body: Any, extra_fields: Any = None) -> Any:
+        return _put_back(super().build(body=body, extra_fields=extra_fields), body)
+
+
 def configure_kopf(settings: kopf.OperatorSettings, max_workers: int | None = None, *,
                    exact_namespaces: bool = False) -> None:
     # Keep kopf's bookkeeping in annotations: a structural CRD schema would prune status.kopf,
     # and status belongs to what users and the tuner read.
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=ANNOTATION_PREFIX, key="last-handled-configuration")
+    settings.persistence.progress_storage = ProgressStorage(prefix=ANNOTATION_PREFIX)
+    settings.persistence.diffbase_storage = DiffBaseStorage(prefix=ANNOTATION_PREFIX, key="last-handled-configuration")
     # Only the Events we post ourselves (create, change, skip, rollback), not every handler log line.
     settings.posting.loggers = False
     settings.posting.level = logging.INFO
@@ -109,6 +149,13 @@ def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
     @kopf.on.event("apps", "v1", "deployments", registry=registry, id="track-rollout",
                    labels={LABEL_MANAGED_BY: MANAGED_BY})
     async def deployment_event(body: kopf.Body, type: str, logger: Logger, **_: Any) -> None:
+        if is_canary(dict(body)):
+            # The canary track: its own status (status.canary), never the stable rollout's.
+            if type == "DELETED":
+                await canary_deleted(rt, dict(body), emit_on, logger)
+            else:
+                await track_canary(rt, dict(body), logger)
+            return
         if type == "DELETED":
             parent = (body.metadata.labels or {}).get(LABEL_ISVC)
             if parent and body.metadata.namespace:
@@ -123,6 +170,10 @@ def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
                    labels={LABEL_MANAGED_BY: MANAGED_BY, LABEL_ISVC: kopf.PRESENT})
     async def pod_event(body: kopf.Body, type: str, logger: Logger, **_: Any) -> None:
         if type == "DELETED":
+            return
+        if is_canary(dict(body)):
+            # A canary pod's failure is the trial's: it says so in status.canary, never rolls back.
+            await track_canary_pod(rt, dict(body), emit_on, logger)
             return
         await track_pod(rt, dict(body), emit_on, logger)
 

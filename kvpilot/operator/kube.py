@@ -144,5 +144,5 @@ class KubeClient:
         return await self.request("PATCH", path, body, content_type="application/merge-patch+json",
                                   params={"fieldManager": self.field_manager}, retry_conflicts=retry_conflicts)
 
-    async def delete(self, path: str) -> Any:
-        return await self.request("DELETE", path)
+    async def delete(self, path: str, params: dict[str, str] | None = None) -> Any:
+        return await self.request("DELETE", path, params=params)

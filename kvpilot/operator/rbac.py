@@ -33,7 +33,8 @@ RULES: tuple[Rule, ...] = (
     # Status: read-modify-write reads the object itself, and patches the status subresource.
     Rule(("kvpilot.dev",), ("inferenceservices/status",), ("patch",)),
     # Children: create-or-patch; Deployments are watched to map rollout progress back to the parent.
-    Rule(("apps",), ("deployments",), ("get", "list", "watch", "create", "patch")),
+    # delete: the canary Deployment (<name>-canary) once its trial ends.
+    Rule(("apps",), ("deployments",), ("get", "list", "watch", "create", "patch", "delete")),
     Rule(("",), ("services",), ("get", "create", "patch")),
     # The engine pods are watched (kopf lists and watches them) to roll a revision back as soon as
     # its engine fails to start; the dead container's log is read when its termination message

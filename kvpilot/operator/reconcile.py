@@ -23,9 +23,9 @@ rollback is never dropped, and Degraded (reason RollbackFailed) and an Event say
 A rollback at the progress deadline writes its decision (Degraded RolledBack for the generation)
 before it patches the Deployment: an operator stopped between the two would otherwise, restarted,
 render the failed engine again, since nothing in the status would say that generation failed.  The
-fast rollback of `track_pod` patches first and writes the status after (not yet the same order): a
-failure between the two is handled at the pod's next status change, and at worst by the progress
-deadline.  An engine refused by the image allowlist is never put back by either, and their events
+fast rollback of `track_pod` does the same (with lastFailure in the decision); a patch that fails
+after the decision is completed at the failed pod's next status change (its next restart), and at
+worst by the progress deadline.  An engine refused by the image allowlist is never put back by either, and their events
 leave a reconcile's Degraded/ImageNotAllowed standing.
 
 Status writes are read-modify-write (`update_status`): the operator owns the conditions Ready,
@@ -45,12 +45,32 @@ from typing import Any, NoReturn
 
 from kvpilot.api.models import EngineSpec, InferenceService
 from kvpilot.api.validation import validate_object
-from kvpilot.api.vocabulary import GROUP, PLURAL, VERSION
+from kvpilot.api.vocabulary import (
+    ANNOTATION_CANARY,
+    ANNOTATION_TUNING_TRIAL,
+    CANARY_SUFFIX,
+    GROUP,
+    PLURAL,
+    VERSION,
+)
 from kvpilot.operator.apply import MonitoringDiscovery, NotOwned, ensure, ensure_absent
+from kvpilot.operator.builders.canary import (
+    CAPACITY_NOTE,
+    REASON_INVALID_CANARY,
+    REASON_UNSCHEDULABLE,
+    CanaryRequest,
+    InvalidCanary,
+    build_canary_deployment,
+    canary_condition,
+    canary_ref,
+    canary_status,
+    parse_canary,
+    unschedulable,
+)
 from kvpilot.operator.builders.common import ANNOTATION_CONFIG_HASH, LABEL_ISVC, RenderOptions
 from kvpilot.operator.builders.deployment import CONTAINER_NAME, build_deployment
 from kvpilot.operator.builders.monitoring import MONITOR_PLURALS
-from kvpilot.operator.builders.pods import EngineFailure, engine_failure
+from kvpilot.operator.builders.pods import EngineFailure, engine_failure, pod_config_hash
 from kvpilot.operator.builders.render import render_manifests, unwanted_monitors, wanted_monitor
 from kvpilot.operator.builders.service import build_pdb, wants_pdb
 from kvpilot.operator.builders.status import (
@@ -205,9 +225,18 @@ def _engine_summary(engine: dict[str, Any] | None, against: dict[str, Any] | Non
 
 
 def _degraded_only(reason: str, message: str, generation: int | None) -> ComputeStatus:
+    return _decision(reason, message, generation, None)
+
+
+def _decision(reason: str, message: str, generation: int | None, last_failure: dict[str, Any] | None) -> ComputeStatus:
+    """A rollback's decision alone (Degraded with its reason for the generation, and lastFailure), written
+    before the rollback's patch: see the module docstring."""
     def compute(previous: dict[str, Any]) -> dict[str, Any]:
-        return {"conditions": set_condition(previous.get("conditions"), DEGRADED, "True", reason, message,
-                                            generation, now_rfc3339())}
+        status: dict[str, Any] = {"conditions": set_condition(previous.get("conditions"), DEGRADED, "True", reason,
+                                                              message, generation, now_rfc3339())}
+        if last_failure is not None:
+            status["lastFailure"] = last_failure
+        return status
     return compute
 
 
@@ -390,6 +419,7 @@ async def _reconcile(rt: Runtime, body: dict[str, Any], emit: Emit,
         finally:
             if created:
                 emit("Normal", "Created", f"Created {', '.join(created)}")
+        canary = await _reconcile_canary(rt, isvc, previous, options, new_object, emit, logger)
         if not wants_pdb(isvc):
             removed = await ensure_absent(rt.client, build_pdb(isvc))
             if removed is not None:
@@ -414,8 +444,205 @@ async def _reconcile(rt: Runtime, body: dict[str, Any], emit: Emit,
         return _degraded_only(REASON_APPLY_FAILED, message, generation), "error", None
 
     rt.metrics.set_engine(str(meta.get("namespace")), str(meta.get("name")), engine_info(rollout_of(deployment)))
-    return ((lambda fresh: desired_status(generation=generation, previous=fresh, deployment=deployment)),
-            "success", deployment)
+
+    def compute(fresh: dict[str, Any]) -> dict[str, Any]:
+        return with_canary(desired_status(generation=generation, previous=fresh, deployment=deployment), fresh,
+                           canary, generation)
+
+    return compute, "success", deployment
+
+
+# --- the canary track (builders.canary) -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CanaryView:
+    """What a reconcile found of the canary: asked for or not, the trial, its Deployment as applied,
+    and why the annotation was refused (then no canary runs)."""
+
+    asked: bool
+    trial: int | None = None
+    deployment: dict[str, Any] | None = None
+    invalid: str | None = None
+    problem: tuple[str, str] | None = None
+
+
+def with_canary(status: dict[str, Any], fresh: dict[str, Any], canary: CanaryView,
+                generation: int | None) -> dict[str, Any]:
+    """`status` (the keys the operator owns) with status.canary and the Canary condition from `canary`;
+    the conditions as given (from `fresh` where `status` has none)."""
+    value = None
+    if canary.asked:
+        value = canary_status(trial=canary.trial, deployment=canary.deployment, previous=fresh.get("canary"),
+                              problem=canary.problem, invalid=canary.invalid)
+    conditions = status.get("conditions", fresh.get("conditions"))
+    return {**status, "canary": value, "conditions": canary_condition(conditions, value, generation, now_rfc3339())}
+
+
+async def _reconcile_canary(rt: Runtime, isvc: InferenceService, previous: dict[str, Any], options: RenderOptions,
+                            new_object: bool, emit: Emit, logger: Logger) -> CanaryView:
+    """Create or patch `<name>-canary` while the kvpilot.dev/canary annotation asks for one; delete
+    it otherwise (level-triggered: a restarted operator resumes or cleans up from the annotation)."""
+    request: CanaryRequest | None = None
+    try:
+        request = parse_canary(isvc.metadata.annotations)
+        manifest = build_canary_deployment(isvc, request, options) if request is not None else None
+    except InvalidCanary as exc:
+        told = previous.get("canary") or {}
+        if told.get("reason") != REASON_INVALID_CANARY or told.get("message") != str(exc):
+            emit("Warning", REASON_INVALID_CANARY, f"{exc}; no canary runs")
+        logger.warning("invalid canary annotation, no canary: %s", exc)
+        view = CanaryView(asked=True, trial=exc.trial, invalid=str(exc))
+        manifest = None
+    else:
+        view = CanaryView(asked=request is not None)
+    if manifest is None or request is None:
+        if not new_object:
+            removed = await ensure_absent(rt.client, canary_ref(isvc))
+            if removed is not None:
+                why = "its annotation is not valid" if view.asked else f"the {ANNOTATION_CANARY} annotation is gone"
+                emit("Normal", "Deleted", f"Deleted Deployment {removed.name} (canary: {why})")
+                logger.info("deleted canary %s", removed.name)
+        return view
+    applied = await ensure(rt.client, manifest, likely_absent=new_object)
+    if applied.action == "created":
+        emit("Normal", "Created", f"Created Deployment {applied.name} (canary of trial {request.trial}; "
+             f"it takes one replica's resources beyond spec.replicas)")
+        logger.info("created canary %s of trial %d", applied.name, request.trial)
+    elif applied.action == "updated":
+        emit("Normal", "Updated", f"Updated Deployment {applied.name} (canary of trial {request.trial})")
+    return CanaryView(asked=True, trial=request.trial, deployment=applied.live)
+
+
+def _parent_canary(parent: dict[str, Any]) -> CanaryRequest | None:
+    """The canary the parent's annotation asks for (None if none, or a malformed one: the reconcile says so)."""
+    try:
+        return parse_canary((parent.get("metadata") or {}).get("annotations"))
+    except InvalidCanary:
+        return None
+
+
+def _trial_of(obj: dict[str, Any]) -> int | None:
+    value = ((obj.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_TUNING_TRIAL)
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+async def track_canary(rt: Runtime, deployment: dict[str, Any], logger: Logger) -> None:
+    """A canary Deployment changed: status.canary and the Canary condition follow it."""
+    meta = deployment.get("metadata", {})
+    name, namespace = (meta.get("labels") or {}).get(LABEL_ISVC), meta.get("namespace")
+    if not name or not namespace:
+        return
+    async with rt.lock_for(namespace, name):
+        try:
+            await _update_canary(rt, namespace, name, deployment, None, logger)
+        except ApiError as exc:  # the next event (or reconcile) writes it
+            logger.warning("canary status of %s/%s not written: %s", namespace, name, exc)
+
+
+async def _update_canary(rt: Runtime, namespace: str, name: str, deployment: dict[str, Any],
+                         problem: tuple[str, str] | None, logger: Logger,
+                         parent: dict[str, Any] | None = None) -> bool:
+    """Write status.canary from the canary Deployment (and a pod's problem); False when the parent does
+    not (or no longer) ask for this Deployment's trial."""
+    parent = parent or await rt.client.get_or_none(isvc_path(namespace, name))
+    if parent is None:
+        return False
+    owners = {ref.get("uid") for ref in deployment.get("metadata", {}).get("ownerReferences") or []
+              if ref.get("controller")}
+    request = _parent_canary(parent)
+    if parent.get("metadata", {}).get("uid") not in owners or request is None or _trial_of(deployment) != request.trial:
+        return False  # not ours, or a trial the reconcile is replacing or removing
+    generation = (parent.get("status") or {}).get("observedGeneration")
+    view = CanaryView(asked=True, trial=request.trial, deployment=deployment, problem=problem)
+
+    def compute(fresh: dict[str, Any]) -> dict[str, Any]:
+        return with_canary({}, fresh, view, generation)
+
+    await update_status(rt, namespace, name, compute, parent=parent)
+    return True
+
+
+async def canary_deleted(rt: Runtime, deployment: dict[str, Any],
+                         emit_on: Callable[[dict[str, Any], str, str, str], None], logger: Logger) -> None:
+    """A canary Deployment is gone: if its InferenceService still asks for a canary (someone deleted
+    it by hand), reconcile, which makes it again.  Deleted by the reconcile itself (the annotation
+    removed) or with its owner, there is nothing to do."""
+    meta = deployment.get("metadata", {})
+    name, namespace = (meta.get("labels") or {}).get(LABEL_ISVC), meta.get("namespace")
+    if not name or not namespace:
+        return
+    try:
+        parent = await rt.client.get_or_none(isvc_path(namespace, name))
+        if parent is None or _parent_canary(parent) is None:
+            return  # not asked for (or malformed: the reconcile that deleted it said so)
+        logger.info("canary %s of %s/%s deleted while still asked for: making it again", meta.get("name"),
+                    namespace, name)
+        await reconcile_service(rt, parent, lambda type_, reason, message: emit_on(parent, type_, reason, message),
+                                logger)
+    except (ApiError, RetryLater) as exc:  # the next change of the object (or a restart) makes it
+        logger.warning("canary of %s/%s not made again: %s", namespace, name, exc)
+
+
+async def track_canary_pod(rt: Runtime, pod: dict[str, Any], emit_on: Callable[[dict[str, Any], str, str, str], None],
+                           logger: Logger) -> None:
+    """A canary pod changed: its engine failed (vLLM's start-up failure, a crash loop) or it cannot be
+    scheduled -> a Warning Event and status.canary say so, in vLLM's words; the stable track is left
+    alone.  A pod scheduled after all clears Unschedulable."""
+    failure = engine_failure(pod, crash_loop_restarts=rt.settings.crash_loop_restarts)
+    pending = unschedulable(pod) if failure is None else None
+    conditions = {c.get("type"): c.get("status") for c in (pod.get("status") or {}).get("conditions") or []}
+    # Scheduled but not ready yet: the one time a pod event clears Unschedulable (once it is ready, the
+    # canary Deployment's own event says Ready).
+    scheduled = conditions.get("PodScheduled") == "True" and conditions.get("Ready") != "True"
+    if failure is None and pending is None and not scheduled:
+        return
+    meta = pod.get("metadata", {})
+    name, namespace = (meta.get("labels") or {}).get(LABEL_ISVC), meta.get("namespace")
+    if not name or not namespace:
+        return
+    async with rt.lock_for(namespace, name):
+        try:
+            await _track_canary_pod(rt, namespace, str(name), pod, failure, pending, emit_on, logger)
+        except ApiError as exc:
+            logger.warning("canary pod of %s/%s not handled yet: %s", namespace, name, exc)
+
+
+async def _track_canary_pod(rt: Runtime, namespace: str, name: str, pod: dict[str, Any], failure: EngineFailure | None,
+                            pending: str | None, emit_on: Callable[[dict[str, Any], str, str, str], None],
+                            logger: Logger) -> None:
+    deployment = await rt.client.get_or_none(resource_path("apps/v1", "deployments", namespace, f"{name}{CANARY_SUFFIX}"))
+    if deployment is None or pod_config_hash(pod) != rollout_of(deployment).config_hash:
+        return  # a pod of a canary template already replaced
+    parent = await rt.client.get_or_none(isvc_path(namespace, name))
+    if parent is None:
+        return
+    told = (parent.get("status") or {}).get("canary") or {}
+    trial = _trial_of(deployment)
+    pod_name = str(pod.get("metadata", {}).get("name", ""))
+    if failure is not None:
+        if failure.cause_above:
+            failure = await _with_log(rt, namespace, failure, logger)
+        problem = (failure.reason, f"canary of trial {trial} failed: {failure.describe()}; "
+                   "the stable track is left as it is")
+    elif pending is not None:
+        problem = (REASON_UNSCHEDULABLE, f"canary pod {pod_name} of trial {trial} cannot be scheduled: {pending}; "
+                   f"{CAPACITY_NOTE}")
+    else:
+        if told.get("reason") != REASON_UNSCHEDULABLE:
+            return  # scheduled, and nothing to clear
+        problem = None
+        parent = {**parent, "status": {**parent["status"], "canary": {**told, "reason": None}}}
+    same = (told.get("reason") == (problem or ("",))[0] and told.get("trial") == trial
+            and told.get("configHash") == rollout_of(deployment).config_hash)
+    if not await _update_canary(rt, namespace, name, deployment, problem, logger, parent=parent):
+        return
+    if problem is not None and not same:
+        emit_on(parent, "Warning", problem[0], problem[1])
+        logger.warning("canary of %s/%s: %s", namespace, name, problem[1])
 
 
 async def track_rollout(rt: Runtime, deployment: dict[str, Any], emit_on: Callable[[dict[str, Any], str, str, str], None],
@@ -508,10 +735,12 @@ async def _track_rollout(rt: Runtime, namespace: str, name: str, deployment: dic
             restored_hash = restored["metadata"]["annotations"][ANNOTATION_CONFIG_HASH]
             message = (f"{failed}; put lastGoodEngine back (configHash {restored_hash}); "
                        f"a new spec generation tries again")
+            last_failure = _last_failure(REASON_DEADLINE, rollout.message or REASON_DEADLINE, rollout.config_hash,
+                                         generation)
             if not rolled_back_at(previous, generation):
                 # The decision first (see the module docstring); the write after the patch completes it.
-                await update_status(rt, namespace, name, _degraded_only(REASON_ROLLED_BACK, message, generation),
-                                    parent=parent)
+                await update_status(rt, namespace, name,
+                                    _decision(REASON_ROLLED_BACK, message, generation, last_failure), parent=parent)
                 parent = await rt.client.get_or_none(isvc_path(namespace, name))
                 if parent is None:
                     return
@@ -523,8 +752,6 @@ async def _track_rollout(rt: Runtime, namespace: str, name: str, deployment: dic
                                        f"{exc}", exc)
             deployment = applied.live or deployment
             degraded = (REASON_ROLLED_BACK, message)
-            last_failure = _last_failure(REASON_DEADLINE, rollout.message or REASON_DEADLINE, rollout.config_hash,
-                                         generation)
             rt.metrics.rollbacks.inc()
             emit_on(parent, "Warning", REASON_ROLLED_BACK, message)
             logger.warning("rolled back %s/%s: %s", namespace, name, message)
@@ -670,13 +897,17 @@ async def _track_pod(rt: Runtime, namespace: str, name: str, failure: EngineFail
     generation = previous.get("observedGeneration")
     if generation is None or validate_object({k: v for k, v in parent.items() if k != "status"}):
         return
-    if _already_told(previous, generation, failure.config_hash) or _refused_in_force(rt, parent, previous, generation):
+    last_good = usable_last_good(previous, logger)
+    # The rollback was decided (its status written) but its patch did not hold: this pod of the failed
+    # revision, still rendered, brings it here again to complete it.
+    pending = rolled_back_at(previous, generation) and bool(last_good) and last_good != rollout.engine
+    if (_already_told(previous, generation, failure.config_hash) and not pending) \
+            or _refused_in_force(rt, parent, previous, generation):
         return
     if failure.cause_above:
         failure = await _with_log(rt, namespace, failure, logger)
     described = failure.describe()
     last_failure = _last_failure(failure.reason, described, failure.config_hash, generation, failure.pod)
-    last_good = usable_last_good(previous, logger)
     refusal = image_refusal(rt, EngineSpec.model_validate(last_good), "status.lastGoodEngine.image") \
         if last_good else None
     if refusal is not None:
@@ -687,10 +918,20 @@ async def _track_pod(rt: Runtime, namespace: str, name: str, failure: EngineFail
         emit_on(parent, "Warning", REASON_IMAGE_NOT_ALLOWED, message)
         logger.warning("engine of %s/%s failed: %s", namespace, name, message)
     elif last_good and last_good != rollout.engine:
+        failed = f"rollout of configHash {rollout.config_hash} ({_engine_summary(rollout.engine, last_good)}) failed"
+        if not pending:
+            # The decision first, as at the progress deadline: an operator stopped (or an API failing)
+            # between it and the patch leaves a status that says this generation is given up, so the
+            # next reconcile renders lastGoodEngine, and the next event of this pod completes the patch.
+            await update_status(rt, namespace, name, _decision(
+                REASON_ROLLED_BACK, f"{failed}: {described}; putting lastGoodEngine back; a new spec generation "
+                "tries again", generation, last_failure), parent=parent)
+            parent = await rt.client.get_or_none(isvc_path(namespace, name))
+            if parent is None:
+                return
         live, restored_hash = await _restore_last_good(rt, parent, last_good)
         deployment = live or deployment
-        message = (f"rollout of configHash {rollout.config_hash} ({_engine_summary(rollout.engine, last_good)}) "
-                   f"failed: {described}; put lastGoodEngine back (configHash {restored_hash}); "
+        message = (f"{failed}: {described}; put lastGoodEngine back (configHash {restored_hash}); "
                    f"a new spec generation tries again")
         degraded = (REASON_ROLLED_BACK, message)
         rt.metrics.rollbacks.inc()

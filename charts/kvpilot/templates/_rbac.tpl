@@ -15,7 +15,7 @@ add a rule here only together with the code that needs it.
   verbs: [patch]
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, list, watch, create, patch]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [""]
   resources: [services]
   verbs: [get, create, patch]

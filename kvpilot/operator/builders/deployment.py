@@ -44,7 +44,7 @@ from typing import Any
 
 from kvpilot.api import tracing as otel
 from kvpilot.api.models import EngineSpec, InferenceService
-from kvpilot.api.vocabulary import LABEL_GPU_PRODUCT
+from kvpilot.api.vocabulary import LABEL_GPU_PRODUCT, LABEL_TRACK, TRACK_STABLE
 from kvpilot.operator.builders.common import (
     ANNOTATION_CONFIG_HASH,
     ANNOTATION_ENGINE,
@@ -183,8 +183,9 @@ def _env(isvc: InferenceService) -> list[dict[str, Any]]:
     return env
 
 
-def pod_template(isvc: InferenceService, options: RenderOptions, engine: EngineSpec | None = None) -> dict[str, Any]:
-    """The pod template without the config-hash annotation."""
+def pod_template(isvc: InferenceService, options: RenderOptions, engine: EngineSpec | None = None,
+                 track: str = TRACK_STABLE) -> dict[str, Any]:
+    """The pod template without the config-hash annotation; its pods labelled with their `track`."""
     engine = engine or isvc.spec.engine
     image = engine.image if engine.kind == "vllm" else options.twin_image
     container: dict[str, Any] = {
@@ -237,6 +238,9 @@ def pod_template(isvc: InferenceService, options: RenderOptions, engine: EngineS
         pod_spec["nodeSelector"] = {LABEL_GPU_PRODUCT: product_label(gpu_type)}
     labels = common_labels(isvc)
     labels["app.kubernetes.io/name"] = "vllm" if engine.kind == "vllm" else "kvpilot-twin"
+    # On the template only, never in the stable Deployment's selector (selectors are immutable, and
+    # the Service selects both tracks): see builders.canary for why the tracks never adopt each other.
+    labels[LABEL_TRACK] = track
     return {
         "metadata": {"labels": labels},
         "spec": {**pod_spec, "containers": [container], "volumes": volumes},

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from kvpilot.operator import rbac
-from tests.support.kmock_api import KMockAPI, OperatorProcess, kopf_operator, wait_for
+from tests.support.kmock_api import Fault, KMockAPI, OperatorProcess, kopf_operator, wait_for
 from tests.support.vllm_text import KV_SHORT, startup_failure_log, termination_message
 
 pytestmark = pytest.mark.integration
@@ -194,3 +194,37 @@ def test_a_failing_change_outside_the_engine_has_no_other_engine_to_go_back_to(a
     assert "its engine is lastGoodEngine" in degraded["message"]
     assert config_hash(api.get(dep_path("phi"))) == config_hash(dep)  # nothing applied
     assert events_for(api, "phi", "RolledBack") == []
+
+
+def test_the_fast_rollback_writes_its_decision_before_the_patch_and_completes_a_failed_patch(
+        api: KMockAPI, operator: OperatorProcess) -> None:
+    """The rollback's patch refused (a 422 no retry can help): the status already says the generation
+    is given up (Degraded RolledBack with lastFailure), so a restarted operator would not render the
+    failed engine again; the failed pod's next restart completes the patch, with one RolledBack Event."""
+    good = ready_service(api, "gemma")
+    good_dep = api.get(dep_path("gemma"))
+    bad_dep = roll_out(api, "gemma", {"gpuMemoryUtilization": 0.5})
+    refused = api.fail("PATCH", f"^{dep_path('gemma')}$", Fault(422))
+    log = startup_failure_log(KV_SHORT)
+    api.create_engine_pod(bad_dep, "gemma-new-1", crash_looping(termination_message(log)), previous_log=log)
+
+    obj = wait_for(lambda: condition(o := isvc(api, "gemma"), "Degraded").get("reason") == "RolledBack" and o,
+                   what="the rollback's decision")
+    wait_for(lambda: refused.served, what="the refused patch")
+    assert obj["status"]["lastFailure"]["configHash"] == config_hash(bad_dep)
+    assert KV_SHORT in obj["status"]["lastFailure"]["message"]
+    assert condition(obj, "Degraded")["observedGeneration"] == obj["metadata"]["generation"]
+    assert config_hash(api.get(dep_path("gemma"))) == config_hash(bad_dep)  # the patch did not hold
+    assert events_for(api, "gemma", "RolledBack") == []  # nothing is said done before it is
+
+    # The kubelet restarts the failed engine: its next status change completes the rollback.
+    api.set_engine_status(NS, "gemma-new-1", {"name": "engine", **crash_looping(termination_message(log),
+                                                                                 restarts=2)})
+    dep = wait_for(lambda: (d := api.get(dep_path("gemma"))) and config_hash(d) == config_hash(good_dep) and d,
+                   what="lastGoodEngine back after the failed patch")
+    assert engine_of(dep) == good["status"]["lastGoodEngine"]
+    events = wait_for(lambda: events_for(api, "gemma", "RolledBack"), what="the RolledBack Event")
+    assert len(events) == 1 and "put lastGoodEngine back" in events[0]["message"]
+    obj = isvc(api, "gemma")
+    assert condition(obj, "Degraded")["reason"] == "RolledBack"
+    assert "put lastGoodEngine back (configHash" in condition(obj, "Degraded")["message"]

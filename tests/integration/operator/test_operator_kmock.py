@@ -377,7 +377,7 @@ def test_monitoring_objects_when_the_cluster_serves_the_crds(tmp_path: Path) -> 
         for child in (sm, rule):
             assert child["metadata"]["ownerReferences"][0]["uid"] == uid
         assert sm["spec"]["endpoints"][0]["port"] == "http"
-        assert sm["spec"]["podTargetLabels"] == ["kvpilot.dev/inferenceservice"]
+        assert sm["spec"]["podTargetLabels"] == ["kvpilot.dev/inferenceservice", "kvpilot.dev/track"]
         assert rule["spec"]["groups"]
         wait_for(lambda: mon_api.get_isvc(NS, "watched").get("status", {}).get("observedGeneration") == 1,
                  what="status")

@@ -159,6 +159,8 @@ def generated(seed: int, count: int) -> list[dict[str, Any]]:
                 "gpuMemoryUtilization": _pair(rng, [0.0, 0.5, 0.7, 0.92, 0.95, 1.0]),
                 "maxNumSeqs": _pair(rng, [0, 16, 64, 256, 1024, 1 << 17]),
             }
+        if maybe(0.3):
+            tuning["trialStrategy"] = rng.choice(["canary", "rolling"])
         spec: dict[str, Any] = {"model": "m", "replicas": rng.choice([1, 1, 2, 3])}
         if maybe(0.2):
             tracing: dict[str, Any] = {"otlpTracesEndpoint": rng.choice([

@@ -72,7 +72,7 @@ def test_a_bad_allowed_image_pattern_from_the_environment_is_refused(monkeypatch
 def test_rbac_rules_are_well_formed() -> None:
     rules = rbac.cluster_role_rules()
     assert {"apiGroups": ["apps"], "resources": ["deployments"],
-            "verbs": ["get", "list", "watch", "create", "patch"]} in rules
+            "verbs": ["get", "list", "watch", "create", "patch", "delete"]} in rules
     assert rbac.allows("kvpilot.dev", "inferenceservices/status", "patch")
     assert not rbac.allows("", "secrets", "get")  # the HF token is mounted by the kubelet, never read
 

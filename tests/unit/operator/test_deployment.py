@@ -149,14 +149,14 @@ def test_spec_observability_monitor_picks_the_monitor(monitor: str, kinds: list[
     assert "PodMonitor" not in [m["kind"] for m in unwanted_monitors(svc, only_sm)]
 
 
-def test_both_monitors_copy_the_inferenceservice_pod_label_and_scrape_the_named_port() -> None:
+def test_both_monitors_copy_the_inferenceservice_and_track_pod_labels_and_scrape_the_named_port() -> None:
     svc = isvc(replicas=1)
     sm, pm = build_monitor(svc, MonitorKind.SERVICE_MONITOR), build_monitor(svc, MonitorKind.POD_MONITOR)
     dep = build_deployment(svc)
     pod_labels = dep["spec"]["template"]["metadata"]["labels"]
     ports = {p["name"] for p in container(dep)["ports"]}
     for monitor, endpoints in ((sm, sm["spec"]["endpoints"]), (pm, pm["spec"]["podMetricsEndpoints"])):
-        assert monitor["spec"]["podTargetLabels"] == ["kvpilot.dev/inferenceservice"]
+        assert monitor["spec"]["podTargetLabels"] == ["kvpilot.dev/inferenceservice", "kvpilot.dev/track"]
         assert set(monitor["spec"]["podTargetLabels"]) <= pod_labels.keys()
         assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
         assert [e["port"] for e in endpoints] == ["http"] and "http" in ports

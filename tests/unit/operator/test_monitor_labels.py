@@ -21,6 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.api import vllm
 from kvpilot.api.models import InferenceService
+from kvpilot.api.vocabulary import SERIES_LABEL_INFERENCESERVICE, SERIES_LABEL_TRACK
+from kvpilot.operator.builders.canary import CanaryRequest, build_canary_deployment
 from kvpilot.operator.builders.common import RenderOptions
 from kvpilot.operator.builders.render import render_manifests
 from kvpilot.slo import dashboard as dash
@@ -181,12 +183,33 @@ def test_the_target_labels_are_the_operators_and_the_inferenceservice(monitor_ki
     _, target = scraped_series(the_isvc(monitor_kind), monitor_kind)
     pod = f"{NAME}-5d8f7c9b6-x2x9k"
     expected = {"namespace": NS, "pod": pod, "container": "engine", "endpoint": "http",
-                "instance": "10.0.0.7:8000", "kvpilot_dev_inferenceservice": NAME}
+                "instance": "10.0.0.7:8000", "kvpilot_dev_inferenceservice": NAME, "kvpilot_dev_track": "stable"}
     if monitor_kind == "ServiceMonitor":
         expected |= {"service": NAME, "job": NAME}
     else:
         expected |= {"job": f"{NS}/{NAME}"}
     assert target == expected
+
+
+@pytest.mark.parametrize("monitor_kind", MONITOR_KINDS)
+def test_a_canary_pod_is_scraped_by_the_same_monitor_with_its_track_on_every_series(monitor_kind: str) -> None:
+    """The canary's pod (the canary Deployment's template) is a target of the service's own monitor
+    (through the same Service's endpoints, for a ServiceMonitor), and its series differ from the stable
+    pods' by kvpilot_dev_track only: the tuner compares the tracks by that label."""
+    service_obj = the_isvc(monitor_kind)
+    manifests = render_manifests(service_obj, RenderOptions())
+    service, monitor = one(manifests, "Service"), one(manifests, monitor_kind)
+    canary = build_canary_deployment(service_obj, CanaryRequest(3, {"maxNumBatchedTokens": 4096,
+                                                                     "gpuMemoryUtilization": 0.85,
+                                                                     "maxNumSeqs": 128}))
+    stable_pod = po.pod_from_template(one(manifests, "Deployment"), f"{NAME}-5d8f7c9b6-x2x9k")
+    canary_pod = po.pod_from_template(canary, f"{NAME}-canary-7f9c8d6b5-q4w8z", ip="10.0.0.9")
+    [stable_target] = po.monitor_targets(monitor, service, stable_pod)
+    [canary_target] = po.monitor_targets(monitor, service, canary_pod)
+    assert stable_target[SERIES_LABEL_TRACK] == "stable" and canary_target[SERIES_LABEL_TRACK] == "canary"
+    assert canary_target[SERIES_LABEL_INFERENCESERVICE] == NAME
+    differ = {k for k in stable_target.keys() | canary_target.keys() if stable_target.get(k) != canary_target.get(k)}
+    assert differ == {"pod", "instance", SERIES_LABEL_TRACK}
 
 
 def test_the_check_catches_a_selector_no_scraped_series_satisfies() -> None:
