@@ -24,13 +24,16 @@ import time
 from argparse import Namespace
 from typing import Any, cast
 
-from kvpilot.api.vocabulary import TuningPhase
+from kvpilot.api.vocabulary import TrialStrategy, TuningPhase
 from kvpilot.tuner.core.loop import LiveSettings, LiveTuner
 from kvpilot.tuner.core.objective import SLO, Goal
 from kvpilot.tuner.core.space import EngineParams, SearchSpace, SpaceError
 from kvpilot.tuner.core.study import TunerStudy, study_name
 
 log = logging.getLogger("kvpilot.tuner")
+
+# The shortest window a canary trial's per-track reads use: four scrapes at Prometheus Operator's 30s.
+CANARY_MIN_WINDOW_S = 120.0
 
 
 class Worker:
@@ -159,8 +162,11 @@ class Worker:
         """Where the trials' measurements come from: the Prometheus that scrapes this service."""
         from kvpilot.tuner.adapters.prometheus import PrometheusSignals
 
+        canary = self.isvc.spec.effective_trial_strategy == TrialStrategy.CANARY
+        # A canary track is one pod: its per-poll reads need a window holding a few of Prometheus's scrapes.
         return PrometheusSignals.for_inferenceservice(self.args.prometheus, self.namespace, self.name,
-                                                      slo=slo, objective=self.isvc.spec.slo.objective)
+                                                      slo=slo, objective=self.isvc.spec.slo.objective,
+                                                      min_window_s=CANARY_MIN_WINDOW_S if canary else 0.0)
 
     def _clock(self) -> Any:
         return None  # the loop's real clock
@@ -179,7 +185,11 @@ class Worker:
                 sqlite_url(self.args.storage))
 
     def _tune(self, plan: tuple[SearchSpace, SLO, Goal, str]) -> None:
-        from kvpilot.tuner.adapters.kubernetes import KubernetesApplier, KubeStatusObserver
+        from kvpilot.tuner.adapters.kubernetes import (
+            KubernetesApplier,
+            KubernetesCanaryApplier,
+            KubeStatusObserver,
+        )
         from kvpilot.tuner.observe import Fanout, LogObserver
 
         spec = self.isvc.spec
@@ -190,8 +200,12 @@ class Worker:
         observer = Fanout(LogObserver(target), self.metrics.observer(self.namespace, self.name), status)
         study = TunerStudy(storage=storage, name=name, goal=Goal.LATENCY if goal is Goal.CAPACITY else goal,
                            space=space, slo=slo, seed=0, n_trials=spec.tuning.max_trials)
-        applier = KubernetesApplier(self.api_client, self.namespace, self.name,
-                                    timeout_s=spec.rollout.progress_deadline_seconds + 300.0)
+        strategy = TrialStrategy(spec.effective_trial_strategy)
+        # Canary trials need an applier that runs the trial engine beside the stable one; a rolling
+        # one rolls the whole fleet (spec.tuning.trialStrategy; canary by default from 2 replicas).
+        applier_type = KubernetesCanaryApplier if strategy is TrialStrategy.CANARY else KubernetesApplier
+        applier = applier_type(self.api_client, self.namespace, self.name,
+                               timeout_s=spec.rollout.progress_deadline_seconds + 300.0)
         signals = self._signals(slo)
         current = applier.current()
         study.enqueue(current, "current")
@@ -208,7 +222,8 @@ class Worker:
             return
         settings = LiveSettings(warmup_s=float(spec.tuning.warmup_seconds),
                                 window_s=float(spec.tuning.trial_seconds), poll_s=self.args.poll,
-                                pause_poll_s=self.args.poll, max_trials=spec.tuning.max_trials)
+                                pause_poll_s=self.args.poll, max_trials=spec.tuning.max_trials,
+                                strategy=strategy)
         self.gate = self._gate()
         self.tuner = LiveTuner(study, applier, signals, settings, clock=self._clock(), observer=observer,
                                gate=self.gate)

@@ -23,6 +23,7 @@ cluster as on a local engine.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import time
 import uuid
@@ -31,6 +32,7 @@ from typing import Any, cast
 from kvpilot.api.conditions import find_condition, now_rfc3339, set_condition
 from kvpilot.api.models import EngineSpec
 from kvpilot.api.vocabulary import (
+    ANNOTATION_CANARY,
     ANNOTATION_TUNING_TRIAL,
     API_VERSION,
     FIELD_MANAGER_TUNER,
@@ -137,6 +139,45 @@ class KubernetesApplier:
             if time.monotonic() >= deadline:
                 raise ApplyFailed("RolloutTimeout", f"not complete after {self.timeout_s:g}s: {message}")
             time.sleep(self.poll_s)
+
+
+class KubernetesCanaryApplier(KubernetesApplier):
+    """Canary trials through the operator: the `kvpilot.dev/canary` annotation asks it for `<name>-canary`,
+    a one-replica Deployment of the trial engine beside the stable one, in the same Service; removing
+    the annotation ends it.  status.canary says when its pod serves (Ready) or why it cannot
+    (Failed, in vLLM's words where the engine gave them).  Promotion is `apply` (the tuned fields on
+    spec.engine, a rolling update of the stable track), then `stop_canary`."""
+
+    def _annotate(self, value: str | None) -> None:
+        # A merge patch of the one annotation: the tuner's server-side apply body keeps its fields.
+        self.api.merge_patch(self.path, {"metadata": {"annotations": {ANNOTATION_CANARY: value}}},
+                             field_manager=FIELD_MANAGER)
+
+    def start_canary(self, params: EngineParams, trial: int) -> None:
+        request = {"trial": trial, "engine": params.as_spec()}
+        self._annotate(json.dumps(request, separators=(",", ":"), sort_keys=True))
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            canary = (self.get().get("status") or {}).get("canary") or {}
+            if canary.get("trial") == trial:
+                if canary.get("phase") == "Ready":
+                    return
+                if canary.get("phase") == "Failed":
+                    self.stop_canary()
+                    raise ApplyFailed(str(canary.get("reason") or "CanaryFailed"),
+                                      str(canary.get("message") or "the canary could not start")[:1000])
+            if time.monotonic() >= deadline:
+                self.stop_canary()
+                raise ApplyFailed("CanaryTimeout", f"the canary of trial {trial} did not serve within "
+                                  f"{self.timeout_s:g}s: {canary.get('message') or 'no status yet'}")
+            time.sleep(self.poll_s)
+
+    def stop_canary(self) -> None:
+        """Remove the annotation (idempotent); the operator deletes `<name>-canary`, whose pods drain as
+        any engine pod does (preStop, then vLLM's shutdown timeout)."""
+        annotations = (self.get().get("metadata") or {}).get("annotations") or {}
+        if ANNOTATION_CANARY in annotations:
+            self._annotate(None)
 
 
 # Phases in which no trial is under way: the Tuning condition is False in them.

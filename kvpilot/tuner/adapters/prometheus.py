@@ -57,11 +57,11 @@ class PrometheusSignals:
 
     @classmethod
     def for_inferenceservice(cls, url: str, namespace: str, name: str, *, slo: SLO, objective: float = 0.99,
-                             timeout_s: float = 5.0) -> PrometheusSignals:
+                             timeout_s: float = 5.0, min_window_s: float = 0.0) -> PrometheusSignals:
         """The signals of one InferenceService's pods in a cluster: the series its monitor labels with
         the namespace and kvpilot_dev_inferenceservice, the same selector the SLO rules use."""
         return cls(url, selector=Selector.for_inferenceservice(namespace, name), slo=slo, objective=objective,
-                   timeout_s=timeout_s)
+                   timeout_s=timeout_s, min_window_s=min_window_s)
 
     # -- HTTP ----------------------------------------------------------------------------
     def query(self, expr: str) -> float | None:
