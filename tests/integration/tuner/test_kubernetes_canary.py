@@ -144,3 +144,32 @@ def test_a_canary_vllm_refuses_to_start_fails_the_trial_in_vllms_words_and_is_re
     assert obj["spec"]["engine"]["gpuMemoryUtilization"] == 0.9
     degraded = next((c for c in obj["status"]["conditions"] if c["type"] == "Degraded"), {})
     assert degraded.get("status") == "False"
+
+
+def test_a_promotion_writes_the_tuned_fields_rolls_the_stable_track_and_ends_the_canary(
+        api: KMockAPI, operator: OperatorProcess, client: Any) -> None:
+    """What the loop does with a winner: apply (the tuned fields, server-side applied under the tuner's
+    field manager; the stable track rolls) and then stop_canary."""
+    name = service(api, "rank")
+    applier = KubernetesCanaryApplier(client, NS, name, timeout_s=60, poll_s=0.1)
+    winner = EngineParams(8192, 0.92, 384)
+    done, errors = in_thread(lambda: applier.start_canary(winner, 9))
+    wait_for(lambda: api.get_or_none(dep_path(f"{name}-canary")), what="the canary Deployment")
+    serve(api, f"{name}-canary", 1)
+    assert done.wait(30) and not errors, errors
+
+    before = api.get_isvc(NS, name)
+    done, errors = in_thread(lambda: applier.apply(winner, 9))
+    wait_for(lambda: arg(api.get(dep_path(name)), "--max-num-batched-tokens") == "8192",
+             what="the stable track rolling to the winner")
+    serve(api, name, 2)
+    assert done.wait(30) and not errors, errors
+    applier.stop_canary()
+    wait_for(lambda: api.get_or_none(dep_path(f"{name}-canary")) is None, what="the canary deleted")
+    after = api.get_isvc(NS, name)
+    assert after["spec"]["engine"] == {**before["spec"]["engine"], "maxNumBatchedTokens": 8192,
+                                       "gpuMemoryUtilization": 0.92, "maxNumSeqs": 384}
+    assert {k: v for k, v in after["spec"].items() if k != "engine"} == \
+        {k: v for k, v in before["spec"].items() if k != "engine"}
+    assert after["metadata"]["annotations"]["kvpilot.dev/tuning-trial"] == "9"
+    assert "canary" not in (after.get("status") or {})
