@@ -62,13 +62,19 @@ def scraped_series(isvc: InferenceService, monitor_kind: str) -> tuple[dict[str,
     targets = po.monitor_targets(monitor, service, pod)
     assert len(targets) == 1, f"the {monitor_kind} should make one target of the pod, made {targets}"
     target = targets[0]
+    # A canary trial's pod beside it, through the same monitor: the per-track panels read its series.
+    canary = build_canary_deployment(isvc, CanaryRequest(3, {"maxNumBatchedTokens": 4096,
+                                                             "gpuMemoryUtilization": 0.85, "maxNumSeqs": 128}))
+    [canary_target] = po.monitor_targets(monitor, service, po.pod_from_template(
+        canary, f"{NAME}-canary-7f9c8d6b5-q4w8z", ip="10.0.0.9"))
     exposition = VllmMetrics(isvc.spec.model, max_model_len=8192,
                              cache_config={"block_size": 16, "gpu_memory_utilization": 0.9}).render().decode()
     series: dict[str, list[dict[str, str]]] = defaultdict(list)
     for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
-            series[sample.name].append(po.series_labels(target, sample.labels, honor=po.honor_labels(monitor)))
-    series["up"] = [target]  # Prometheus's synthetic series carry the target's labels only
+            for each in (target, canary_target):
+                series[sample.name].append(po.series_labels(each, sample.labels, honor=po.honor_labels(monitor)))
+    series["up"] = [target, canary_target]  # Prometheus's synthetic series carry the target's labels only
     return series, target
 
 
