@@ -145,3 +145,36 @@ def test_grace_period_must_exceed_the_heartbeat_interval() -> None:
     with pytest.raises(helm_python.HelmError, match="sweep.gracePeriodSeconds"):
         render({"tuner": POSTGRES, "sweep": {"enabled": True, "heartbeatIntervalSeconds": 30,
                                              "gracePeriodSeconds": 30}})
+
+
+def test_the_readme_sweep_install_renders_the_job_it_describes() -> None:
+    """charts/kvpilot/README.md's `helm upgrade --install ... --set sweep...` renders, and the Job runs its question."""
+    import json
+    import re
+    import shlex
+
+    from kvpilot.cli import build_parser
+
+    text = (CHART / "README.md").read_text().replace("\\\n", " ")
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("helm upgrade --install") and "sweep.enabled" in ln]
+    argv = shlex.split(line)
+    values: dict[str, Any] = {}
+    for flag, setting in zip(argv, argv[1:], strict=False):
+        if flag not in ("--set", "--set-json"):
+            continue
+        key, _, raw = setting.partition("=")
+        value: Any = json.loads(raw) if flag == "--set-json" else (
+            int(raw) if re.fullmatch(r"\d+", raw) else {"true": True, "false": False}.get(raw, raw))
+        node = values
+        *path, last = key.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    validate_values(values)
+    job = _job(values)
+    assert job["spec"]["parallelism"] == job["spec"]["completions"] == values["sweep"]["parallelism"]
+    parsed = build_parser().parse_args(_container(job)["args"])
+    assert parsed.join and parsed.trials == values["sweep"]["trials"]
+    assert parsed.study_name == values["sweep"]["studyName"]
+    assert [f"--{k.replace('_', '-')}={getattr(parsed, k)}" for k in ("model", "gpu", "workload", "slo")] \
+        == values["sweep"]["args"]
