@@ -34,8 +34,8 @@ import contextlib
 import datetime
 import logging
 import os
+import platform
 import re
-import socket
 import threading
 import warnings
 from collections.abc import Iterable, Iterator
@@ -127,7 +127,7 @@ def constraints_of(trial: FrozenTrial) -> tuple[float, ...]:
 
 def worker_id() -> str:
     """This process, as the trials it measures name it: host (a pod's name) and pid."""
-    return f"{socket.gethostname()}/{os.getpid()}"
+    return f"{platform.node()}/{os.getpid()}"
 
 
 def requeue_stale(study: optuna.Study, trial: FrozenTrial) -> None:
