@@ -275,8 +275,10 @@ class TunerStudy:
             with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
                 if storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
                     requeue_stale(self.study, storage.get_trial(t._trial_id))
-        after = {t.number for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
-        return sorted(before - after - set(self._open))
+        # Failed since, and not given back by their own worker (a sibling's Duplicate or BudgetSpent).
+        return sorted(t.number for t in self.study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+                      if t.number in before and t.number not in self._open
+                      and t.user_attrs.get(ATTR_REASON) not in (REASON_DUPLICATE, REASON_BUDGET_SPENT))
 
     def _beats(self, trial_id: int) -> bool:
         """Whether the trial has ever recorded a heartbeat."""
