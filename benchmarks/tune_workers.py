@@ -1,6 +1,11 @@
 """Wall time of `kvpilot tune --offline` with 1 and with N workers on one PostgreSQL study.
 
     .venv/bin/python benchmarks/tune_workers.py [--trials 16] [--probe-seconds 60] [--workers 1,2]
+        [--modes workers,join]
+
+Two ways to run N workers: `workers`, one `kvpilot tune --offline --workers N` that forks them; `join`,
+N independent `kvpilot tune --offline --join` processes started together with the same command (what the
+chart's sweep Job runs, one per pod), the budget the study's.
 
 Each run gets a fresh database on a PostgreSQL started for the benchmark (tests/support/postgres.py,
 Debian's server), so every run measures the whole budget.  Prints, per worker count: the wall time,
@@ -28,20 +33,25 @@ WORKLOAD = ["--model", "Llama-3.1-8B", "--gpu", "H100-80GB", "--workload", "prom
             "--slo", "ttft=0.5,itl=0.05"]
 
 
-def run(pg: PostgresServer, workers: int, trials: int, probe: float, workdir: Path) -> tuple[float, int, int]:
+def run(pg: PostgresServer, workers: int, trials: int, probe: float, workdir: Path,
+        mode: str = "workers") -> tuple[float, int, int]:
     import optuna
     from optuna.trial import TrialState
 
-    url = pg.create_database(f"w{workers}_{int(time.time() * 1000)}")
+    url = pg.create_database(f"{mode}{workers}_{int(time.time() * 1000)}")
     argv = [sys.executable, "-m", "kvpilot.cli", "tune", "--offline", *WORKLOAD, "-q", "--report", "",
-            "--study-name", "bench", "--trials", str(trials), "--probe-seconds", f"{probe:g}",
-            "--workers", str(workers)]
+            "--study-name", "bench", "--trials", str(trials), "--probe-seconds", f"{probe:g}"]
     env = {**os.environ, "KVPILOT_TUNER_STORAGE": url, "PYTHONPATH": str(REPO)}
+    # join: N processes, none the parent of another, each the same command.
+    commands = [[*argv, "--join"]] * workers if mode == "join" else [[*argv, "--workers", str(workers)]]
     start = time.monotonic()
-    done = subprocess.run(argv, env=env, cwd=workdir, capture_output=True, text=True)
+    procs = [subprocess.Popen(c, env=env, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for c in commands]
+    outputs = [p.communicate() for p in procs]
     wall = time.monotonic() - start
-    if done.returncode != 0:
-        raise SystemExit(f"--workers {workers} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    for p, (_, err) in zip(procs, outputs, strict=True):
+        if p.returncode != 0:
+            raise SystemExit(f"{mode} {workers} failed ({p.returncode}):\n{err[-3000:]}")
     study = optuna.load_study(study_name="bench", storage=url)
     measured = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
     counts = Counter(tuple(sorted(t.user_attrs["engine"].items())) for t in measured)
@@ -53,20 +63,28 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=16)
     ap.add_argument("--probe-seconds", type=float, default=60.0)
     ap.add_argument("--workers", default="1,2", help="comma-separated worker counts (default %(default)s)")
+    ap.add_argument("--modes", default="workers,join",
+                    help="workers (one process forking N) and/or join (N independent processes; default %(default)s)")
     args = ap.parse_args()
     counts = [int(w) for w in args.workers.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    if not set(modes) <= {"workers", "join"}:
+        ap.error(f"--modes: workers and/or join, got {args.modes!r}")
     load = os.getloadavg()
     print(f"{os.cpu_count()} cores, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the start; "
           f"{args.trials} trials at --probe-seconds {args.probe_seconds:g}, PostgreSQL storage")
-    print(f"{'workers':>7}  {'wall s':>7}  {'trials':>6}  {'dups':>4}  {'speed-up':>8}")
+    print(f"{'mode':>7}  {'workers':>7}  {'wall s':>7}  {'trials':>6}  {'dups':>4}  {'speed-up':>8}")
     base: float | None = None
     workdir = REPO / "out" / "tune_workers"
     workdir.mkdir(parents=True, exist_ok=True)
     with PostgresServer() as pg:
-        for w in counts:
-            wall, measured, dups = run(pg, w, args.trials, args.probe_seconds, workdir)
-            base = wall if base is None else base
-            print(f"{w:>7}  {wall:>7.1f}  {measured:>6}  {dups:>4}  {base / wall:>7.2f}x", flush=True)
+        for mode in modes:
+            for w in counts:
+                if w == 1 and mode == "join" and "workers" in modes:
+                    continue  # one process is one process; its figure is the workers row's
+                wall, measured, dups = run(pg, w, args.trials, args.probe_seconds, workdir, mode)
+                base = wall if base is None else base
+                print(f"{mode:>7}  {w:>7}  {wall:>7.1f}  {measured:>6}  {dups:>4}  {base / wall:>7.2f}x", flush=True)
     return 0
 
 

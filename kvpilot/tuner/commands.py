@@ -21,6 +21,8 @@ examples:
       --trials 30 --report out/report.html
   kvpilot tune --offline --workload prompt=lognormal/1500/0.6,output=200,cv=1.5
   KVPILOT_TUNER_STORAGE=postgresql://kv:PASS@db/optuna kvpilot tune --offline --workers 2
+  KVPILOT_TUNER_STORAGE=postgresql://kv:PASS@db/optuna kvpilot tune --offline --join --study-name sweep \
+      --trials 60          # the same command on every machine (a Job's pods): 60 trials in all
   kvpilot tune --local --prometheus http://127.0.0.1:9090 --trials 8 --window 300 -- \\
       kvpilot twin serve --model Llama-3.1-8B --port 8000
 
@@ -75,7 +77,25 @@ def register(subparsers: Any) -> None:
                         f"password belongs in ${ENV_TUNER_STORAGE}, out of the process list")
     p.add_argument("--study-name", help="default: derived from the target and a hash of the search space")
     p.add_argument("--workers", type=int, default=1, metavar="N",
-                   help="offline: processes measuring trials of the study side by side, one per idle core "
+                   help="offline: processes this run forks to measure trials of the study side by side, one per "
+                        "idle core; this process opens the study first, so on any storage, SQLite included "
+                        "(default %(default)s)")
+    p.add_argument("--join", action="store_true",
+                   help="offline: be one of several independent processes on one study (e.g. the pods of a "
+                        "Kubernetes Job with parallelism N, each running the same command), on any machine.  "
+                        "No process owns the study: a trial in progress is failed and its config measured "
+                        "again only when its worker stopped heart-beating for --grace-period, never a live "
+                        "sibling's; --trials is the study's budget, not each process's; every process runs "
+                        "until the budget is finished.  Needs a database server (postgresql://...): refused "
+                        "with SQLite, whose file one writer locks at a time and whose heartbeats no other "
+                        "machine sees (on one machine use --workers N).  Without --join a run owns its study: "
+                        "it fails every trial left in progress at once and measures it again")
+    p.add_argument("--heartbeat-interval", type=int, default=10, metavar="S",
+                   help="with a database server: seconds between the heartbeats a trial's worker records while "
+                        "it measures (Optuna's RDB heartbeat; default %(default)s)")
+    p.add_argument("--grace-period", type=int, default=60, metavar="S",
+                   help="--join: seconds without a heartbeat after which a trial in progress counts as its "
+                        "worker's death, is failed and its config queued again; more than --heartbeat-interval "
                         "(default %(default)s)")
     p.add_argument("--report", default=None,
                    help="report file: .html, or .png/.pdf/.svg for the plots alone (default out/STUDY.html, "
@@ -154,6 +174,16 @@ def _tune(args: argparse.Namespace) -> int:
     if args.workers < 1 or (args.local and args.workers != 1):
         why = "is for --offline (a live study measures one engine)" if args.local else "must be >= 1"
         print(f"kvpilot tune: --workers {why}, got {args.workers}", file=sys.stderr)
+        return 2
+    if args.local and args.join:
+        print("kvpilot tune: --join is for --offline (a live study measures one engine)", file=sys.stderr)
+        return 2
+    if args.heartbeat_interval < 1:
+        print(f"kvpilot tune: --heartbeat-interval must be >= 1 second, got {args.heartbeat_interval}", file=sys.stderr)
+        return 2
+    if args.grace_period <= args.heartbeat_interval:
+        print(f"kvpilot tune: --grace-period must be more than --heartbeat-interval ({args.heartbeat_interval}), "
+              f"got {args.grace_period}", file=sys.stderr)
         return 2
     _setup_logging(verbose=bool(args.local))
     # Like the in-cluster tuner's: a PostgreSQL URL with its password stays out of /proc/PID/cmdline.

@@ -25,6 +25,7 @@ from kvpilot.tuner.core.study import (
     ATTR_SOURCE,
     TunerStudy,
     study_name,
+    worker_id,
 )
 from kvpilot.tuner.identity import StudyMismatch, digest, identity
 from kvpilot.tuner.storage import redacted
@@ -114,7 +115,38 @@ def sqlite_url(storage: str) -> str:
         raise UsageError(str(exc)) from None
 
 
-def open_study(*, storage: str, name: str, inputs: dict[str, Any], **kw: Any) -> TunerStudy:
+def is_sqlite(url: str) -> bool:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).get_backend_name() == "sqlite"
+
+
+def study_storage(url: str, args: argparse.Namespace) -> Any:
+    """What a study opens: a database server's URL as an RDB storage whose trials carry a heartbeat
+    (so that joined workers tell a dead worker's trial from a live one), SQLite's URL as it is.
+    Each process makes its own (a storage holds a connection pool, which a fork must not share)."""
+    if is_sqlite(url):
+        return url
+    import time
+
+    from sqlalchemy.exc import IntegrityError, ProgrammingError
+
+    from kvpilot.tuner.core.study import heartbeat_storage
+
+    # The pods of a Job start together on an empty database, and each creates Optuna's tables:
+    # PostgreSQL refuses all but one CREATE TYPE/TABLE (a unique violation); the others, retried,
+    # find the tables made.
+    for attempt in range(6):
+        try:
+            return heartbeat_storage(url, args.heartbeat_interval, args.grace_period)
+        except (IntegrityError, ProgrammingError):
+            if attempt == 5:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def open_study(*, storage: Any, name: str, inputs: dict[str, Any], **kw: Any) -> TunerStudy:
     """Open (or resume) a study, refusing one that was made for other inputs (kvpilot.tuner.identity)."""
     import optuna
 
@@ -178,15 +210,20 @@ def run_workers(st: TunerStudy, evaluate: Callable[[EngineParams], Outcome], arg
     import multiprocessing
     import time
 
-    from kvpilot.tuner.core.search import run_offline
+    from kvpilot.tuner.core.search import run_joined, run_offline
 
     def work(share: int) -> None:
-        mine = TunerStudy(storage=st_storage, name=st.name, goal=st.goal, space=st.space, slo=st.slo,
-                          seed=args.seed, n_trials=args.trials, workers=args.workers, recover=False)
-        run_offline(mine, evaluate, args.trials, limit=share)
+        mine = TunerStudy(storage=study_storage(url, args), name=st.name, goal=st.goal, space=st.space,
+                          slo=st.slo, seed=args.seed, n_trials=args.trials, workers=args.workers,
+                          recover=False, joined=args.join)
+        if args.join:  # the budget is the study's, shared with the other processes' workers
+            run_joined(mine, evaluate, args.trials, wait=_poll_wait(args))
+        else:
+            run_offline(mine, evaluate, args.trials, limit=share)
 
-    st_storage = sqlite_url(args.storage)
-    remaining = max(0, args.trials - st.finished_count())
+    url = sqlite_url(args.storage)
+    # Joined, every worker runs until the study's budget is finished; else each a fixed share.
+    remaining = args.workers if args.join else max(0, args.trials - st.finished_count())
     ctx = multiprocessing.get_context("fork")  # the evaluator is a closure: forked, not pickled
     procs = [ctx.Process(target=work, args=(n,), name=f"kvpilot-tune-worker-{i}")
              for i, n in enumerate(shares(remaining, args.workers)) if n]
@@ -207,11 +244,20 @@ def run_workers(st: TunerStudy, evaluate: Callable[[EngineParams], Outcome], arg
         raise UsageError(f"{len(failed)} of {len(procs)} workers failed ({', '.join(failed)}); rerun to resume")
 
 
+def _poll_wait(args: argparse.Namespace) -> Callable[[], None]:
+    """How a joined worker waits while siblings hold every place left in the budget: a heartbeat
+    interval at most, so that a dead sibling's trial is taken over soon after its grace period."""
+    import time
+
+    pause = min(1.0, float(args.heartbeat_interval))
+    return lambda: time.sleep(pause)
+
+
 def tune_offline(args: argparse.Namespace) -> int:
     import optuna
 
     from kvpilot.tuner.adapters.offline import StartupFailed, TwinEvaluator, TwinTarget, parse_workload
-    from kvpilot.tuner.core.search import run_offline
+    from kvpilot.tuner.core.search import run_joined, run_offline
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     slo = SLO.parse(args.slo)
@@ -262,8 +308,13 @@ def tune_offline(args: argparse.Namespace) -> int:
     name = args.study_name or (
         f"{study_name('offline', f'{target.model}.{target.gpu}.{workload.name}', space, goal)}.{digest(inputs)}")
     report = report_path(args.report, name)
-    st = open_study(storage=sqlite_url(args.storage), name=name, inputs=inputs, goal=goal, space=space,
-                    slo=slo, seed=args.seed, n_trials=args.trials)
+    url = sqlite_url(args.storage)
+    if args.join and is_sqlite(url):
+        raise UsageError("--join: several independent processes on one study need a database server "
+                         "(postgresql://...); a SQLite file is locked by one writer at a time and no other "
+                         "machine sees its heartbeats: use --workers N on one machine instead")
+    st = open_study(storage=study_storage(url, args), name=name, inputs=inputs, goal=goal, space=space,
+                    slo=slo, seed=args.seed, n_trials=args.trials, workers=args.workers, joined=args.join)
     st.enqueue(defaults, "vllmDefaults")
     already = st.finished_count()
     print(f"kvpilot tune --offline: {target.model} on {target.gpu}, workload {workload.name} "
@@ -271,6 +322,10 @@ def tune_offline(args: argparse.Namespace) -> int:
           f"SLO p99 TTFT <= {slo.ttft_seconds:g}s, ITL <= {slo.itl_seconds:g}s; goal {goal.value}", file=sys.stderr)
     print(f"study {name!r} in {redacted(args.storage)}" + (f" (resuming: {already} trials done)" if already else ""),
           file=sys.stderr)
+    if args.join:
+        print(f"joined as worker {worker_id()}: the study's budget is {args.trials} trials, whichever process "
+              f"measures them; a trial without a heartbeat for {args.grace_period} s is measured again",
+              file=sys.stderr)
 
     from tqdm import tqdm
 
@@ -278,13 +333,15 @@ def tune_offline(args: argparse.Namespace) -> int:
                disable=args.quiet, dynamic_ncols=True)
 
     def on_trial(frozen: Any, params: EngineParams, outcome: Outcome) -> None:
-        bar.update(1)
+        bar.update(min(st.finished_count(), args.trials) - bar.n)  # the study's, siblings' trials too
         best = st.best_trial()
         if best is not None and best.value is not None:
             bar.set_postfix_str(f"best {best.value:.3f}")
 
     try:
-        if args.workers == 1:
+        if args.workers == 1 and args.join:
+            run_joined(st, evaluate, args.trials, _poll_wait(args), on_trial)
+        elif args.workers == 1:
             run_offline(st, evaluate, args.trials, on_trial)
         else:
             run_workers(st, evaluate, args, bar)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import optuna
 from optuna.trial import FrozenTrial
 
 from kvpilot.tuner.core.objective import Outcome
@@ -29,12 +30,51 @@ def run_offline(study: TunerStudy, evaluate: Evaluate, n_trials: int, on_trial: 
     ran = 0
     while study.finished_count() < n_trials and (limit is None or ran < limit):
         number, params = study.ask()
-        outcome = evaluate(params)
+        with study.heartbeat(number):
+            outcome = evaluate(params)
         frozen = study.tell(number, outcome)
         ran += 1
         if on_trial is not None:
             on_trial(frozen, params, outcome)
     return ran
+
+
+def run_joined(study: TunerStudy, evaluate: Evaluate, n_trials: int, wait: Callable[[], None],
+               on_trial: OnTrial | None = None) -> int:
+    """One of several independent workers on a study (`TunerStudy(joined=True)`): run trials until
+    the study's budget is spent, whoever measures them.
+
+    Before each ask it fails the trials whose worker stopped heart-beating (their configs queued
+    again); it asks only while finished + running trials are fewer than `n_trials`, and gives a
+    trial back when a sibling's asked at the same moment took the last place.  When every place
+    is taken by a sibling's running trial it calls `wait` and looks again: it returns only once
+    `n_trials` are finished, so a sibling that dies with the last trial is replaced, not missed.
+
+    Returns how many trials this worker measured.
+    """
+    ran = 0
+    while True:
+        study.fail_stale()
+        if study.finished_count() >= n_trials:
+            return ran
+        if study.budget_left(n_trials) <= 0:
+            wait()
+            continue
+        number, params = study.ask()
+        if study.over_budget(number, n_trials):
+            study.give_back(number)
+            continue
+        with study.heartbeat(number):
+            outcome = evaluate(params)
+        try:
+            frozen = study.tell(number, outcome)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            # Failed as stale while it was measured (this worker's heartbeats did not reach the
+            # database for a grace period): its config is queued again; this measurement is dropped.
+            continue
+        ran += 1
+        if on_trial is not None:
+            on_trial(frozen, params, outcome)
 
 
 def top_configs(study: TunerStudy, k: int) -> list[tuple[EngineParams, float]]:

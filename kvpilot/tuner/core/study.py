@@ -16,13 +16,29 @@ Several workers on one study (`kvpilot tune --offline --workers N`): one process
 (recovering it as above) and then starts the workers, which open it with `recover=False` -- a
 RUNNING trial is then a sibling's, not a dead run's -- and `workers=N`: TPE's constant liar, and a
 drawn config another trial already has is failed (reason Duplicate) and drawn again.
+
+Independent workers on one study (`kvpilot tune --offline --join`, e.g. the pods of a Kubernetes Job
+with `parallelism: N`): no process is the opener, so none may fail a RUNNING trial on sight -- it may
+be a live sibling's.  `joined=True`: each trial's worker records a heartbeat in the storage while it
+measures (`heartbeat`, Optuna's RDB heartbeat), and only a trial whose heartbeat is older than the
+storage's grace period is failed and its config queued again (`fail_stale`, Optuna's
+`fail_stale_trials` with `requeue_stale` as its callback; exactly one process wins the row lock
+that fails it, so the config is queued once).  The budget is the study's: a worker asks only while
+the finished and running trials of kind trial are fewer than it (`budget_left`), and a trial asked
+in a race is given back when as many trials as the budget precede it (`over_budget`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import logging
+import os
+import platform
 import re
-from collections.abc import Iterable
+import threading
+import warnings
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +70,7 @@ ATTR_SOURCE = "source"  # sampler | polish | current | vllmDefaults | warmStart 
 ATTR_RAISED_FROM = "raisedFrom"  # the drawn fraction, where a memory failure ruled it out
 ATTR_KIND = "kind"  # trial | remeasure
 ATTR_REMEASURE_OF = "remeasureOf"
+ATTR_WORKER = "worker"  # host/pid of the process that measured the trial (a pod's name in a Job)
 # Study user attrs.
 STUDY_INCUMBENT = "incumbent"
 STUDY_STARTING = "startingEngine"  # the engine in force when the study began (camelCase dict)
@@ -62,6 +79,8 @@ STUDY_STARTING = "startingEngine"  # the engine in force when the study began (c
 # _DRAWS times before it is measured anyway.
 REASON_DUPLICATE = "Duplicate"
 _DRAWS = 20
+# A trial asked in a race with a sibling after the study's budget was taken (joined workers); given back.
+REASON_BUDGET_SPENT = "BudgetSpent"
 
 KIND_TRIAL = "trial"
 KIND_REMEASURE = "remeasure"
@@ -104,6 +123,32 @@ def _is_memory_failure(trial: FrozenTrial) -> bool:
 def constraints_of(trial: FrozenTrial) -> tuple[float, ...]:
     """The constraints told with a trial (empty for a trial not yet told)."""
     return tuple(float(v) for v in trial.constraints.values())
+
+
+def worker_id() -> str:
+    """This process, as the trials it measures name it: host (a pod's name) and pid."""
+    return f"{platform.node()}/{os.getpid()}"
+
+
+def requeue_stale(study: optuna.Study, trial: FrozenTrial) -> None:
+    """The storage's `heartbeat_stale_trial_callback`: a trial whose worker stopped heart-beating was
+    failed; queue its config again so that it is measured rather than lost (as `recover` does)."""
+    if not trial.params:  # asked but never drawn: nothing to measure again
+        return
+    attrs = {ATTR_SOURCE: "resume", ATTR_KIND: trial.user_attrs.get(ATTR_KIND, KIND_TRIAL)}
+    if ATTR_REMEASURE_OF in trial.user_attrs:
+        attrs[ATTR_REMEASURE_OF] = trial.user_attrs[ATTR_REMEASURE_OF]
+    study.enqueue_trial(dict(trial.params), user_attrs=attrs)
+    log.warning("trial %d stopped heart-beating (its worker %s is gone); its config is queued to be measured again",
+                trial.number, trial.user_attrs.get(ATTR_WORKER, "?"))
+
+
+def heartbeat_storage(url: str, interval: int, grace: int) -> optuna.storages.RDBStorage:
+    """An RDB storage whose trials carry a heartbeat, a stale one failed and its config queued again."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.storages.RDBStorage(url, heartbeat_interval=interval, grace_period=grace,
+                                          heartbeat_stale_trial_callback=requeue_stale)
 
 
 @dataclass(frozen=True)
@@ -157,6 +202,7 @@ class TunerStudy:
         guidance: Guidance | None = None,
         workers: int = 1,
         recover: bool = True,
+        joined: bool = False,
     ) -> None:
         self.goal, self.space, self.slo, self.name = goal, space, slo, name
         self.seed = seed
@@ -168,7 +214,7 @@ class TunerStudy:
             direction=goal.direction,
             sampler=make_sampler(seed, n_trials, sampler,
                                  redo=_is_memory_failure if self.guidance.redo_startup else None,
-                                 drawn=_was_drawn, constant_liar=workers > 1),
+                                 drawn=_was_drawn, constant_liar=workers > 1 or joined),
             load_if_exists=True,
         )
         self.workers = workers
@@ -180,7 +226,17 @@ class TunerStudy:
         self.distributions = space.distributions()
         self._open: dict[int, optuna.Trial] = {}
         self._constrained: dict[int, set[str]] = {}
-        self.resumed = self.recover() if recover else []
+        self.joined = joined
+        # Optuna wraps an RDB storage in a cache; the heartbeat settings are the RDB storage's.
+        backend = getattr(self.study._storage, "_backend", self.study._storage)
+        self._heartbeat = backend if isinstance(backend, optuna.storages.RDBStorage) \
+            and backend.heartbeat_interval is not None else None
+        if joined:
+            if self._heartbeat is None:
+                raise ValueError("a joined study needs a storage with a heartbeat (heartbeat_storage)")
+            self.resumed = self.fail_stale()
+        else:
+            self.resumed = self.recover() if recover else []
 
     # -- resume ---------------------------------------------------------------------------
     def recover(self) -> list[int]:
@@ -199,6 +255,101 @@ class TunerStudy:
             log.info("trial %d was cut off mid-window; its config is queued to be measured again", t.number)
         return cut
 
+    # -- several independent workers (joined) ----------------------------------------------
+    def fail_stale(self) -> list[int]:
+        """Fail the RUNNING trials whose worker stopped heart-beating, queueing their configs again
+        (`requeue_stale`).  A trial with no heartbeat at all (its worker died between creating it and
+        its first beat) counts as stale once it is older than the grace period.  Returns their numbers."""
+        assert self._heartbeat is not None
+        before = {t.number for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(self.study)
+        grace = datetime.timedelta(seconds=self._heartbeat.grace_period or 2 * (self._heartbeat.heartbeat_interval or 1))
+        now = datetime.datetime.now()
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if t.datetime_start is None or now - t.datetime_start <= grace or t.number in self._open \
+                    or self._beats(t._trial_id):
+                continue
+            storage = self.study._storage
+            with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
+                if storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
+                    requeue_stale(self.study, storage.get_trial(t._trial_id))
+        # Failed since, and not given back by their own worker (a sibling's Duplicate or BudgetSpent).
+        return sorted(t.number for t in self.study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+                      if t.number in before and t.number not in self._open
+                      and t.user_attrs.get(ATTR_REASON) not in (REASON_DUPLICATE, REASON_BUDGET_SPENT))
+
+    def _beats(self, trial_id: int) -> bool:
+        """Whether the trial has ever recorded a heartbeat."""
+        from optuna.storages._rdb import models
+
+        assert self._heartbeat is not None
+        session = self._heartbeat.scoped_session()
+        try:
+            return models.TrialHeartbeatModel.where_trial_id(trial_id, session) is not None
+        finally:
+            session.close()
+
+    def running_count(self) -> int:
+        """Trials of kind trial being measured (by any worker)."""
+        return sum(1 for t in self.trials() if t.state == TrialState.RUNNING)
+
+    def budget_left(self, n_trials: int) -> int:
+        """Trials still to ask for: the budget less what is finished and what is being measured."""
+        return n_trials - self.finished_count() - self.running_count()
+
+    def over_budget(self, number: int, n_trials: int) -> bool:
+        """Whether as many trials as the budget, finished or running, precede this one: two workers
+        that both saw one trial left both asked for it, and the later one gives its trial back."""
+        ahead = sum(1 for t in self.trials() if t.number < number
+                    and t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING))
+        return ahead >= n_trials
+
+    def give_back(self, number: int) -> None:
+        """Fail a trial asked beyond the budget (reason BudgetSpent); a queued config it popped is
+        queued again, so that it is not lost."""
+        trial = self._open.pop(number)
+        frozen = self.study.get_trials(deepcopy=False)[number]
+        trial.set_user_attr(ATTR_REASON, REASON_BUDGET_SPENT)
+        self.study.tell(number, state=TrialState.FAIL, skip_if_finished=True)
+        if frozen.user_attrs.get(ATTR_SOURCE, "sampler") != "sampler" and frozen.params:
+            attrs = {k: v for k, v in frozen.user_attrs.items() if k in (ATTR_SOURCE, ATTR_KIND, ATTR_REMEASURE_OF)}
+            self.study.enqueue_trial(dict(frozen.params), user_attrs=attrs)
+
+    def _beat(self, number: int) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.record_heartbeat(self.study.get_trials(deepcopy=False)[number]._trial_id)
+
+    @contextlib.contextmanager
+    def heartbeat(self, number: int) -> Iterator[None]:
+        """While the trial is measured, record its heartbeat every interval (a thread), so that only a
+        trial whose worker is gone goes stale.  Nothing without a heartbeat storage."""
+        if self._heartbeat is None:
+            yield
+            return
+        interval = float(self._heartbeat.heartbeat_interval or 1)
+        trial_id = self.study.get_trials(deepcopy=False)[number]._trial_id
+        stop = threading.Event()
+        storage = self._heartbeat
+
+        def beat() -> None:
+            while True:
+                try:
+                    storage.record_heartbeat(trial_id)
+                except Exception:  # a database hiccup: the next beat tries again
+                    log.warning("trial %d: recording its heartbeat failed", number, exc_info=True)
+                if stop.wait(interval):
+                    return
+
+        thread = threading.Thread(target=beat, name=f"kvpilot-heartbeat-{number}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
     # -- seeding --------------------------------------------------------------------------
     def enqueue(self, params: EngineParams, source: str) -> bool:
         """Queue a known config (clipped into the space).  False if it was already tried or queued."""
@@ -214,16 +365,16 @@ class TunerStudy:
         floor = self.util_floor() if g.memory_floor else UtilFloor([], self.space.util_step)
         if g.polish and polish_turn(self.finished_count(), self.n_startup) and not self._queued():
             self._enqueue_polish(floor)
-        trial = self.study.ask(self.distributions)
+        trial = self._ask()
         params = self.space.resolve(trial.params)
         for _ in range(_DRAWS):
-            if self.workers == 1 or not self._taken(params, trial.number):
+            if not self._shared or not self._taken(params, trial.number):
                 break
             # Another worker drew, queued (two polish turns at once) or is measuring this config:
             # measuring it twice is a trial lost.
             trial.set_user_attr(ATTR_REASON, REASON_DUPLICATE)
             self.study.tell(trial.number, state=TrialState.FAIL)
-            trial = self.study.ask(self.distributions)
+            trial = self._ask()
             params = self.space.resolve(trial.params)
         if ATTR_SOURCE not in trial.user_attrs:  # drawn; enqueued configs are measured as given
             # A draw the memory failures so far rule out would waste a trial (live: a rollout)
@@ -236,8 +387,25 @@ class TunerStudy:
         trial.set_user_attr(ATTR_ENGINE, params.as_spec())
         if ATTR_KIND not in trial.user_attrs:
             trial.set_user_attr(ATTR_KIND, KIND_TRIAL)
+        if self._shared:
+            trial.set_user_attr(ATTR_WORKER, worker_id())
         self._open[trial.number] = trial
         return trial.number, params
+
+    @property
+    def _shared(self) -> bool:
+        """Whether other processes measure trials of this study at the same time."""
+        return self.workers > 1 or self.joined
+
+    def _ask(self) -> optuna.Trial:
+        """Optuna's ask, the trial's first heartbeat recorded at once (a trial with none goes stale
+        only by its age).  Optuna warns that heartbeats are meant for `optimize`: kvpilot asks and
+        tells, and beats for the trial itself (`heartbeat`)."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
+            trial = self.study.ask(self.distributions)
+        self._beat(trial.number)
+        return trial
 
     def _taken(self, params: EngineParams, number: int) -> bool:
         """Whether another trial, not failed, has these params (measured, being measured, or queued)."""

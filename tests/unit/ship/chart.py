@@ -69,6 +69,12 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "webhook": {"failurePolicy": "Fail", "timeoutSeconds": 3,
                     "certManager": {"enabled": True, "issuerRef": {"name": "cluster-ca", "kind": "ClusterIssuer"}}},
     },
+    # An offline sweep as a Job (`kvpilot tune --offline --join` in 3 pods) on the tuner's PostgreSQL study.
+    "sweep": {
+        "tuner": {"storage": {"type": "postgresql", "postgresql": {"existingSecret": "kvpilot-optuna-db"}}},
+        "sweep": {"enabled": True, "parallelism": 3, "trials": 45, "studyName": "llama-h100-chat",
+                  "args": ["--model=Llama-3.1-8B", "--gpu=H100-80GB", "--workload=chat", "--slo=ttft=0.5,itl=0.05"]},
+    },
     # Operator only: no tuner Deployment, no tuner RBAC, no PVC, no dashboard.
     "operator-only": {
         "tuner": {"enabled": False},

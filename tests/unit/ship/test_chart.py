@@ -54,7 +54,7 @@ def _pod_specs(objects: list[Rendered]) -> list[tuple[str, dict[str, Any]]]:
     return [
         (r.name, r.obj["spec"]["template"]["spec"])
         for r in objects
-        if r.kind in ("Deployment", "StatefulSet")
+        if r.kind in ("Deployment", "StatefulSet", "Job")
     ]
 
 
@@ -227,7 +227,7 @@ def test_chart_args_parse_with_the_real_cli() -> None:
     from kvpilot.cli import build_parser
 
     parser = build_parser()
-    for value_set in ("default", "namespace-scoped", "namespaces-operator-only", "postgresql", "multi-tenant"):
+    for value_set in ("default", "namespace-scoped", "namespaces-operator-only", "postgresql", "multi-tenant", "sweep"):
         objects = render(value_set)
         for _, pod in _pod_specs(objects):
             for c in pod["containers"]:

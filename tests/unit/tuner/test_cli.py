@@ -47,6 +47,9 @@ def test_offline_tune_prints_a_table_writes_study_and_report_and_ends_with_the_e
         (["--trials", "0"], "--trials must be >= 1"),
         (["--tensor-parallel-size", "0"], "--tensor-parallel-size: must be >= 1"),
         (["--model", "Llama-3.1-70B", "-tp", "3"], "must be divisible by tensor parallel size (3)"),
+        (["--join"], "--join: several independent processes on one study need a database server"),
+        (["--heartbeat-interval", "0"], "--heartbeat-interval must be >= 1 second"),
+        (["--grace-period", "10"], "--grace-period must be more than --heartbeat-interval (10)"),
     ],
 )
 def test_bad_input_is_one_clear_line(args: list[str], needle: str, capsys: pytest.CaptureFixture[str],
