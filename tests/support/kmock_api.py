@@ -51,6 +51,7 @@ import subprocess
 import sys
 import threading
 import time
+import unittest.mock
 import urllib.error
 import urllib.request
 import uuid
@@ -599,6 +600,16 @@ class KMockAPI:
         """Play the kubelet: the engine container's status (a pod has one container)."""
         return self.patch(f"/api/v1/namespaces/{namespace}/pods/{name}/status",
                           {"status": {"phase": "Running", "containerStatuses": [dict(container_status)]}})
+
+
+def tuner_client(api: KMockAPI, workdir: Path, namespace: str) -> Any:
+    """The tuner's own API client (kvpilot.tuner.kubeapi.KubeAPI), configured from a kubeconfig for KMock
+    as the tuner process configures itself from $KUBECONFIG."""
+    from kvpilot.tuner.kubeapi import KubeAPI
+
+    path = api.write_kubeconfig(workdir / "kubeconfig", namespace=namespace)
+    with unittest.mock.patch.dict(os.environ, {"KUBECONFIG": str(path)}):
+        return KubeAPI.from_environment()
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05,

@@ -14,6 +14,8 @@ import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,50 @@ def _isvc(name: str, enabled: bool, **tuning: Any) -> dict[str, Any]:
     }
 
 
+@dataclass
+class TunerProcess:
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    metrics_port: int
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"tuner exited {self.proc.returncode}:\n{self.log()[-3000:]}")
+
+
+@contextmanager
+def tuner_process(api: KMockAPI, prom: PrometheusServer, tmp_path: Path, poll: float) -> Iterator[TunerProcess]:
+    """`kvpilot tuner` as the chart runs it (the storage URL from the environment); stopped with SIGTERM,
+    which it must obey promptly and cleanly (exit 0), whatever the test found."""
+    kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig", namespace=NS)
+    metrics_port = free_port()
+    log_path = tmp_path / "tuner.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvpilot.cli", "tuner", "--prometheus", prom.url,
+             "--metrics-port", str(metrics_port), "--resync", "1", "--poll", str(poll)],
+            stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+            # The storage comes from the environment, as the chart passes it (test_chart_tenancy.py).
+            env={**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1",
+                 "KVPILOT_TUNER_STORAGE": f"sqlite:///{tmp_path / 'tuner.db'}"},
+        )
+    tuner = TunerProcess(proc, log_path, metrics_port)
+    try:
+        yield tuner
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+            raise AssertionError(f"tuner ignored SIGTERM:\n{tuner.log()[-3000:]}") from None
+    assert rc == 0, tuner.log()[-3000:]
+
+
 def test_tuner_process_pauses_without_traffic_and_leaves_the_engine_alone(
     api: KMockAPI, operator: OperatorProcess, tmp_path: Path
 ) -> None:
@@ -61,25 +107,12 @@ def test_tuner_process_pauses_without_traffic_and_leaves_the_engine_alone(
         # the cluster-wide tuner must never open it.
         tenant_db = tmp_path / "tenant" / "chosen.db"
         api.create_isvc(_isvc("tenant", True, storage=f"sqlite:///{tenant_db}"))
-        kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig", namespace=NS)
-        metrics_port = free_port()
-        log_path = tmp_path / "tuner.log"
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "kvpilot.cli", "tuner", "--prometheus", prom.url,
-                 "--metrics-port", str(metrics_port), "--resync", "1", "--poll", "1"],
-                stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                # The storage comes from the environment, as the chart passes it (test_chart_tenancy.py).
-                env={**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1",
-                     "KVPILOT_TUNER_STORAGE": f"sqlite:///{tmp_path / 'tuner.db'}"},
-            )
-        try:
+        with tuner_process(api, prom, tmp_path, poll=1) as tuner:
             def tuning(name: str) -> dict[str, Any]:
                 return dict((api.get_isvc(NS, name).get("status") or {}).get("tuning") or {})
 
             def paused() -> bool:
-                if proc.poll() is not None:
-                    raise AssertionError(f"tuner exited {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+                tuner.alive()
                 return tuning("tuned").get("phase") == "Paused"
 
             wait_for(paused, timeout=90, interval=0.2, what="status.tuning.phase Paused")
@@ -87,9 +120,9 @@ def test_tuner_process_pauses_without_traffic_and_leaves_the_engine_alone(
             assert t["study"].startswith("tuning.tuned.latency.")
             assert "NoTraffic" in t["message"] or "NoData" in t["message"], t
             assert tuning("untouched") == {}
-            wait_for(lambda: f"not tuning {NS}/tenant" in log_path.read_text(), timeout=30,
+            wait_for(lambda: f"not tuning {NS}/tenant" in tuner.log(), timeout=30,
                      what="the tuner skipping the tenant's service")
-            assert "spec.tuning.storage" in log_path.read_text()
+            assert "spec.tuning.storage" in tuner.log()
             assert not tenant_db.parent.exists() and tuning("tenant") == {}
             import optuna
 
@@ -97,19 +130,10 @@ def test_tuner_process_pauses_without_traffic_and_leaves_the_engine_alone(
             assert studies == [t["study"]]
             engine = api.get_isvc(NS, "tuned")["spec"]["engine"]
             assert engine == {"maxNumBatchedTokens": 2048, "gpuMemoryUtilization": 0.9, "maxNumSeqs": 256}
-            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as resp:
+            with urllib.request.urlopen(f"http://127.0.0.1:{tuner.metrics_port}/metrics", timeout=5) as resp:
                 text = resp.read().decode()
             assert "# TYPE kvpilot_tuning_trials_total counter" in text
             assert "# TYPE kvpilot_tuning_best_value gauge" in text
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                rc = proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-                raise AssertionError(f"tuner ignored SIGTERM:\n{log_path.read_text()[-3000:]}") from None
-        assert rc == 0, log_path.read_text()[-3000:]
         # Still nothing applied: the engine fields are as the user wrote them, no trial annotation.
         obj = api.get_isvc(NS, "tuned")
         assert "kvpilot.dev/tuning-trial" not in (obj["metadata"].get("annotations") or {})
@@ -131,21 +155,9 @@ def test_the_budget_gate_holds_trials_back_says_why_and_follows_a_changed_spec(
                                                                            "end": "12:01"}]}
     with PrometheusServer(targets=[]) as prom:
         api.create_isvc(_isvc("gated", True, budgetGate=gate))
-        kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig", namespace=NS)
-        metrics_port = free_port()
-        log_path = tmp_path / "tuner.log"
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "kvpilot.cli", "tuner", "--prometheus", prom.url,
-                 "--metrics-port", str(metrics_port), "--resync", "1", "--poll", "0.5"],
-                stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                env={**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1",
-                     "KVPILOT_TUNER_STORAGE": f"sqlite:///{tmp_path / 'tuner.db'}"},
-            )
-        try:
+        with tuner_process(api, prom, tmp_path, poll=0.5) as tuner:
             def tuning() -> dict[str, Any]:
-                if proc.poll() is not None:
-                    raise AssertionError(f"tuner exited {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+                tuner.alive()
                 return dict((api.get_isvc(NS, "gated").get("status") or {}).get("tuning") or {})
 
             def condition() -> dict[str, Any]:
@@ -164,11 +176,11 @@ def test_the_budget_gate_holds_trials_back_says_why_and_follows_a_changed_spec(
                      what="the Tuning condition")
             assert condition()["status"] == "False"
             # Several polls later: still one Event for the pause.
-            polls_then = log_path.read_text().count("reason=OutsideWindow")
-            wait_for(lambda: log_path.read_text().count("reason=OutsideWindow") >= polls_then + 4, timeout=30,
+            polls_then = tuner.log().count("reason=OutsideWindow")
+            wait_for(lambda: tuner.log().count("reason=OutsideWindow") >= polls_then + 4, timeout=30,
                      what="more polls while paused")
             assert len(gate_events("OutsideWindow")) == 1
-            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as resp:
+            with urllib.request.urlopen(f"http://127.0.0.1:{tuner.metrics_port}/metrics", timeout=5) as resp:
                 text = resp.read().decode()
             assert 'kvpilot_tuning_paused{name="gated",namespace="tuning",reason="OutsideWindow"} 1.0' in text
             assert 'kvpilot_tuning_paused{name="gated",namespace="tuning",reason="BudgetLow"} 0.0' in text
@@ -178,16 +190,7 @@ def test_the_budget_gate_holds_trials_back_says_why_and_follows_a_changed_spec(
             wait_for(lambda: tuning().get("reason") == "BudgetUnknown", timeout=30, interval=0.2,
                      what="status.tuning.reason BudgetUnknown")
             assert len(gate_events("BudgetUnknown")) == 1
-            assert f"not tuning {NS}/gated" not in log_path.read_text()
+            assert f"not tuning {NS}/gated" not in tuner.log()
             engine = api.get_isvc(NS, "gated")["spec"]["engine"]
             assert engine == {"maxNumBatchedTokens": 2048, "gpuMemoryUtilization": 0.9, "maxNumSeqs": 256}
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                rc = proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-                raise AssertionError(f"tuner ignored SIGTERM:\n{log_path.read_text()[-3000:]}") from None
-        assert rc == 0, log_path.read_text()[-3000:]
         assert "kvpilot.dev/tuning-trial" not in (api.get_isvc(NS, "gated")["metadata"].get("annotations") or {})

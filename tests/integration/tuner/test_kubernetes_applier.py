@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -22,7 +21,7 @@ from kvpilot.api.vocabulary import TuningPhase
 from kvpilot.tuner.adapters.kubernetes import KubernetesApplier, KubeStatusObserver
 from kvpilot.tuner.core.loop import ApplyFailed
 from kvpilot.tuner.core.space import EngineParams
-from tests.support.kmock_api import KMockAPI, OperatorProcess, kopf_operator, wait_for
+from tests.support.kmock_api import KMockAPI, OperatorProcess, kopf_operator, tuner_client, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -62,12 +61,7 @@ def operator(api: KMockAPI, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 @pytest.fixture(scope="module")
 def client(api: KMockAPI, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from kvpilot.tuner.kubeapi import KubeAPI
-
-    path = api.write_kubeconfig(Path(tmp_path_factory.mktemp("kube")) / "kubeconfig", namespace=NS)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("KUBECONFIG", str(path))
-        return KubeAPI.from_environment()
+    return tuner_client(api, tmp_path_factory.mktemp("kube"), NS)
 
 
 def dep_path(name: str) -> str:
