@@ -229,6 +229,10 @@ def reached(parser: ServeParser, reply: dict[str, Any], base: dict[str, Any], us
     if flag == "--model":  # moved to the model's place, or (`--model.k V`) the --model option itself
         return bool(values["model_tag"] == OWNED_PROBE["--model"] or values["model"] != base["model"])
     dest = parser.dest_of[flag]
+    if flag in TYPED and "." in use.arg.partition("=")[0]:
+        # `--name.k V` becomes `--name '{"k": V}'`: a string flag (--otlp-traces-endpoint) takes that JSON
+        # as its value, so the flag was reached, with the JSON rather than the probe's value.
+        return bool(values[dest] != base[dest])
     if flag in TYPED:  # the probe's value, which the spec may happen to hold too
         return bool(values[dest] == TYPED[flag].type(PROBE_VALUE[TYPED[flag].type]))
     return bool(values[dest] != base[dest])
