@@ -85,13 +85,22 @@ class GatePolicy:
 
     def check(self, now: dt.datetime, remaining: float | None) -> Closed | None:
         """None when a trial may start at `now` (aware) with `remaining` of the budget left
-        (None: unknown).  The window is checked first: outside it the budget is not even read."""
-        if self.windows:
-            local = now.astimezone(self.zone)
-            if not any(w.contains(local) for w in self.windows):
-                spans = "; ".join(w.describe() for w in self.windows)
-                return Closed(OUTSIDE_WINDOW, f"outside the maintenance windows ({spans} {self.zone}); "
-                              f"it is {local:%a %H:%M} there")
+        (None: unknown)."""
+        return self.outside(now) or self.short(remaining)
+
+    def outside(self, now: dt.datetime) -> Closed | None:
+        """OutsideWindow when windows are given and `now` is in none of them."""
+        if not self.windows:
+            return None
+        local = now.astimezone(self.zone)
+        if any(w.contains(local) for w in self.windows):
+            return None
+        spans = "; ".join(w.describe() for w in self.windows)
+        return Closed(OUTSIDE_WINDOW, f"outside the maintenance windows ({spans} {self.zone}); "
+                      f"it is {local:%a %H:%M} there")
+
+    def short(self, remaining: float | None) -> Closed | None:
+        """BudgetUnknown or BudgetLow when less than min_remaining of the budget is known to be left."""
         if self.min_remaining <= 0.0:
             return None
         if remaining is None:
@@ -125,10 +134,5 @@ class PolicyGate:
 
     def closed(self) -> Closed | None:
         policy = self.policy  # one read: a swap mid-check must not mix two policies
-        now = self.now()
-        if policy.windows:
-            outside = policy.check(now, 1.0)
-            if outside is not None:
-                return outside
-        remaining = self.budget() if policy.reads_budget else None
-        return policy.check(now, remaining)
+        # Outside the windows the budget is not even read (a Prometheus query saved per poll).
+        return policy.outside(self.now()) or policy.short(self.budget() if policy.reads_budget else None)
