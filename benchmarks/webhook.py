@@ -208,31 +208,28 @@ def client(port: int, ca_pem: str, bodies: list[bytes], connections: int, warmup
         headers = {"Content-Type": "application/json"}
         connector = aiohttp.TCPConnector(ssl=context, limit=connections)
         async with aiohttp.ClientSession(connector=connector) as session:
-            async def worker(w: int) -> None:
-                i = w
-                while (now := time.perf_counter()) < measure_to:
-                    body = bodies[i % len(bodies)]
-                    i += connections
-                    async with session.post(url, data=body, headers=headers) as resp:
-                        answer = await resp.read()
-                    done = time.perf_counter()
-                    if now >= measure_from:
-                        latencies.append(done - now)
-                        key = str(resp.status) if resp.status != 200 else (
-                            "allowed" if b'"allowed":true' in answer else "denied")
-                        statuses[key] = statuses.get(key, 0) + 1
-
-            async def one(i: int, scheduled: float, gate: asyncio.Semaphore) -> None:
-                async with gate, session.post(url, data=bodies[i % len(bodies)], headers=headers) as resp:
+            async def review(i: int, since: float) -> None:
+                """Send review i; count it (timed from `since`) when `since` is in the measured span."""
+                async with session.post(url, data=bodies[i % len(bodies)], headers=headers) as resp:
                     answer = await resp.read()
                 done = time.perf_counter()
-                if scheduled >= measure_from:
-                    # From when the review was due, not when a connection was free: a server that
-                    # falls behind shows it (no coordinated omission).
-                    latencies.append(done - scheduled)
+                if since >= measure_from:
+                    latencies.append(done - since)
                     key = str(resp.status) if resp.status != 200 else (
                         "allowed" if b'"allowed":true' in answer else "denied")
                     statuses[key] = statuses.get(key, 0) + 1
+
+            async def worker(w: int) -> None:
+                i = w
+                while (now := time.perf_counter()) < measure_to:
+                    await review(i, now)
+                    i += connections
+
+            async def one(i: int, scheduled: float, gate: asyncio.Semaphore) -> None:
+                # Timed from when the review was due, not when a connection was free: a server that
+                # falls behind shows it (no coordinated omission).
+                async with gate:
+                    await review(i, scheduled)
 
             while time.perf_counter() < start_at:
                 await asyncio.sleep(0.01)
