@@ -96,9 +96,10 @@ def test_a_run_killed_mid_trial_resumes_with_the_cut_trial_failed_and_measured_a
     proc = subprocess.Popen([sys.executable, "-m", "kvpilot.cli", *args], stdout=log, stderr=subprocess.STDOUT,
                             cwd=tmp_path, env=_env(postgres_url))
     def measuring(ts: list[Any]) -> bool:
-        # A trial in progress whose config is drawn (a trial just asked for has no params yet).
+        # A trial in progress whose whole config is drawn (a trial just asked for has no params yet, and
+        # the sampler draws them one by one: a kill between two draws leaves a partial config).
         return any(t.state == TrialState.COMPLETE for t in ts) and ts[-1].state == TrialState.RUNNING \
-            and bool(ts[-1].params)
+            and set(ts[-1].params) >= {"maxNumBatchedTokens", "gpuMemoryUtilization", "maxNumSeqs"}
 
     try:
         def complete_and_running() -> bool:
