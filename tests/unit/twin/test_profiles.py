@@ -1,0 +1,66 @@
+"""Device profiles: a measured device (a CPU here) for the twin, read from JSON with errors that name the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvpilot.twin.engine import Engine, EngineConfig
+from kvpilot.twin.hardware import GiB
+from kvpilot.twin.models import resolve_model
+from kvpilot.twin.profiles import DeviceProfile, DeviceProfileError
+from kvpilot.twin.steptime import StepTimeModel
+
+CPU = {"name": "cpu", "total_memory_bytes": 24 * GiB, "bf16_flops": 1.5e12, "hbm_bandwidth": 20e9}
+
+
+def test_a_profile_round_trips_and_prices_steps_with_its_own_constants(tmp_path: Path) -> None:
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"device": CPU, "step_time": {"cpu_overhead_s": 0.004}, "source": "here"}))
+    profile = DeviceProfile.load(path)
+    assert profile.device.bf16_flops == 1.5e12 and profile.step_time.cpu_overhead_s == 0.004
+    profile.write(tmp_path / "again.json")
+    assert DeviceProfile.load(tmp_path / "again.json") == profile
+    model = resolve_model("meta-llama/Llama-3.1-8B-Instruct")
+    slow = StepTimeModel(model, profile.device, 1, profile.step_time).step_time(1, 1, 1, 0.0, 100)
+    fast = StepTimeModel(model, profile.device, 1, profile.step_time.__class__()).step_time(1, 1, 1, 0.0, 100)
+    assert slow - fast == pytest.approx(0.004 - profile.step_time.__class__().cpu_overhead_s)
+
+
+def test_an_engine_runs_on_a_profiled_device_with_a_fixed_kv_cache() -> None:
+    profile = DeviceProfile.from_dict({"device": CPU})
+    config = EngineConfig(model=resolve_model("Qwen/Qwen2.5-7B-Instruct"), gpu=profile.device,
+                          max_num_batched_tokens=256, max_num_seqs=8, max_model_len=4096,
+                          gpu_memory_utilization=None, kv_cache_memory_bytes=GiB, block_size=128,
+                          async_scheduling=False, step_time_params=profile.step_time)
+    engine = Engine(config)
+    assert engine.num_gpu_blocks * 128 * config.model.kv_bytes_per_token() <= GiB
+    engine.add_request("a", 300, 4)
+    steps = 0
+    while engine.has_unfinished_requests():
+        assert engine.step().duration_s > 0
+        steps += 1
+    assert steps == 2 + 3  # 300 prompt tokens in chunks of 256, then three more decodes
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ([], "JSON object"),
+    ({"device": {**CPU, "bf16_flops": "fast"}}, "device.bf16_flops: must be a non-negative number"),
+    ({"device": {k: v for k, v in CPU.items() if k != "hbm_bandwidth"}}, "device.hbm_bandwidth: required"),
+    ({"device": CPU, "step_time": {"cpu_overhead": 1}}, "step_time.cpu_overhead: unknown field"),
+    ({"device": CPU, "step_time": {"cpu_overhead_s": True}}, "step_time.cpu_overhead_s: must be"),
+    ({"device": {**CPU, "name": 3}}, "device.name: must be a string"),
+])
+def test_a_bad_profile_is_refused_naming_the_field(data: object, message: str) -> None:
+    with pytest.raises(DeviceProfileError, match=message):
+        DeviceProfile.from_dict(data)
+
+
+def test_an_unreadable_profile_says_so(tmp_path: Path) -> None:
+    with pytest.raises(DeviceProfileError, match="cannot read"):
+        DeviceProfile.load(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(DeviceProfileError, match="not JSON"):
+        DeviceProfile.load(tmp_path / "bad.json")
