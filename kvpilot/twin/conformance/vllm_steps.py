@@ -4,7 +4,8 @@ step by step.
     <vllm venv>/bin/python vllm_steps.py --model DIR --max-num-batched-tokens N --max-num-seqs S
 
 Runs inside the real-vLLM venv and imports nothing from kvpilot (the protocol is plain JSON lines).
-Each input line is `{"requests": [{"prompt_len", "max_tokens", "arrival_step"}, ...]}`; the answer is
+Each input line is `{"requests": [{"prompt_len", "max_tokens", "arrival_step"}, ...]}` (arrival steps
+count from 1, as in kvpilot.twin.conformance.replay); the answer is
 `{"steps": [[tokens, requests, prefill_pairs, decode_kv_tokens, seconds], ...]}`, one row per engine
 step that ran a batch: what the step scheduled, in the twin's step-time terms (see
 kvpilot.twin.scheduler: a request given one token is a decode reading its whole context, one given
@@ -94,19 +95,20 @@ class Engine:
         self.rows = []
         k = 0
         j = 0
+        # Arrivals as kvpilot.twin.conformance.replay counts them: before the schedule() call numbered
+        # `arrival_step` (from 1), and an idle engine jumps to the next arrival.
         while j < len(pending) or self.engine.has_unfinished_requests():
-            while j < len(pending) and pending[j][1].get("arrival_step", 0) <= k:
+            if not self.engine.has_unfinished_requests():
+                k = max(k, pending[j][1].get("arrival_step", 1) - 1)
+            k += 1
+            while j < len(pending) and pending[j][1].get("arrival_step", 1) <= k:
                 i, req = pending[j]
                 # Distinct tokens per request (no prefix-cache hits between requests).
                 ids = [(i * 7919 + t * 31 + tag) % (self.vocab - 10) + 5 for t in range(req["prompt_len"])]
                 params = self.SamplingParams(max_tokens=req["max_tokens"], ignore_eos=True, temperature=0.0)
                 self.engine.add_request(f"{tag}-{i}", {"prompt_token_ids": ids}, params)
                 j += 1
-            if not self.engine.has_unfinished_requests():
-                k = pending[j][1].get("arrival_step", 0)  # an idle engine waits for the next arrival
-                continue
             self.engine.step()
-            k += 1
         return self.rows
 
 
