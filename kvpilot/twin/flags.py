@@ -19,6 +19,7 @@ from kvpilot.api import vllm as vllm_facts
 from kvpilot.twin.engine import EngineConfig
 from kvpilot.twin.hardware import DEFAULT_GPU, GPU_PRESETS, GpuSpec, resolve_gpu
 from kvpilot.twin.models import MODEL_PRESETS, ModelSpec, ModelSpecError, load_model_config, resolve_model
+from kvpilot.twin.profiles import DeviceProfile
 
 # The environment variable the twin's commands read when `--gpu` is not given (a pod's env, say).
 GPU_ENV = "KVPILOT_TWIN_GPU"
@@ -163,6 +164,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
                    help=f"GPU preset: {', '.join(GPU_PRESETS)} (default ${GPU_ENV} or {DEFAULT_GPU})")
     t.add_argument("--model-config", default=None, metavar="CONFIG_JSON",
                    help="a Hugging Face config.json for a model without a preset")
+    t.add_argument("--device-profile", default=None, metavar="JSON",
+                   help="a measured device instead of a GPU preset: its peaks and fitted step-time constants "
+                        "(see kvpilot/twin/profiles.py; benchmarks/twin_vs_vllm.py --calibrate writes one for "
+                        "vLLM on this host's CPU); not with --gpu")
     ig = parser.add_argument_group("accepted and ignored (no effect on the simulation)")
     for flag in HARMLESS_VALUE_FLAGS:
         ig.add_argument(flag, default=None, metavar="VALUE", help=argparse.SUPPRESS)
@@ -192,6 +197,13 @@ def engine_config_from_args(args: argparse.Namespace, *, model: ModelSpec | None
                             gpu: GpuSpec | None = None) -> EngineConfig:
     """EngineConfig from parsed flags.  ValueError subclasses for unknown GPUs/models.  `model` and
     `gpu`, when given, stand for the ones the flags name (a config.json already read, say)."""
+    knobs: dict[str, Any] = {}
+    if getattr(args, "device_profile", None):
+        if getattr(args, "gpu", None):
+            raise ValueError("--device-profile and --gpu both name the device: give one")
+        profile = DeviceProfile.load(args.device_profile)
+        gpu = gpu or profile.device
+        knobs["step_time_params"] = profile.step_time
     served = args.served_model_name[0] if args.served_model_name else (
         getattr(args, "model", None) or getattr(args, "model_flag", None))
     return EngineConfig.resolve(
@@ -213,4 +225,5 @@ def engine_config_from_args(args: argparse.Namespace, *, model: ModelSpec | None
         watermark=args.watermark,
         prefill_schedule_interval=args.prefill_schedule_interval,
         async_scheduling=args.async_scheduling,
+        **knobs,
     )

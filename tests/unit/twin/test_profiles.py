@@ -64,3 +64,28 @@ def test_an_unreadable_profile_says_so(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(DeviceProfileError, match="not JSON"):
         DeviceProfile.load(tmp_path / "bad.json")
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    from kvpilot.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_twin_run_simulates_the_profiled_device(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "p.json").write_text(json.dumps({"device": CPU, "step_time": {"cpu_overhead_s": 0.004}}))
+    args = ["twin", "run", "Qwen/Qwen2.5-7B-Instruct", "--workload", "poisson:rate=2", "--num-requests", "20",
+            "--kv-cache-memory-bytes", "1Gi", "--block-size", "128", "--max-model-len", "4096", "--no-histograms"]
+    code, out, _ = run_cli([*args, "--device-profile", str(tmp_path / "p.json")], capsys)
+    assert code == 0
+    report = json.loads(out)
+    assert report["config"]["gpu"] == "cpu"
+    # every step pays the profile's 4 ms of overhead, so no token gap is shorter
+    assert report["itl_s"]["p50"] >= 0.004
+    code, _, err = run_cli([*args, "--device-profile", str(tmp_path / "p.json"), "--gpu", "L4"], capsys)
+    assert code == 2 and "--device-profile and --gpu" in err
