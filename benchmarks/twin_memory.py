@@ -15,11 +15,15 @@ Terms of the plan and the rows that fit them (train rows only):
 - non-torch memory inside the budget: logged `non_torch_gib` at TP 1; its TP > 1 excess;
 - memory held before vLLM measures free memory at TP > 1 (NCCL communicators, custom all-reduce
   buffers): logged free memory at start-up, TP 1 against TP > 1 on the same GPU;
-- the sampler warm-up: logged activation peaks where the sampler outweighs the forward pass
-  (vLLM's PyTorch top-k/top-p sampler); for logs that say FlashInfer samples, the activation left
-  over once weights, KV cache and non-torch memory are taken from the budget;
+- the sampler warm-up of model runner V1: logged activation peaks where the sampler outweighs the
+  forward pass (vLLM's PyTorch top-k/top-p sampler); for logs that say FlashInfer samples, the
+  activation left over once weights, KV cache and non-torch memory are taken from the budget.
+  Model runner V2 (vLLM's default for dense models since 0.25; Qwen3 since 0.22, Llama and Mistral
+  since 0.23) warms up without top-k/top-p: its term comes from vLLM's source, not from a fit;
 - the CUDA-graph estimate per decoder layer: logged `Estimated CUDA graph memory`, applied in the
   budget for vLLM >= 0.21, where vLLM subtracts it.
+Which of these terms a log's vLLM release uses is `kvpilot.twin.memory.profile_for_vllm`, the same
+function that gives the twin its own default (`DEFAULT_PROFILE`, the release it stands for).
 Rows whose model the twin cannot size (quantized weights) or whose GPU is unnamed only feed the
 terms they log; every row says which figures are vLLM defaults rather than logged flags.
 """
@@ -41,18 +45,21 @@ sys.path.insert(0, str(ROOT.parent))
 
 from kvpilot.twin.hardware import GiB, GpuSpec, resolve_gpu  # noqa: E402
 from kvpilot.twin.memory import (  # noqa: E402
+    CUDA_GRAPH_IN_BUDGET_SINCE,
     DEFAULT_PROFILE,
+    FITTED_PROFILE,
     EngineStartupError,
     MemoryProfile,
     forward_peak_bytes,
     plan_memory,
+    profile_for_vllm,
+    runs_model_runner_v2,
     sampler_peak_bytes,
 )
 from kvpilot.twin.models import ModelSpec, resolve_model  # noqa: E402
 
 DATA = ROOT / "data" / "vllm_startup_logs.jsonl"
 GOAL_VERSION = (0, 17)
-CUDA_GRAPH_IN_BUDGET_SINCE = (0, 21)
 GOAL_MEDIAN, GOAL_MAX = 0.02, 0.08
 
 # The constants the twin used before this fit: no start-up hold at TP > 1, three fp32 copies of
@@ -111,6 +118,28 @@ class StartupLog:
     @property
     def version_label(self) -> str:
         return ".".join(map(str, self.vllm_version))
+
+    @property
+    def unplannable_reason(self) -> str:
+        """Why the twin cannot size this log's cache ('' where it can)."""
+        if self.spec is None:
+            return "weights the twin cannot size (not a preset model)"
+        if self.gpu_spec is None:
+            return "the GPU's total memory is not logged"
+        if "kv_cache_gib" not in self.logged:
+            return "no KV cache logged"
+        return ""
+
+    @property
+    def model_runner_v2(self) -> bool:
+        return runs_model_runner_v2(self.vllm_version, self.model or "")
+
+    @property
+    def terms_label(self) -> str:
+        """Which start-up terms this log's vLLM release uses: model runner and sampler, graphs."""
+        sampler = "V2" if self.model_runner_v2 else ("V1 flashinfer" if self.sampler == "flashinfer" else "V1 torch")
+        graphs = "+graphs" if self.vllm_version >= CUDA_GRAPH_IN_BUDGET_SINCE else ""
+        return sampler + graphs
 
 
 def _version(text: object, row: str) -> tuple[int, ...]:
@@ -196,9 +225,9 @@ class Fit:
     flashinfer_sampler_fp32_copies: float
 
     def profile_for(self, log: StartupLog) -> MemoryProfile:
-        copies = self.flashinfer_sampler_fp32_copies if log.sampler == "flashinfer" else self.profile.sampler_fp32_copies
-        return dataclasses.replace(self.profile, sampler_fp32_copies=copies,
-                                   cuda_graph_in_budget=log.vllm_version >= CUDA_GRAPH_IN_BUDGET_SINCE)
+        """The fitted constants, with the terms of the log's vLLM release (as the twin picks them)."""
+        return profile_for_vllm(log.vllm_version, log.model or "", flashinfer_sampler=log.sampler == "flashinfer",
+                                base=self.profile, flashinfer_fp32_copies=self.flashinfer_sampler_fp32_copies)
 
 
 def fit(logs: Sequence[StartupLog]) -> Fit:
@@ -223,8 +252,8 @@ def fit(logs: Sequence[StartupLog]) -> Fit:
     flashinfer_copies: list[float] = []
     for log in train:
         model = log.spec
-        if model is None:
-            continue
+        if model is None or log.model_runner_v2:
+            continue  # model runner V2's warm-up is read from vLLM's source, not fitted
         per_copy = sampler_peak_bytes(model, log.max_num_batched_tokens, log.max_num_seqs, 1.0)
         forward = forward_peak_bytes(model, log.tp, log.max_num_batched_tokens)
         if "activation_peak_gib" in log.logged:
@@ -285,23 +314,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logs = load_logs(args.data)
     fitted = fit(logs)
-    p, d = fitted.profile, DEFAULT_PROFILE
+    p, d = fitted.profile, FITTED_PROFILE
     print(f"{len(logs)} logs ({sum(1 for log in logs if log.plannable)} the twin can size), "
           f"{sum(1 for log in logs if log.vllm_version >= GOAL_VERSION)} from vLLM >= 0.17")
-    print("fitted on the train logs        (kvpilot.twin.memory.DEFAULT_PROFILE):")
+    print("fitted on the train logs        (kvpilot.twin.memory.FITTED_PROFILE):")
     rows = [("non-torch memory, TP 1", p.non_torch_bytes / GiB, d.non_torch_bytes / GiB, "GiB"),
             ("non-torch excess at TP > 1", p.tp_non_torch_bytes / GiB, d.tp_non_torch_bytes / GiB, "GiB"),
             ("held before the free-memory check", p.tp_startup_bytes / GiB, d.tp_startup_bytes / GiB, "GiB"),
             ("sampler fp32 logit copies", p.sampler_fp32_copies, d.sampler_fp32_copies, ""),
             ("  the same, FlashInfer sampler", fitted.flashinfer_sampler_fp32_copies, None, ""),
+            ("  model runner V2 (vLLM source)", DEFAULT_PROFILE.sampler_fp32_copies, None, ""),
             ("CUDA-graph estimate per layer", p.cuda_graph_bytes_per_layer / 2**20,
              d.cuda_graph_bytes_per_layer / 2**20, "MiB")]
     for name, value, default, unit in rows:
         note = "" if default is None else f"   (default {default:.2f}{unit and ' ' + unit})"
         print(f"  {name:36s} {value:6.2f} {unit:3s}{note}")
     print()
-    print(f"{'log':34s} {'vLLM':9s} {'model':12s} {'gpu':9s} tp {'split':5s} {'logged':>8s} {'twin':>8s} "
-          f"{'error':>7s} {'before':>7s}")
+    print("terms: the model runner whose profiling run sizes the sampler warm-up (V1 torch: PyTorch top-k/top-p; "
+          "V1 flashinfer; V2), +graphs: the CUDA-graph estimate comes out of the budget")
+    print(f"{'log':34s} {'vLLM':9s} {'model':12s} {'gpu':9s} tp {'split':5s} {'terms':17s} {'logged':>8s} "
+          f"{'twin':>8s} {'error':>7s} {'before':>7s}")
     groups: dict[tuple[str, bool], list[float]] = {}
     before: dict[tuple[str, bool], list[float]] = {}
     for log in logs:
@@ -316,7 +348,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             before.setdefault(key, []).append(old)
         twin = f"{kv / GiB:8.2f}" if kv is not None else "  refuse"
         print(f"{log.id:34s} {log.version_label:9s} {log.model or '-':12s} {log.gpu or '-':9s} {log.tp:2d} "
-              f"{log.split:5s} {log.logged['kv_cache_gib']:8.2f} {twin} {err:+7.1%} {old:+7.1%}")
+              f"{log.split:5s} {log.terms_label:17s} {log.logged['kv_cache_gib']:8.2f} {twin} {err:+7.1%} "
+              f"{old:+7.1%}")
+    for log in logs:
+        if not log.plannable:
+            print(f"{log.id:34s} {log.version_label:9s} not sized: {log.unplannable_reason}; feeds only the terms "
+                  "it logs")
     print()
     print("KV-cache error |twin - logged| / logged (before: the constants the twin had before the fit)")
     for split in ("train", "test"):
