@@ -11,8 +11,9 @@ The activation peak is the larger of a profiling forward pass of `max_num_batche
 and the sampler's warm-up over min(`max_num_seqs`, tokens) rows of full-vocabulary logits, so a
 larger token budget (or, for large vocabularies, more sequences) leaves fewer blocks.  How big the
 warm-up is depends on the model runner that runs it (`profile_for_vllm`): model runner V1 warms up
-vLLM's top-k/top-p sampler, whose PyTorch path sorts the whole vocabulary (about ten fp32 copies of
-the logits at its peak; FlashInfer's kernel far fewer); model runner V2, vLLM's default for dense
+vLLM's top-k/top-p sampler, whose PyTorch path sorted the whole vocabulary until 0.17 (about ten
+fp32 copies of the logits at its peak; FlashInfer's kernel far fewer) and since 0.17 masks them in a
+Triton kernel (four copies); model runner V2, vLLM's default for dense
 models since 0.25 (Qwen3 since 0.22, Llama and Mistral since 0.23), samples the dummy batch without
 top-k, top-p or logprobs, so its peak is the logits and their fp32 copy.  Since vLLM 0.21 the
 CUDA-graph memory estimate also comes out of the budget.  At tensor parallelism above 1 the NCCL
@@ -50,6 +51,13 @@ TP_STARTUP_BYTES = int(0.93 * GiB)
 SAMPLER_FP32_COPIES = 9.7
 # The same warm-up where FlashInfer's top-k/top-p kernel samples (no full-vocabulary sort).
 FLASHINFER_SAMPLER_FP32_COPIES = 2.5
+# Model runner V1 since vLLM 0.17 (vllm/v1/sample/ops/topk_topp_sampler.py): top-k/top-p run in a
+# Triton kernel (vLLM #33538, pivot search, no full-vocabulary sort) for batches of 8 or more.  The
+# warm-up then holds the 16-bit logits `compute_logits` returns (0.5), their fp32 copy the sampler
+# works on (1, masked in place), the softmax probabilities (1) and `random_sample`'s exponential
+# noise (1), plus the kernel's fp32 [programs x vocab] scratch, one row per SM up to the batch (about
+# 0.5 of a copy at vLLM's default 256 sequences on an A100).  Read from vLLM 0.17-0.19's source.
+V1_TRITON_SAMPLER_FP32_COPIES = 4.0
 # Model runner V2 (vllm/v1/worker/gpu/sample/sampler.py): the dummy batch asks for no top-k, top-p,
 # min-p or logprobs, so the warm-up holds the 16-bit logits `compute_logits` returns and the fp32
 # copy the sampler works on.  Read from vLLM's source, not fitted: no training log runs V2.
@@ -59,6 +67,7 @@ CUDA_GRAPH_BYTES_PER_LAYER = int(0.52 * GiB / 36)
 
 # vLLM releases where its start-up accounting changed (release notes; PR numbers in vLLM's repo).
 CUDA_GRAPH_IN_BUDGET_SINCE = (0, 21)  # VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS on by default
+TRITON_TOP_K_TOP_P_SINCE = (0, 17)  # model runner V1's top-k/top-p in Triton (#33538), no sort
 # Model runner V2 became the default for dense models in steps: Qwen3 (0.22 release notes), then
 # Llama and Mistral (#43458, 0.23), then every dense model (#44443, 0.25).
 V2_MODEL_RUNNER_SINCE: tuple[tuple[tuple[str, ...], tuple[int, int]], ...] = (
@@ -111,12 +120,14 @@ def profile_for_vllm(version: tuple[int, ...], model_name: str = "", *, flashinf
                      flashinfer_fp32_copies: float = FLASHINFER_SAMPLER_FP32_COPIES) -> MemoryProfile:
     """The start-up terms of vLLM `version` for this model: which sampler the profiling run warms up,
     and whether the CUDA-graph estimate comes out of the budget.  `base` gives the fitted constants
-    (its sampler copies are model runner V1's PyTorch sampler)."""
+    (its sampler copies are model runner V1's sort-based PyTorch sampler, before 0.17)."""
     base = FITTED_PROFILE if base is None else base
     if runs_model_runner_v2(version, model_name):
         copies = V2_SAMPLER_FP32_COPIES
     elif flashinfer_sampler:
         copies = flashinfer_fp32_copies
+    elif version >= TRITON_TOP_K_TOP_P_SINCE:
+        copies = V1_TRITON_SAMPLER_FP32_COPIES
     else:
         copies = base.sampler_fp32_copies
     return replace(base, sampler_fp32_copies=copies, cuda_graph_in_budget=version >= CUDA_GRAPH_IN_BUDGET_SINCE)
