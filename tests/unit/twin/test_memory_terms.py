@@ -22,6 +22,7 @@ from kvpilot.twin.memory import (
     FITTED_PROFILE,
     FLASHINFER_SAMPLER_FP32_COPIES,
     SAMPLER_FP32_COPIES,
+    V1_TRITON_SAMPLER_FP32_COPIES,
     V2_SAMPLER_FP32_COPIES,
     EngineStartupError,
     MemoryProfile,
@@ -88,6 +89,13 @@ def test_each_vllm_release_gets_its_own_sampler_warm_up_and_graph_term() -> None
     assert profile_for_vllm((0, 10, 1, 1), "Qwen2.5-7B", flashinfer_sampler=True).sampler_fp32_copies == \
         FLASHINFER_SAMPLER_FP32_COPIES
     assert profile_for_vllm((0, 21, 0), "Qwen3-8B").cuda_graph_in_budget
+    # Model runner V1 stopped sorting the vocabulary in 0.17 (Triton top-k/top-p): a smaller warm-up,
+    # until V2 takes the model over; FlashInfer, where a log says it samples, keeps its own term.
+    assert profile_for_vllm((0, 16, 0), "Qwen3-8B").sampler_fp32_copies == SAMPLER_FP32_COPIES
+    assert profile_for_vllm((0, 19, 1), "Qwen3-8B").sampler_fp32_copies == V1_TRITON_SAMPLER_FP32_COPIES
+    assert profile_for_vllm((0, 24, 0), "Qwen2.5-7B").sampler_fp32_copies == V1_TRITON_SAMPLER_FP32_COPIES
+    assert profile_for_vllm((0, 19, 1), "Qwen3-8B", flashinfer_sampler=True).sampler_fp32_copies == \
+        FLASHINFER_SAMPLER_FP32_COPIES
     # Model runner V2 took over dense models family by family: Qwen3 in 0.22, Llama and Mistral in
     # 0.23, every dense model in 0.25; V2 warms up without top-k/top-p, FlashInfer or not.
     assert runs_model_runner_v2((0, 22, 0), "Qwen/Qwen3-8B") and not runs_model_runner_v2((0, 22, 0), "Llama-3.1-8B")
@@ -166,6 +174,15 @@ def test_defaults_are_the_constants_fitted_on_the_training_logs() -> None:
         assert getattr(FITTED_PROFILE, field) == pytest.approx(getattr(fitted, field), abs=0.01 * GiB), field
     assert FITTED_PROFILE.sampler_fp32_copies == pytest.approx(fitted.sampler_fp32_copies, abs=0.05)
     assert fit.flashinfer_sampler_fp32_copies == pytest.approx(FLASHINFER_SAMPLER_FP32_COPIES, abs=0.05)
+
+
+def test_a_gpu_without_a_preset_is_sized_from_its_logged_total() -> None:
+    twin_memory = _benchmark()
+    row = json.loads((ROOT / "benchmarks" / "data" / "vllm_startup_logs.jsonl").read_text().splitlines()[0])
+    log = twin_memory.parse_row({**row, "gpu": "A100-SXM4-40GB", "gpu_total_gib": 39.39}, 1)
+    assert log.gpu_spec is not None and log.gpu_spec.total_memory_bytes == int(39.39 * GiB)
+    with pytest.raises(twin_memory.DatasetError, match="unknown GPU"):
+        twin_memory.parse_row({**row, "gpu": "A100-SXM4-40GB", "gpu_total_gib": None}, 1)
 
 
 @pytest.mark.parametrize(("change", "match"), [
