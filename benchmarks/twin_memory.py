@@ -9,7 +9,7 @@ the log says).  Each row has a fixed `split`: `train` rows fit the memory plan's
 (`kvpilot.twin.memory.MemoryProfile`), `test` rows only check them.  The split is set when a row is
 added, before the twin is run on it: the logs of one source alternate train, test in the order of
 the start time vLLM prints in them (the tokenkaki A100 40GB logs: the 14:50 `vllm bench latency`
-start train, the 17:21 `vllm serve` start test).  Then it prints, per log, the
+start train, the 17:21 `vllm serve` start test; the retriva RTX 3060 logs: 17:24 train, 17:49 test).  Then it prints, per log, the
 KV cache the twin plans against the one vLLM logged, and the median and max error on the train
 and the held-out logs, overall and for vLLM >= 0.17, next to the same figures for the constants
 the twin had before they were fitted (`PREVIOUS`).
@@ -30,7 +30,8 @@ Terms of the plan and the rows that fit them (train rows only):
 Which of these terms a log's vLLM release uses is `kvpilot.twin.memory.profile_for_vllm`, the same
 function that gives the twin its own default (`DEFAULT_PROFILE`, the release it stands for).
 Rows whose model the twin cannot size (quantized weights) or whose GPU is unnamed only feed the
-terms they log; a GPU the twin has no preset for is sized from the row's `gpu_total_gib`.  Every
+terms they log, and so do rows marked `excluded`, whose figures break vLLM's own arithmetic (the
+row says how); a GPU the twin has no preset for is sized from the row's `gpu_total_gib`.  Every
 row says which figures are vLLM defaults rather than logged flags.
 """
 
@@ -104,6 +105,7 @@ class StartupLog:
     split: str
     logged: dict[str, float]
     defaults_inferred: tuple[str, ...] = ()
+    excluded: str = ""  # why the log's figures cannot be sized as vLLM's formula (kept, not sized)
 
     @property
     def spec(self) -> ModelSpec | None:
@@ -127,7 +129,8 @@ class StartupLog:
     @property
     def plannable(self) -> bool:
         """The twin can size this log's KV cache: a preset model, a named GPU, a logged cache."""
-        return self.spec is not None and self.gpu_spec is not None and "kv_cache_gib" in self.logged
+        return (self.spec is not None and self.gpu_spec is not None and "kv_cache_gib" in self.logged
+                and not self.excluded)
 
     @property
     def version_label(self) -> str:
@@ -142,7 +145,7 @@ class StartupLog:
             return "the GPU's total memory is not logged"
         if "kv_cache_gib" not in self.logged:
             return "no KV cache logged"
-        return ""
+        return self.excluded
 
     @property
     def model_runner_v2(self) -> bool:
@@ -207,6 +210,7 @@ def parse_row(raw: dict[str, Any], lineno: int) -> StartupLog:
         max_num_seqs=raw["max_num_seqs"], max_model_len=raw["max_model_len"], block_size=raw["block_size"],
         kv_cache_dtype=str(raw.get("kv_cache_dtype", "auto")), sampler=raw.get("sampler"), split=raw["split"],
         logged={k: float(v) for k, v in logged.items()}, defaults_inferred=tuple(inferred),
+        excluded=str(raw.get("excluded", "")),
     )
     try:  # resolve the names now, so a typo fails here
         _ = (log.spec, log.gpu_spec)

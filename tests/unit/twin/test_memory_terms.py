@@ -162,6 +162,7 @@ def test_dataset_parses_and_every_row_has_its_source() -> None:
     assert all(log.source_url.startswith("https://github.com/") for log in logs)
     assert {log.split for log in logs} == {"train", "test"}
     assert sum(1 for log in logs if log.plannable and log.split == "test") >= 4
+    assert all(not log.plannable and log.unplannable_reason == log.excluded for log in logs if log.excluded)
     for raw in map(json.loads, (ROOT / "benchmarks" / "data" / "vllm_startup_logs.jsonl").read_text().splitlines()):
         assert raw["logged"], raw["id"]
 
