@@ -4,25 +4,35 @@ vLLM (V1 worker, `determine_available_memory` + `kv_cache_utils`):
 
     requested  = gpu_memory_utilization x total GPU memory          (per instance, per rank)
     available  = requested - weights - activation peak - non-torch   (or --kv-cache-memory-bytes)
+                 - CUDA-graph estimate                                (vLLM >= 0.21)
     blocks     = available // (2 x block_size x kv_heads/rank x head_dim x kv dtype bytes x layers)
 
 The activation peak is the larger of a profiling forward pass of `max_num_batched_tokens` tokens
-and the sampler's warm-up over `max_num_seqs` rows of full-vocabulary fp32 logits, so a larger token
-budget (or, for large vocabularies, more sequences) leaves fewer blocks.  Since vLLM 0.21 the
+and the sampler's warm-up over min(`max_num_seqs`, tokens) rows of full-vocabulary logits, so a
+larger token budget (or, for large vocabularies, more sequences) leaves fewer blocks.  How big the
+warm-up is depends on the model runner that runs it (`profile_for_vllm`): model runner V1 warms up
+vLLM's top-k/top-p sampler, whose PyTorch path sorted the whole vocabulary until 0.17 (about ten
+fp32 copies of the logits at its peak; FlashInfer's kernel far fewer) and since 0.17 masks them in a
+Triton kernel (four copies); model runner V2, vLLM's default for dense
+models since 0.25 (Qwen3 since 0.22, Llama and Mistral since 0.23), samples the dummy batch without
+top-k, top-p or logprobs, so its peak is the logits and their fp32 copy.  Since vLLM 0.21 the
 CUDA-graph memory estimate also comes out of the budget.  At tensor parallelism above 1 the NCCL
 communicators and custom all-reduce buffers exist before vLLM measures free memory, so they count
-against the free-memory check, not the budget.
+against the free-memory check, not the budget; the collectives of the profiling run add non-torch
+memory inside it.
 Start-up fails, with vLLM's wording, when the GPU has less free memory than requested, when
 nothing is left for the cache, or when the cache cannot hold one `max_model_len` sequence.
 
-The constants that are not model shapes live in `MemoryProfile`; `DEFAULT_PROFILE` holds values
+The constants that are not model shapes live in `MemoryProfile`; `FITTED_PROFILE` holds values
 fitted to published vLLM start-up logs (`benchmarks/twin_memory.py` prints the fit and its errors
-on `benchmarks/data/vllm_startup_logs.jsonl`).
+on `benchmarks/data/vllm_startup_logs.jsonl`), and `DEFAULT_PROFILE` is the profile of the vLLM
+release the twin stands for (`kvpilot.api.vllm.VLLM_VERSION`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 
 from kvpilot.api import vllm
 from kvpilot.twin.hardware import GiB, GpuSpec
@@ -35,11 +45,36 @@ NON_TORCH_BYTES = int(0.13 * GiB)
 NCCL_BYTES = int(0.41 * GiB)
 # NCCL communicators and custom all-reduce buffers allocated before vLLM snapshots free memory.
 TP_STARTUP_BYTES = int(0.93 * GiB)
-# The sampler warm-up holds about this many fp32 [rows x vocab] tensors at its peak: logits,
-# probabilities, sorted values and int64 indices of the top-k/top-p sort, logprobs.
+# Model runner V1's sampler warm-up holds about this many fp32 [rows x vocab] tensors at its peak
+# on vLLM's PyTorch top-k/top-p path: logits, probabilities, sorted values and int64 indices of the
+# sort, logprobs.
 SAMPLER_FP32_COPIES = 9.7
+# The same warm-up where FlashInfer's top-k/top-p kernel samples (no full-vocabulary sort).
+FLASHINFER_SAMPLER_FP32_COPIES = 2.5
+# Model runner V1 since vLLM 0.17 (vllm/v1/sample/ops/topk_topp_sampler.py): top-k/top-p run in a
+# Triton kernel (vLLM #33538, pivot search, no full-vocabulary sort) for batches of 8 or more.  The
+# warm-up then holds the 16-bit logits `compute_logits` returns (0.5), their fp32 copy the sampler
+# works on (1, masked in place), the softmax probabilities (1) and `random_sample`'s exponential
+# noise (1), plus the kernel's fp32 [programs x vocab] scratch, one row per SM up to the batch (about
+# 0.5 of a copy at vLLM's default 256 sequences on an A100).  Read from vLLM 0.17-0.19's source.
+V1_TRITON_SAMPLER_FP32_COPIES = 4.0
+# Model runner V2 (vllm/v1/worker/gpu/sample/sampler.py): the dummy batch asks for no top-k, top-p,
+# min-p or logprobs, so the warm-up holds the 16-bit logits `compute_logits` returns and the fp32
+# copy the sampler works on.  Read from vLLM's source, not fitted: no training log runs V2.
+V2_SAMPLER_FP32_COPIES = 1.5
 # vLLM's CUDA-graph memory estimate (default capture sizes), per decoder layer.
 CUDA_GRAPH_BYTES_PER_LAYER = int(0.52 * GiB / 36)
+
+# vLLM releases where its start-up accounting changed (release notes; PR numbers in vLLM's repo).
+CUDA_GRAPH_IN_BUDGET_SINCE = (0, 21)  # VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS on by default
+TRITON_TOP_K_TOP_P_SINCE = (0, 17)  # model runner V1's top-k/top-p in Triton (#33538), no sort
+# Model runner V2 became the default for dense models in steps: Qwen3 (0.22 release notes), then
+# Llama and Mistral (#43458, 0.23), then every dense model (#44443, 0.25).
+V2_MODEL_RUNNER_SINCE: tuple[tuple[tuple[str, ...], tuple[int, int]], ...] = (
+    (("qwen3",), (0, 22)),
+    (("llama", "mistral"), (0, 23)),
+    ((), (0, 25)),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +100,43 @@ class MemoryProfile:
         return self.cuda_graph_bytes_per_layer * model.num_hidden_layers if self.cuda_graph_in_budget else 0
 
 
-DEFAULT_PROFILE = MemoryProfile()
+def parse_version(version: str) -> tuple[int, ...]:
+    """'0.33.0' -> (0, 33, 0); what follows the numbers ('0.28.1rc1', '0.31.0+cu130') is ignored."""
+    m = re.match(r"\d+(?:\.\d+)+", version.strip().removeprefix("v"))
+    if m is None:
+        raise ValueError(f"not a vLLM version: {version!r}")
+    return tuple(int(part) for part in m.group().split("."))
+
+
+def runs_model_runner_v2(version: tuple[int, ...], model_name: str) -> bool:
+    """Whether vLLM `version` profiles this dense model on model runner V2 by default."""
+    name = model_name.lower().rsplit("/", 1)[-1]  # a config.json's "_name_or_path" may carry the org
+    return any(version >= since and (not families or name.startswith(families))
+               for families, since in V2_MODEL_RUNNER_SINCE)
+
+
+def profile_for_vllm(version: tuple[int, ...], model_name: str = "", *, flashinfer_sampler: bool = False,
+                     base: MemoryProfile | None = None,
+                     flashinfer_fp32_copies: float = FLASHINFER_SAMPLER_FP32_COPIES) -> MemoryProfile:
+    """The start-up terms of vLLM `version` for this model: which sampler the profiling run warms up,
+    and whether the CUDA-graph estimate comes out of the budget.  `base` gives the fitted constants
+    (its sampler copies are model runner V1's sort-based PyTorch sampler, before 0.17)."""
+    base = FITTED_PROFILE if base is None else base
+    if runs_model_runner_v2(version, model_name):
+        copies = V2_SAMPLER_FP32_COPIES
+    elif flashinfer_sampler:
+        copies = flashinfer_fp32_copies
+    elif version >= TRITON_TOP_K_TOP_P_SINCE:
+        copies = V1_TRITON_SAMPLER_FP32_COPIES
+    else:
+        copies = base.sampler_fp32_copies
+    return replace(base, sampler_fp32_copies=copies, cuda_graph_in_budget=version >= CUDA_GRAPH_IN_BUDGET_SINCE)
+
+
+# The constants fitted on the training logs (model runner V1's PyTorch sampler, graphs in the budget).
+FITTED_PROFILE = MemoryProfile()
+# The vLLM release the twin stands for; every preset is a dense model, so the model does not matter.
+DEFAULT_PROFILE = profile_for_vllm(parse_version(vllm.VLLM_VERSION))
 
 
 class EngineStartupError(Exception):
@@ -119,10 +190,12 @@ def weight_bytes_per_rank(model: ModelSpec, tp: int) -> int:
 
 
 def sampler_peak_bytes(model: ModelSpec, num_tokens: int, num_seqs: int,
-                       fp32_copies: float = SAMPLER_FP32_COPIES) -> int:
+                       fp32_copies: float | None = None) -> int:
     """The sampler warm-up of the profiling run: one row of fp32 logits per sequence, gathered over
-    the whole vocabulary on every rank (so tensor parallelism does not shrink it)."""
-    return int(min(num_seqs, num_tokens) * model.vocab_size * 4 * fp32_copies)
+    the whole vocabulary on every rank (so tensor parallelism does not shrink it).  `fp32_copies`
+    defaults to the twin's vLLM (`DEFAULT_PROFILE`)."""
+    copies = DEFAULT_PROFILE.sampler_fp32_copies if fp32_copies is None else fp32_copies
+    return int(min(num_seqs, num_tokens) * model.vocab_size * 4 * copies)
 
 
 def forward_peak_bytes(model: ModelSpec, tp: int, num_tokens: int) -> int:
@@ -132,7 +205,7 @@ def forward_peak_bytes(model: ModelSpec, tp: int, num_tokens: int) -> int:
 
 
 def activation_peak_bytes(model: ModelSpec, tp: int, num_tokens: int, num_seqs: int,
-                          sampler_fp32_copies: float = SAMPLER_FP32_COPIES) -> int:
+                          sampler_fp32_copies: float | None = None) -> int:
     """Peak PyTorch memory of vLLM's profiling run: the larger of the forward pass and the sampler
     warm-up; the forward pass's intermediates are freed before the sampler runs."""
     return max(forward_peak_bytes(model, tp, num_tokens),

@@ -10,7 +10,7 @@ from kvpilot.twin.memory import (
     CUDA_GRAPH_BYTES_PER_LAYER,
     NCCL_BYTES,
     NON_TORCH_BYTES,
-    SAMPLER_FP32_COPIES,
+    V2_SAMPLER_FP32_COPIES,
     activation_peak_bytes,
     plan_memory,
     weight_bytes_per_rank,
@@ -45,14 +45,14 @@ def test_utilization_formula_by_hand() -> None:
     plan = plan_memory(LLAMA8, H100, tensor_parallel_size=1, max_num_batched_tokens=tokens, max_num_seqs=seqs,
                        max_model_len=8192, block_size=16, gpu_memory_utilization=util)
     weights = 2 * LLAMA8.num_params()
-    # forward: tokens x 2 bytes x (3 x 14336 + 4 x 4096) = 0.45 GiB; sampler warm-up: 256 rows x
-    # 128256 fp32 logits x its copies = 1.19 GiB, the larger.
+    # forward: tokens x 2 bytes x (3 x 14336 + 4 x 4096) = 0.45 GiB, the larger; the twin's vLLM warms
+    # its sampler up on model runner V2: 256 rows x 128256 logits, 16-bit and an fp32 copy = 0.18 GiB.
     forward = tokens * 2 * (3 * 14336 + 4 * 4096)
-    sampler = int(256 * 128256 * 4 * SAMPLER_FP32_COPIES)
-    assert sampler > forward
-    assert activation_peak_bytes(LLAMA8, 1, tokens, seqs) == sampler
+    sampler = int(256 * 128256 * 4 * V2_SAMPLER_FP32_COPIES)
+    assert forward > sampler
+    assert activation_peak_bytes(LLAMA8, 1, tokens, seqs) == forward
     graphs = 32 * CUDA_GRAPH_BYTES_PER_LAYER
-    available = int(util * H100.total_memory_bytes) - weights - sampler - NON_TORCH_BYTES - graphs
+    available = int(util * H100.total_memory_bytes) - weights - forward - NON_TORCH_BYTES - graphs
     assert plan.cuda_graph_bytes == graphs
     assert plan.kv_cache_bytes == available
     assert plan.num_gpu_blocks == available // (16 * 131072)

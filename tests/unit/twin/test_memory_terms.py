@@ -1,5 +1,6 @@
 """The memory plan's start-up terms: the sampler warm-up, tensor-parallel memory held before the
-free-memory check, the CUDA-graph estimate in the budget, and the dataset they were fitted on."""
+free-memory check, the CUDA-graph estimate in the budget, which vLLM release uses which, and the
+dataset they were fitted on."""
 
 from __future__ import annotations
 
@@ -12,16 +13,25 @@ from types import ModuleType
 
 import pytest
 
+from kvpilot.api import vllm
 from kvpilot.tuner.adapters.offline import StartupFailed
 from kvpilot.tuner.core.startup import memory_report, read_memory_failure
 from kvpilot.twin.hardware import GiB, resolve_gpu
 from kvpilot.twin.memory import (
     DEFAULT_PROFILE,
+    FITTED_PROFILE,
+    FLASHINFER_SAMPLER_FP32_COPIES,
+    SAMPLER_FP32_COPIES,
+    V1_TRITON_SAMPLER_FP32_COPIES,
+    V2_SAMPLER_FP32_COPIES,
     EngineStartupError,
     MemoryProfile,
     activation_peak_bytes,
     forward_peak_bytes,
+    parse_version,
     plan_memory,
+    profile_for_vllm,
+    runs_model_runner_v2,
     sampler_peak_bytes,
 )
 from kvpilot.twin.models import resolve_model
@@ -30,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[3]
 H100 = resolve_gpu("H100-80GB")
 LLAMA8, QWEN8 = resolve_model("Llama-3.1-8B"), resolve_model("Qwen3-8B")
 KW = dict(max_model_len=8192, block_size=16)
+V1 = profile_for_vllm((0, 11, 0))  # model runner V1, vLLM's PyTorch top-k/top-p sampler
 
 
 def _benchmark() -> ModuleType:
@@ -42,23 +53,60 @@ def _benchmark() -> ModuleType:
 
 
 def test_sampler_warmup_grows_with_vocabulary_and_sequences_not_with_tensor_parallelism() -> None:
-    # 1024 sequences (vLLM's default on an H100) of 151936-entry fp32 logits outweigh an 8192-token
-    # forward pass of Qwen3-8B; the logits are gathered whole on every rank, so TP 2 keeps them.
-    tp1 = activation_peak_bytes(QWEN8, 1, 8192, 1024)
-    assert tp1 == sampler_peak_bytes(QWEN8, 8192, 1024) > forward_peak_bytes(QWEN8, 1, 8192)
-    assert activation_peak_bytes(QWEN8, 2, 8192, 1024) == tp1
+    # Model runner V1: 1024 sequences (vLLM's default on an H100) of 151936-entry fp32 logits outweigh
+    # an 8192-token forward pass of Qwen3-8B; the logits are gathered whole on every rank, so TP 2 keeps them.
+    copies = V1.sampler_fp32_copies
+    tp1 = activation_peak_bytes(QWEN8, 1, 8192, 1024, copies)
+    assert tp1 == sampler_peak_bytes(QWEN8, 8192, 1024, copies) > forward_peak_bytes(QWEN8, 1, 8192)
+    assert activation_peak_bytes(QWEN8, 2, 8192, 1024, copies) == tp1
     assert sampler_peak_bytes(QWEN8, 8192, 1024) / sampler_peak_bytes(LLAMA8, 8192, 1024) == pytest.approx(
         151936 / 128256, rel=1e-6)
     assert sampler_peak_bytes(QWEN8, 8192, 512) == pytest.approx(sampler_peak_bytes(QWEN8, 8192, 1024) / 2, rel=1e-6)
     # Only min(sequences, tokens) rows are sampled; with few sequences the forward pass is the peak.
     assert sampler_peak_bytes(QWEN8, 64, 1024) == sampler_peak_bytes(QWEN8, 64, 64)
-    assert activation_peak_bytes(QWEN8, 1, 16384, 16) == forward_peak_bytes(QWEN8, 1, 16384)
+    assert activation_peak_bytes(QWEN8, 1, 16384, 16, copies) == forward_peak_bytes(QWEN8, 1, 16384)
 
 
-def test_more_sequences_leave_a_large_vocabulary_model_fewer_blocks() -> None:
-    few = plan_memory(QWEN8, H100, tensor_parallel_size=1, max_num_batched_tokens=8192, max_num_seqs=256, **KW)
-    many = plan_memory(QWEN8, H100, tensor_parallel_size=1, max_num_batched_tokens=8192, max_num_seqs=1024, **KW)
+def test_more_sequences_leave_a_large_vocabulary_model_fewer_blocks_where_the_sampler_sorts() -> None:
+    kw = dict(tensor_parallel_size=1, max_num_batched_tokens=8192, **KW)
+    few = plan_memory(QWEN8, H100, max_num_seqs=256, profile=V1, **kw)
+    many = plan_memory(QWEN8, H100, max_num_seqs=1024, profile=V1, **kw)
     assert few.kv_cache_bytes - many.kv_cache_bytes == many.activation_peak_bytes - few.activation_peak_bytes > 3 * GiB
+    # Model runner V2 (the twin's vLLM) warms up without the sort: the sequence cap costs little.
+    few = plan_memory(QWEN8, H100, max_num_seqs=256, **kw)
+    many = plan_memory(QWEN8, H100, max_num_seqs=1024, **kw)
+    assert 0 <= few.kv_cache_bytes - many.kv_cache_bytes < 0.1 * GiB
+    assert few.activation_peak_bytes == forward_peak_bytes(QWEN8, 1, 8192)
+
+
+def test_each_vllm_release_gets_its_own_sampler_warm_up_and_graph_term() -> None:
+    assert parse_version("0.33.0") == (0, 33, 0) and parse_version("v0.28.1rc1") == (0, 28, 1)
+    assert parse_version("0.10.1.1") == (0, 10, 1, 1)
+    with pytest.raises(ValueError):
+        parse_version("latest")
+    old = profile_for_vllm((0, 11, 0), "Qwen3-8B")
+    assert (old.sampler_fp32_copies, old.cuda_graph_in_budget) == (SAMPLER_FP32_COPIES, False)
+    assert profile_for_vllm((0, 10, 1, 1), "Qwen2.5-7B", flashinfer_sampler=True).sampler_fp32_copies == \
+        FLASHINFER_SAMPLER_FP32_COPIES
+    assert profile_for_vllm((0, 21, 0), "Qwen3-8B").cuda_graph_in_budget
+    # Model runner V1 stopped sorting the vocabulary in 0.17 (Triton top-k/top-p): a smaller warm-up,
+    # until V2 takes the model over; FlashInfer, where a log says it samples, keeps its own term.
+    assert profile_for_vllm((0, 16, 0), "Qwen3-8B").sampler_fp32_copies == SAMPLER_FP32_COPIES
+    assert profile_for_vllm((0, 19, 1), "Qwen3-8B").sampler_fp32_copies == V1_TRITON_SAMPLER_FP32_COPIES
+    assert profile_for_vllm((0, 24, 0), "Qwen2.5-7B").sampler_fp32_copies == V1_TRITON_SAMPLER_FP32_COPIES
+    assert profile_for_vllm((0, 19, 1), "Qwen3-8B", flashinfer_sampler=True).sampler_fp32_copies == \
+        FLASHINFER_SAMPLER_FP32_COPIES
+    # Model runner V2 took over dense models family by family: Qwen3 in 0.22, Llama and Mistral in
+    # 0.23, every dense model in 0.25; V2 warms up without top-k/top-p, FlashInfer or not.
+    assert runs_model_runner_v2((0, 22, 0), "Qwen/Qwen3-8B") and not runs_model_runner_v2((0, 22, 0), "Llama-3.1-8B")
+    assert runs_model_runner_v2((0, 23, 0), "Llama-3.1-8B") and runs_model_runner_v2((0, 23, 0), "Mistral-7B")
+    assert not runs_model_runner_v2((0, 24, 0), "Qwen2.5-7B") and runs_model_runner_v2((0, 25, 0), "Qwen2.5-7B")
+    assert profile_for_vllm((0, 31, 0), "Qwen2.5-7B", flashinfer_sampler=True).sampler_fp32_copies == \
+        V2_SAMPLER_FP32_COPIES
+    # The twin's default is the release it stands for, with the fitted constants.
+    twin_release = profile_for_vllm(parse_version(vllm.VLLM_VERSION))
+    assert twin_release == DEFAULT_PROFILE
+    assert twin_release == dataclasses.replace(FITTED_PROFILE, sampler_fp32_copies=V2_SAMPLER_FP32_COPIES)
 
 
 def test_tensor_parallel_memory_held_at_start_up_counts_against_free_memory() -> None:
@@ -114,16 +162,28 @@ def test_dataset_parses_and_every_row_has_its_source() -> None:
     assert all(log.source_url.startswith("https://github.com/") for log in logs)
     assert {log.split for log in logs} == {"train", "test"}
     assert sum(1 for log in logs if log.plannable and log.split == "test") >= 4
+    assert all(not log.plannable and log.unplannable_reason == log.excluded for log in logs if log.excluded)
     for raw in map(json.loads, (ROOT / "benchmarks" / "data" / "vllm_startup_logs.jsonl").read_text().splitlines()):
         assert raw["logged"], raw["id"]
 
 
 def test_defaults_are_the_constants_fitted_on_the_training_logs() -> None:
     twin_memory = _benchmark()
-    fitted = twin_memory.fit(twin_memory.load_logs()).profile
+    fit = twin_memory.fit(twin_memory.load_logs())
+    fitted = fit.profile
     for field in ("non_torch_bytes", "tp_non_torch_bytes", "tp_startup_bytes", "cuda_graph_bytes_per_layer"):
-        assert getattr(DEFAULT_PROFILE, field) == pytest.approx(getattr(fitted, field), abs=0.01 * GiB), field
-    assert DEFAULT_PROFILE.sampler_fp32_copies == pytest.approx(fitted.sampler_fp32_copies, abs=0.05)
+        assert getattr(FITTED_PROFILE, field) == pytest.approx(getattr(fitted, field), abs=0.01 * GiB), field
+    assert FITTED_PROFILE.sampler_fp32_copies == pytest.approx(fitted.sampler_fp32_copies, abs=0.05)
+    assert fit.flashinfer_sampler_fp32_copies == pytest.approx(FLASHINFER_SAMPLER_FP32_COPIES, abs=0.05)
+
+
+def test_a_gpu_without_a_preset_is_sized_from_its_logged_total() -> None:
+    twin_memory = _benchmark()
+    row = json.loads((ROOT / "benchmarks" / "data" / "vllm_startup_logs.jsonl").read_text().splitlines()[0])
+    log = twin_memory.parse_row({**row, "gpu": "A100-SXM4-40GB", "gpu_total_gib": 39.39}, 1)
+    assert log.gpu_spec is not None and log.gpu_spec.total_memory_bytes == int(39.39 * GiB)
+    with pytest.raises(twin_memory.DatasetError, match="unknown GPU"):
+        twin_memory.parse_row({**row, "gpu": "A100-SXM4-40GB", "gpu_total_gib": None}, 1)
 
 
 @pytest.mark.parametrize(("change", "match"), [
