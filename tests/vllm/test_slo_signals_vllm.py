@@ -9,26 +9,32 @@ drives both engines for a bounded time and clocks every request's TTFT and every
 Then:
 
 * the p99 TTFT and ITL that `read_signals` (PrometheusReader; the tuner's Prometheus adapter reads
-  through it too) returns lie in the bucket of vLLM's own edges that holds the client-measured p99;
+  through it too) returns lie in the bucket of vLLM's own edges that holds the client-measured p99
+  (TTFT: the bucket of vLLM's own p99, which the client's shares unless the client's offset, below,
+  carried it over the bucket's edge);
 * the TTFT and ITL burn rates of kvpilot's recordings (`kvpilot:slo_*_error_ratio:rate5m` / budget)
-  match the client-measured error ratio / budget within 5% relative.
+  match the client-measured error ratio / budget within 5% relative, and vLLM's own within 3%.
 
 Client and server clock different spans.  vLLM observes TTFT from the request's arrival in its
-frontend (after the HTTP request is read) to the first token's output there, and each inter-token
-gap between engine-core output timestamps; the client adds the HTTP request, the SSE write and, on
-these shared cores, scheduling delays of a few milliseconds to each.  The classifications agree
-when no request sits between its server time and its client time across the SLO threshold.  So:
+frontend (after the HTTP request is read, before tokenizing) to the first token's output there, and
+each inter-token gap between engine-core output timestamps; the client adds the HTTP request, the
+SSE write and, on these shared cores, waiting for a core: tens of milliseconds at the median and
+hundreds at the tail when other work loads the machine (the test prints them).  The two
+classifications agree at a threshold no request straddles (server time at or under it, client time
+over it).  So:
 
-* the load is bimodal by construction: a quarter of the requests carry a long prompt that vLLM
-  prefills in chunks of `--max-num-batched-tokens` over many engine steps, the rest a short one
-  prefilled in one step, which splits TTFT into two groups with a valley between them; and the long
-  prefill chunks lengthen the engine steps they share with decodes, which spreads the gaps;
+* vLLM's own side is read as well: each engine traces every request to an OTLP receiver in the test,
+  and the span carries the very TTFT vLLM put in its histogram (`gen_ai.latency.time_to_first_token`),
+  matched to the client's request by the response id; for ITL, whose gaps vLLM reports only as
+  histogram counts, the engines' own /metrics give the count over each edge;
 * the thresholds are picked after the run among bucket edges (an SLO threshold must be an edge:
-  vLLM's buckets are what Prometheus counts), as the edge with a non-trivial error ratio (TTFT:
-  10-40%) and the fewest client values within a margin above it (where a value the server clocked
-  under the edge can land over it on the client).  The rule files hold one SLO target per candidate
-  edge (the recordings are written before the load, so each candidate is recorded from the start);
-  the test reads the target of the chosen edge;
+  vLLM's buckets are what Prometheus counts): TTFT at the edge with a 10-40% error ratio that the
+  fewest requests straddle, ITL at the edge with a 1-40% ratio where the client's count over it is
+  closest to vLLM's.  The rule files hold one SLO target per candidate edge (written before the load,
+  so each candidate is recorded from the start); the test reads the target of the chosen edge;
+* the load is bimodal by design, to give the TTFT a non-trivial error ratio away from the bulk: a
+  quarter of the requests carry a long prompt that vLLM prefills a few tokens a step over many
+  steps, the rest a short one prefilled in one step;
 * the client clocks tokens, not chunks (`return_token_ids`, see tests/support/loadgen.py): vLLM
   merges the outputs of several engine steps into one chunk when its HTTP side lags, and holds back
   the text of a token that is one byte of a multi-byte character (the tiny model's outputs are
@@ -85,8 +91,9 @@ WORDS = ("the", "of", "to", "and", "in", "is", "it", "that", "for", "on", "with"
 RECORDED = "5m"  # the shortest window the rules record; the whole run fits in it (checked below)
 
 # Candidate thresholds: vLLM's own bucket edges over the range the tiny model's latencies span here.
-TTFT_CANDIDATES = (0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0)
-ITL_CANDIDATES = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75)
+# On a loaded machine TTFT reaches seconds (a long prompt waits for cores), hence the wide range.
+TTFT_CANDIDATES = (0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+ITL_CANDIDATES = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0)
 TTFT_RATIO = (0.10, 0.40)
 ITL_RATIO = (0.01, 0.40)
 
@@ -116,7 +123,10 @@ def ttft_edge_for(pairs: list[tuple[float, float]]) -> float:
     n = len(pairs)
     usable = [e for e in TTFT_CANDIDATES if TTFT_RATIO[0] <= sum(s > e for s, _ in pairs) / n <= TTFT_RATIO[1]]
     assert usable, f"no edge gives a TTFT error ratio in {TTFT_RATIO}: {sorted(s for s, _ in pairs)[:: n // 10]}"
-    return min(usable, key=lambda e: (sum((s > e) != (c > e) for s, c in pairs), abs(sum(s > e for s, _ in pairs) / n - 0.25)))
+    def straddling(e: float) -> int:
+        return sum((s > e) != (c > e) for s, c in pairs)
+
+    return min(usable, key=lambda e: (straddling(e), abs(sum(s > e for s, _ in pairs) / n - 0.25)))
 
 
 def itl_edge_for(gaps: list[float], over: dict[float, int]) -> float:
@@ -184,10 +194,12 @@ def engines(otlp: OtlpReceiver) -> Iterator[tuple[VllmProcess, VllmProcess]]:
 
 
 async def drive(urls: list[str]) -> list[LoadResult]:
+    # A connection per request: uvicorn closes a connection idle for 5 s, and a pooled one reused as
+    # it closes fails the request (aiohttp's ServerDisconnectedError, seen here with Poisson gaps).
     return list(await asyncio.gather(*(
         run_load(url, num_requests=REQUESTS_PER_ENGINE, rate=RATE_PER_ENGINE, seed=21 + i, model=NAME,
                  prompt=prompt_for(21 + i), max_tokens=MAX_TOKENS, max_duration_s=150, request_timeout_s=120,
-                 extra_body={"return_token_ids": True})
+                 extra_body={"return_token_ids": True}, keepalive=False)
         for i, url in enumerate(urls))))
 
 
