@@ -9,11 +9,13 @@ drives both engines for a bounded time and clocks every request's TTFT and every
 Then:
 
 * the p99 TTFT and ITL that `read_signals` (PrometheusReader; the tuner's Prometheus adapter reads
-  through it too) returns lie in the bucket of vLLM's own edges that holds the client-measured p99
-  (TTFT: the bucket of vLLM's own p99, which the client's shares unless the client's offset, below,
-  carried it over the bucket's edge);
+  through it too) returns lie in the buckets (vLLM's own edges) of vLLM's own p99s, and the TTFT one
+  in the bucket of the client-measured p99 unless the client's offset (below) carried that over the
+  bucket's edge;
 * the TTFT and ITL burn rates of kvpilot's recordings (`kvpilot:slo_*_error_ratio:rate5m` / budget)
-  match the client-measured error ratio / budget within 5% relative, and vLLM's own within 3%.
+  match vLLM's own error ratios / budget within 3%, and the client-measured ones within 5% relative
+  wherever the client's clock agrees with vLLM's at the threshold (within 4%).  Where it does not,
+  that is the machine's load, not kvpilot: the test prints both and holds kvpilot to vLLM's numbers.
 
 Client and server clock different spans.  vLLM observes TTFT from the request's arrival in its
 frontend (after the HTTP request is read, before tokenizing) to the first token's output there, and
@@ -80,7 +82,11 @@ ENGINE_ARGS = ("--served-model-name", NAME, "--max-model-len", "2048", "--max-nu
                "--long-prefill-token-threshold", "8", "--max-num-seqs", "16")
 OBJECTIVE = 0.99
 RATE_PER_ENGINE = 2.5  # requests/s, Poisson
-REQUESTS_PER_ENGINE = 100
+# 190 requests in all, 2850 gaps: 0.99 x n is not a whole number (188.1, 2821.5), so no bucket's count
+# ties with the p99's rank.  A window's counts are each engine's, extrapolated by up to a scrape
+# interval over the run (~2%, and unequally: the engines are scraped at different moments); at a tie
+# that alone moves histogram_quantile's answer between the two buckets (seen with 200 requests).
+REQUESTS_PER_ENGINE = 95
 MAX_TOKENS = 16
 LONG_SHARE = 0.25
 LONG_WORDS, SHORT_WORDS = 1400, 12  # about one token each (words the tiny tokenizer was trained on)
@@ -118,15 +124,17 @@ def bucket_of(value: float, edges: tuple[float, ...]) -> tuple[float, float]:
 
 
 def ttft_edge_for(pairs: list[tuple[float, float]]) -> float:
-    """The TTFT candidate edge (server ratio in TTFT_RATIO) that the fewest requests straddle: server
-    TTFT at or under it, client TTFT over it.  `pairs`: (server, client) per request."""
+    """The TTFT candidate edge (server ratio in TTFT_RATIO) that the fewest requests straddle (server
+    TTFT at or under it, client TTFT over it), counted against the requests over it: that share is
+    the relative difference between the client's error ratio and vLLM's.  `pairs`: (server, client)
+    per request."""
     n = len(pairs)
     usable = [e for e in TTFT_CANDIDATES if TTFT_RATIO[0] <= sum(s > e for s, _ in pairs) / n <= TTFT_RATIO[1]]
     assert usable, f"no edge gives a TTFT error ratio in {TTFT_RATIO}: {sorted(s for s, _ in pairs)[:: n // 10]}"
     def straddling(e: float) -> int:
         return sum((s > e) != (c > e) for s, c in pairs)
 
-    return min(usable, key=lambda e: (straddling(e), abs(sum(s > e for s, _ in pairs) / n - 0.25)))
+    return min(usable, key=lambda e: straddling(e) / sum(s > e for s, _ in pairs))
 
 
 def itl_edge_for(gaps: list[float], over: dict[float, int]) -> float:
@@ -213,6 +221,9 @@ def server_ttfts(spans: list[ReceivedSpan]) -> dict[str, float]:
     return out
 
 
+# Two engines start at once: a minute or two on an idle machine, several when other work shares the cores
+# (their start-up deadline is VllmProcess.START_DEADLINE_S); the suite's 300 s would cut that short.
+@pytest.mark.timeout(900)
 def test_reader_and_recordings_match_what_clients_measured(engines: tuple[VllmProcess, VllmProcess],
                                                            otlp: OtlpReceiver, tmp_path: Path) -> None:
     require_prometheus()
@@ -252,7 +263,7 @@ def test_reader_and_recordings_match_what_clients_measured(engines: tuple[VllmPr
         pairs = [(server[str(r.response_id)], float(r.ttft)) for r in ok if r.ttft is not None]
         client_ttfts = [c for _, c in pairs]
         client_itls = [g for r in ok for g in r.itls]
-        itl_total, itl_over = counts_over([a.base_url, b.base_url], vllm.METRIC_ITL, ITL_CANDIDATES)
+        itl_total, itl_over = counts_over([a.base_url, b.base_url], vllm.METRIC_ITL, vllm.ITL_BUCKETS)
         ttft_edge, itl_edge = ttft_edge_for(pairs), itl_edge_for(client_itls, itl_over)
         ttft_target = targets[TTFT_CANDIDATES.index(ttft_edge)]
         itl_target = targets[ITL_CANDIDATES.index(itl_edge)]
@@ -276,6 +287,13 @@ def test_reader_and_recordings_match_what_clients_measured(engines: tuple[VllmPr
     client_ttft_ratio = sum(c > ttft_edge for _, c in pairs) / len(pairs)
     client_itl_ratio = sum(g > itl_edge for g in client_itls) / len(client_itls)
     server_itl_ratio = itl_over[itl_edge] / itl_total
+    # vLLM's own p99 ITL bucket: the first edge with 99% of the gaps at or under it (histogram_quantile's).
+    server_itl_p99_hi = min(e for e in vllm.ITL_BUCKETS if itl_total - itl_over[e] >= 0.99 * itl_total)
+    # Whether the client's clock agrees with vLLM's at the chosen edges: a property of the machine's
+    # load (a stalled HTTP side, waiting for a core), not of kvpilot.  Where it does not, the client's
+    # figures are printed, and kvpilot is held to vLLM's own numbers alone.
+    ttft_clock_ok = abs(client_ttft_ratio - server_ttft_ratio) <= 0.04 * server_ttft_ratio
+    itl_clock_ok = abs(client_itl_ratio - server_itl_ratio) <= 0.04 * server_itl_ratio
     server_ttft_p99 = nearest_rank([s for s, _ in pairs], 0.99)
     client_ttft_p99, client_itl_p99 = nearest_rank(client_ttfts, 0.99), nearest_rank(client_itls, 0.99)
     offsets = sorted(c - s for s, c in pairs)  # what the client adds: HTTP, the SSE write, waiting for a core
@@ -295,6 +313,8 @@ def test_reader_and_recordings_match_what_clients_measured(engines: tuple[VllmPr
         f"itl burn (T={itl_edge}s): recorded={(recorded['itl'] or math.nan) / budget:.3f} "
         f"reader={snap.itl_burn_rate or math.nan:.3f} client={client_itl_ratio / budget:.3f} "
         f"vLLM's={server_itl_ratio / budget:.3f}\n"
+        f"client clock agrees with vLLM's (within 4%): ttft {ttft_clock_ok}, itl {itl_clock_ok}; "
+        f"vLLM's p99 ITL bucket ends at {server_itl_p99_hi}\n"
         f"itl gaps over each edge, client vs vLLM's: "
         f"{ {e: (sum(g > e for g in client_itls), itl_over[e]) for e in ITL_CANDIDATES} }"
     )
@@ -307,24 +327,29 @@ def test_reader_and_recordings_match_what_clients_measured(engines: tuple[VllmPr
     assert len(client_itls) == len(ok) * (MAX_TOKENS - 1), report
     assert snap.itl_samples == pytest.approx(len(client_itls), rel=0.03), report
 
-    # p99: the reader's lies in the bucket that holds the client's p99 ...
+    # kvpilot against vLLM's own numbers: the reader's p99s lie in the buckets of vLLM's own p99s
+    # (TTFT exact, from the spans; ITL from the engines' own /metrics) ...
     assert snap.ttft_p99_seconds is not None and snap.itl_p99_seconds is not None
-    lo, hi = bucket_of(client_itl_p99, vllm.ITL_BUCKETS)
-    assert lo <= snap.itl_p99_seconds <= hi, report
     lo, hi = bucket_of(server_ttft_p99, vllm.TTFT_BUCKETS)
-    assert lo <= snap.ttft_p99_seconds <= hi, report  # ... and vLLM's own p99 (exact, from the spans)
-    # The client's p99 TTFT is in the same bucket, unless the client's offset carried it over the
-    # bucket's upper edge.
-    assert bucket_of(client_ttft_p99, vllm.TTFT_BUCKETS) == (lo, hi) or \
-        client_ttft_p99 - offsets[-1] <= hi < client_ttft_p99, report
-
-    # Burn rates: kvpilot's recordings against what the client measured, and vLLM's own count.
+    assert lo <= snap.ttft_p99_seconds <= hi, report
+    assert bucket_of(snap.itl_p99_seconds, vllm.ITL_BUCKETS)[1] == server_itl_p99_hi, report
+    # ... and the recorded burn rates are vLLM's own error ratios over the budget.
     assert recorded["ttft"] is not None and recorded["itl"] is not None, report
-    assert recorded["ttft"] / budget == pytest.approx(client_ttft_ratio / budget, rel=0.05), report
-    assert recorded["ttft"] / budget == pytest.approx(server_ttft_ratio / budget, rel=0.03), report
-    assert recorded["itl"] / budget == pytest.approx(client_itl_ratio / budget, rel=0.05), report
     assert itl_total == len(client_itls), report
+    assert recorded["ttft"] / budget == pytest.approx(server_ttft_ratio / budget, rel=0.03), report
     assert recorded["itl"] / budget == pytest.approx(server_itl_ratio / budget, rel=0.03), report
     # The reader's own burn rates over the run's window read the same counts.
     assert snap.ttft_burn_rate == pytest.approx(recorded["ttft"] / budget, rel=0.02), report
     assert snap.itl_burn_rate == pytest.approx(recorded["itl"] / budget, rel=0.02), report
+
+    # kvpilot against the client's clock.  The client's p99 TTFT is in the reader's bucket unless
+    # the client's offset carried it over the bucket's upper edge.
+    assert bucket_of(client_ttft_p99, vllm.TTFT_BUCKETS) == (lo, hi) or \
+        client_ttft_p99 - offsets[-1] <= hi < client_ttft_p99, report
+    if ttft_clock_ok:
+        assert recorded["ttft"] / budget == pytest.approx(client_ttft_ratio / budget, rel=0.05), report
+    if itl_clock_ok:
+        assert recorded["itl"] / budget == pytest.approx(client_itl_ratio / budget, rel=0.05), report
+    # The client's p99 ITL is only printed: agreeing at one edge, the client's gaps can still differ in
+    # the tail (a stalled HTTP side turns short gaps into one long one), and vLLM reports no gap by gap
+    # to tell the stalls apart.
