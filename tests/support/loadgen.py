@@ -15,7 +15,13 @@ Two modes:
 
 Every request streams (with `stream_options.include_usage`), and the client clocks, like vLLM's
 own `vllm bench serve`: TTFT at the first chunk carrying text, every gap between text chunks,
-and end-to-end latency at `[DONE]`.  A request fails if the status is not 200, the stream breaks,
+and end-to-end latency at `[DONE]`.  Where chunks name their tokens (vLLM's `return_token_ids`, in
+`extra_body`), the client clocks tokens rather than chunks: a chunk carrying k tokens (vLLM merges
+the outputs of several engine steps into one chunk when its HTTP side lags) gives its gap to the
+first and 0 s to the other k - 1, which reached the client at the same moment, and a chunk whose
+token has no text yet (a byte of a multi-byte character) still counts as that token's arrival.
+So there is one gap per token after the first, as vLLM's ITL histogram counts them.  A request
+fails if the status is not 200, the stream breaks,
 or it ends without `[DONE]`.  Runs are bounded: `num_requests` requests at most, and whatever is
 still running after `max_duration_s` is cancelled and recorded as failed.
 
@@ -59,10 +65,11 @@ class RequestRecord:
     ttft: float | None = None
     itls: list[float] = field(default_factory=list)
     e2e: float | None = None
-    output_chunks: int = 0            # chunks that carried text (one token each from the twin)
+    output_chunks: int = 0            # chunks that carried tokens (one token each from the twin)
     prompt_tokens: int | None = None  # from the usage chunk
     completion_tokens: int | None = None
     finish_reason: str | None = None
+    response_id: str | None = None    # the chunks' `id` (vLLM's request id: `cmpl-...`)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -137,16 +144,20 @@ class LoadResult:
                 "ttft_s": stats(self.ttfts()), "itl_s": stats(self.itls()), "e2e_s": stats(self.e2es())}
 
 
-def _chunk_text(chunk: dict[str, Any], endpoint: Endpoint) -> tuple[str, str | None]:
+def _chunk_text(chunk: dict[str, Any], endpoint: Endpoint) -> tuple[str, str | None, int]:
+    """(text, finish reason, tokens carried): the tokens are the chunk's `token_ids` where it names
+    them, else one if it carries text."""
     choices = chunk.get("choices") or []
     if not choices:
-        return "", None
+        return "", None, 0
     choice = choices[0]
     if endpoint == "completions":
         text = choice.get("text") or ""
     else:
         text = (choice.get("delta") or {}).get("content") or ""
-    return text, choice.get("finish_reason")
+    token_ids = choice.get("token_ids")
+    tokens = len(token_ids) if token_ids is not None else (1 if text else 0)
+    return text, choice.get("finish_reason"), tokens
 
 
 async def _one_request(session: aiohttp.ClientSession, url: str, body: dict[str, Any], endpoint: Endpoint,
@@ -172,18 +183,21 @@ async def _one_request(session: aiohttp.ClientSession, url: str, body: dict[str,
                     break
                 chunk = json.loads(data)
                 now = time.monotonic()
-                text, finish = _chunk_text(chunk, endpoint)
+                if record.response_id is None and isinstance(chunk.get("id"), str):
+                    record.response_id = chunk["id"]
+                text, finish, tokens = _chunk_text(chunk, endpoint)
                 if finish is not None:
                     record.finish_reason = finish
                 if chunk.get("usage") and not chunk.get("choices"):
                     record.prompt_tokens = chunk["usage"].get("prompt_tokens")
                     record.completion_tokens = chunk["usage"].get("completion_tokens")
-                if not text:
+                if not tokens:
                     continue
                 if last is None:
                     record.ttft = now - sent
+                    record.itls.extend([0.0] * (tokens - 1))
                 else:
-                    record.itls.append(now - last)
+                    record.itls.extend([now - last] + [0.0] * (tokens - 1))
                 last = now
                 record.output_chunks += 1
         record.e2e = time.monotonic() - sent
