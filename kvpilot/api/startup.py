@@ -21,7 +21,9 @@ The memory failures (what `StartupMemory.kind` names):
     no_cache   nothing left for the KV cache at all
                "No available memory for the cache blocks ... (requested R GiB; model weights take W GiB;
                PyTorch activation peak memory takes A GiB; non-torch memory takes N GiB)"
-               (vLLM's own message has no numbers; the twin's does)
+               (vLLM's own message has no numbers; the twin's does); on the CPU backend "Available
+               memory on node 0 (A/T GiB) on kv cache allocation is less than requested memory for kv
+               (K/R GiB)" with K <= 0: the worker holds R - K, more than the fraction asks for
     gpu_short  the GPU itself is short: weights or an allocation do not fit (CUDA out of memory), or
                less memory is free than gpuMemoryUtilization asks for (on the CPU backend: than the
                fraction of the NUMA node's memory it asks for)
@@ -60,6 +62,16 @@ _CUDA_OOM = re.compile(r"Tried to allocate " + _SIZE + r".*? of which " + _SIZE 
 _UTIL_TOO_HIGH = re.compile(
     r"(?:Free memory on device|Available memory on node) \S+ \(([0-9.]+)/[0-9.]+ GiB\) on startup is less than "
     r"desired [GC]PU memory utilization \([0-9.]+, " + _SIZE + r"\)",
+    re.IGNORECASE,
+)
+# The CPU backend's second check, once the model is loaded: the fraction it asked for, less what the
+# worker process already holds, is the KV cache.  "Available memory on node 0 (13.95/17.09 GiB) on kv
+# cache allocation is less than requested memory for kv (-0.78/0.17 GiB)": KV -0.78 of the 0.17 GiB
+# asked for, so the worker holds 0.95 GiB.  A KV size at or below zero is a fraction too low to leave
+# any KV cache (no_cache); a positive one is more than the node has free (gpu_short).
+_CPU_KV_ALLOCATION = re.compile(
+    r"Available memory on node \S+ \(([0-9.]+)/([0-9.]+) GiB\) on kv cache allocation is less than requested "
+    r"memory for kv \((-?[0-9.]+)/([0-9.]+) GiB\)",
     re.IGNORECASE,
 )
 _OOM = re.compile(r"out of memory", re.IGNORECASE)
@@ -126,6 +138,8 @@ class StartupMemory:
     # A kv_short message cut short may say it in tokens only: max_model_len vs the tokens that fit.
     max_model_len: float | None = None
     tokens_fit: float | None = None
+    # The device's whole memory, where the message says it (vLLM's CPU backend: the NUMA node's).
+    total: float | None = None
 
     def shortfall(self) -> Shortfall:
         if self.kind == "kv_short":
@@ -162,6 +176,12 @@ def memory_report(message: str) -> StartupMemory | None:
         return StartupMemory("no_cache")
     if m := _WEIGHTS.search(message) or _CUDA_OOM.search(message):
         return StartupMemory("gpu_short", needed=_bytes(*m.group(1, 2)), available=_bytes(*m.group(3, 4)))
+    if m := _CPU_KV_ALLOCATION.search(message):
+        available, total, kv, requested = (float(g) * 2**30 for g in m.group(1, 2, 3, 4))
+        if kv <= 0:  # the worker's own memory (weights, runtime) already exceeds the fraction
+            return StartupMemory("no_cache", requested=requested, weights=requested - kv, activation=0.0,
+                                 non_torch=0.0, total=total)
+        return StartupMemory("gpu_short", needed=kv, available=available, total=total)
     if m := _UTIL_TOO_HIGH.search(message):
         return StartupMemory("gpu_short", needed=_bytes(*m.group(2, 3)), available=float(m.group(1)) * 2**30)
     if _OOM.search(message):

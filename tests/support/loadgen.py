@@ -11,7 +11,8 @@ Two modes:
 * open loop: `rate=R` sends requests at Poisson arrivals (exponential gaps, seeded), whether or
   not earlier ones finished - what a real service sees;
 * closed loop: `concurrency=C` keeps C requests in flight, each worker sending the next request
-  as soon as its last one ends.
+  as soon as its last one ends (or `think_s` seconds after: C users who read each answer, so a
+  fast engine is not driven flat out while a slow one still has every user waiting on it).
 
 Every request streams (with `stream_options.include_usage`), and the client clocks, like vLLM's
 own `vllm bench serve`: TTFT at the first chunk carrying text, every gap between text chunks,
@@ -217,9 +218,11 @@ async def run_load(base_url: str, *, num_requests: int, rate: float | None = Non
                    prompt: Callable[[int], str] | None = None, max_tokens: int = 16,
                    ignore_eos: bool = True, max_duration_s: float = 60.0,
                    request_timeout_s: float = 60.0, extra_body: dict[str, Any] | None = None,
-                   keepalive: bool = True, stop: Callable[[], bool] | None = None) -> LoadResult:
+                   keepalive: bool = True, stop: Callable[[], bool] | None = None,
+                   think_s: float = 0.0) -> LoadResult:
     """Send `num_requests` streaming requests, open loop at Poisson `rate` req/s or closed loop with
     `concurrency` workers (exactly one of the two).  `base_url` is the server root (no /v1).
+    `think_s`: closed loop only, each worker's pause between one request's end and its next.
     `keepalive=False`: a connection per request (a forwarder that splits connections then splits
     requests).  `stop`: polled before each request; once true, no more are sent and the run ends
     when those in flight have finished (none is cancelled)."""
@@ -279,9 +282,13 @@ async def run_load(base_url: str, *, num_requests: int, rate: float | None = Non
 
             async def worker() -> None:
                 for i in counter:
+                    if stop is not None and stop():
+                        break
                     task = launch(i)
                     tasks.append(task)
                     await asyncio.gather(task, return_exceptions=True)
+                    if think_s > 0:
+                        await asyncio.sleep(think_s)
 
             await asyncio.gather(*(worker() for _ in range(min(concurrency, num_requests))))
 

@@ -31,6 +31,10 @@ CPU_UTIL_TOO_HIGH = ("ValueError: Available memory on node 0 (18.35/23.54 GiB) o
                      "controls the fraction of CPU memory reserved (despite its name). To resolve: decrease "
                      "`--gpu-memory-utilization` (e.g. `--gpu-memory-utilization 0.5`) or reduce CPU memory used by "
                      "other processes.")
+# The same worker's check once the model is loaded, seen live at --gpu-memory-utilization 0.01 on a
+# 17.09 GiB node: the fraction (0.17 GiB) is less than the worker already holds (0.95 GiB).
+CPU_UTIL_TOO_LOW = ("ValueError: Available memory on node 0 (13.95/17.09 GiB) on kv cache allocation is less than "
+                    "requested memory for kv (-0.78/0.17 GiB). Reduce CPU memory used by other processes.")
 
 _CORE_FRAMES = [
     ("/usr/local/lib/python3.12/dist-packages/vllm/v1/engine/core.py", 699, "run_engine_core",

@@ -72,7 +72,10 @@ def read_memory_failure(tokens: int, util: float, seqs: int, report: StartupMemo
     if report is None or report.kind == "gpu_short":
         return None
     if report.kind == "no_cache" and report.requested is not None and report.weights is not None:
-        return MemoryFailure(tokens, util, seqs, total=report.requested / util if util > 0 else None,
+        # The device's memory: as the message says it, else the request over the fraction (the
+        # request's two decimals of a GiB, divided by a small fraction, would blur it).
+        total = report.total or (report.requested / util if util > 0 else None)
+        return MemoryFailure(tokens, util, seqs, total=total,
                              fixed=report.weights + (report.non_torch or 0.0), activation=report.activation)
     if report.kind == "kv_short" and report.needed is not None:
         return MemoryFailure(tokens, util, seqs, missing=max(report.needed - (report.available or 0.0), 0.0),

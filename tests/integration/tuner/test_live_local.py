@@ -14,8 +14,6 @@ One run covers the three behaviours (one tuner, one Prometheus, to keep the suit
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 import subprocess
 import sys
@@ -29,11 +27,11 @@ from optuna.trial import TrialState
 
 from kvpilot.tuner.adapters.local import LocalApplier, free_port
 from kvpilot.tuner.adapters.prometheus import PrometheusSignals, estimate_workload
-from kvpilot.tuner.core.loop import LiveSettings, LiveTuner, Observer
-from kvpilot.tuner.core.objective import SLO, Goal, Measurement, Outcome
+from kvpilot.tuner.core.loop import LiveSettings, LiveTuner
+from kvpilot.tuner.core.objective import SLO, Goal
 from kvpilot.tuner.core.space import EngineParams, SearchSpace
 from kvpilot.tuner.core.study import TunerStudy
-from tests.support.loadgen import run_load
+from tests.support.live_tuning import BackgroundLoad, Events, RecordingSignals
 from tests.support.prometheus import PrometheusServer, require_prometheus
 
 pytestmark = pytest.mark.integration
@@ -71,73 +69,6 @@ class RestartablePrometheus(PrometheusServer):
         self._wait_ready()
 
 
-class BackgroundLoad:
-    """The load generator in a thread of its own, open loop at RATE req/s until stopped."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self._loop = asyncio.new_event_loop()
-        self._task: asyncio.Task | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._task = self._loop.create_task(run_load(
-            self.url, num_requests=100_000, rate=RATE, seed=5, max_tokens=16, prompt_words=32,
-            max_duration_s=600.0, request_timeout_s=30.0,
-        ))
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            self._loop.run_until_complete(self._task)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        if self._task is not None:
-            self._loop.call_soon_threadsafe(self._task.cancel)
-        self._thread.join(timeout=30)
-
-
-class Events(Observer):
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.log: list[tuple[float, str, str, str]] = []  # (time, kind, a, b)
-
-    def _add(self, kind: str, a: str, b: str) -> None:
-        with self.cond:
-            self.log.append((time.monotonic(), kind, a, b))
-            self.cond.notify_all()
-
-    def phase(self, phase: str, reason: str, message: str) -> None:
-        self._add("phase", phase, reason)
-
-    def trial_started(self, number: int, params: EngineParams, kind: str) -> None:
-        self._add("start", str(number), params.label())
-
-    def trial_finished(self, number: int, params: EngineParams, state: str, outcome: Outcome | None) -> None:
-        self._add("finish", str(number), state)
-
-    def wait(self, pred, timeout: float) -> bool:  # type: ignore[no-untyped-def]
-        with self.cond:
-            return self.cond.wait_for(lambda: pred(self.log), timeout=timeout)
-
-
-class RecordingSignals:
-    """The real Prometheus signals, with every burn-rate reading recorded (time, value)."""
-
-    def __init__(self, inner: PrometheusSignals) -> None:
-        self.inner = inner
-        self.burns: list[tuple[float, float]] = []
-
-    def burn_rate(self, window_s: float) -> float:
-        v = self.inner.burn_rate(window_s)
-        self.burns.append((time.monotonic(), v))
-        return v
-
-    def measure(self, window_s: float) -> Measurement:
-        return self.inner.measure(window_s)
-
-
 @pytest.fixture
 def world(tmp_path: Path) -> Iterator[tuple[LocalApplier, RestartablePrometheus, BackgroundLoad]]:
     require_prometheus()
@@ -147,7 +78,8 @@ def world(tmp_path: Path) -> Iterator[tuple[LocalApplier, RestartablePrometheus,
     applier = LocalApplier(TWIN, port=free_port(), start=START, slots=slots, startup_timeout_s=60,
                            shutdown_timeout_s=10, log_dir=str(tmp_path),
                            env={"PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")})
-    load = BackgroundLoad(f"http://127.0.0.1:{applier.port}")
+    load = BackgroundLoad(f"http://127.0.0.1:{applier.port}", rate=RATE, seed=5, max_tokens=16, prompt_words=32,
+                          request_timeout_s=30.0, drain_s=30.0)
     try:
         applier.start()
         load.start()

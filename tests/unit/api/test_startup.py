@@ -7,6 +7,7 @@ import pytest
 from kvpilot.api.startup import cause_line, memory_report, startup_failure
 from tests.support.vllm_text import (
     CPU_UTIL_TOO_HIGH,
+    CPU_UTIL_TOO_LOW,
     KV_SHORT,
     REAL_CPU_FAILURE_LOG,
     startup_failure_log,
@@ -60,6 +61,22 @@ def test_vllm_cpu_backends_fraction_refusal_carries_its_numbers() -> None:
     report = memory_report(CPU_UTIL_TOO_HIGH)
     assert report is not None and report.kind == "gpu_short"
     assert report.needed == pytest.approx(23.31 * GiB) and report.available == pytest.approx(18.35 * GiB)
+
+
+def test_vllm_cpu_backends_too_low_fraction_is_no_kv_cache_with_the_workers_memory() -> None:
+    """The fraction asks for 0.17 GiB; the worker holds 0.95 GiB already: nothing is left for the KV cache."""
+    report = memory_report(CPU_UTIL_TOO_LOW)
+    assert report is not None and report.kind == "no_cache"
+    assert report.requested == pytest.approx(0.17 * GiB) and report.total == pytest.approx(17.09 * GiB)
+    assert report.weights == pytest.approx(0.95 * GiB)
+    assert report.shortfall().tier == 1 and report.shortfall().fraction == pytest.approx(0.78 / 0.95)
+    # vLLM's API server repeats it inside its own RuntimeError: the same numbers either way.
+    wrapped = f"RuntimeError: Worker failed with error '{CPU_UTIL_TOO_LOW.removeprefix('ValueError: ')}', please check"
+    assert memory_report(wrapped) == report
+    # A positive KV request that the node cannot hold is the node being short.
+    short = memory_report(CPU_UTIL_TOO_LOW.replace("(-0.78/0.17 GiB)", "(15.20/16.15 GiB)"))
+    assert short is not None and short.kind == "gpu_short"
+    assert (short.needed, short.available) == pytest.approx((15.20 * GiB, 13.95 * GiB))
 
 
 def test_a_wrapper_line_is_never_the_cause() -> None:

