@@ -239,15 +239,27 @@ async def _one(session: Any, url: str, model: str, ids: list[int], max_tokens: i
     return first - start, gaps, last
 
 
+async def _one_counted(*args: Any) -> tuple[float, list[float], float] | None:
+    """`_one`, with a request the connection failed counted as failed rather than ending the run."""
+    import aiohttp
+
+    try:
+        return await _one(*args)
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+
+
 async def replay_real(base_url: str, model: str, batch: RequestBatch, seed: int) -> Result:
     import aiohttp
 
     url = base_url + "/v1/completions"
-    conn = aiohttp.TCPConnector(limit=0)
+    # A connection per request: uvicorn closes a connection idle for 5 s, and a request sent on one it
+    # is closing fails with "server disconnected" (vLLM's frontend, not its engine).
+    conn = aiohttp.TCPConnector(limit=0, force_close=True)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
         t0 = time.perf_counter() + 0.2
-        jobs = [_one(session, url, model, prompt_ids(i, int(p), seed), int(o), float(a), t0)
+        jobs = [_one_counted(session, url, model, prompt_ids(i, int(p), seed), int(o), float(a), t0)
                 for i, (a, p, o) in enumerate(zip(batch.arrival_s, batch.prompt_tokens, batch.output_tokens,
                                                  strict=True))]
         done = await asyncio.gather(*jobs)
