@@ -176,8 +176,9 @@ def test_a_never_ready_engine_is_rolled_back_at_the_real_progress_deadline_acros
     assert stuck[0]["message"] in condition(obj, "Degraded")["message"]
     assert f"image={NEVER_READY_IMAGE}" in condition(obj, "Degraded")["message"].replace("'", "")
     assert obj["spec"]["engine"]["image"] == NEVER_READY_IMAGE  # the user's spec stays as written
-    dep = control_plane.get(f"{DEPLOYMENTS}/beta")
-    assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == good_image
+    # The decision is written before the Deployment is patched: the template follows a moment later.
+    wait_for(lambda: control_plane.get(f"{DEPLOYMENTS}/beta")["spec"]["template"]["spec"]["containers"][0]["image"]
+             == good_image, timeout=30, what="beta's template rolled back")
     # The rollback rolls back for real: the never-ready pod goes, one good pod serves.
     wait_for(lambda: [p["spec"]["containers"][0]["image"] for p in pods_of(control_plane, "beta")] == [good_image],
              timeout=60, what="only the good pod left")
@@ -208,8 +209,10 @@ def test_an_engine_that_cannot_start_is_rolled_back_at_once_in_vllms_words(contr
     assert failure["reason"] == "EngineStartupFailed" and failure["pod"].startswith("delta-")
     assert failure["observedGeneration"] == obj["metadata"]["generation"] == 2
     assert obj["spec"]["engine"]["image"] == START_UP_FAILS_IMAGE  # the user's spec stays as written
-    dep = control_plane.get(f"{DEPLOYMENTS}/delta")
-    assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == good_image
+    # The operator writes its decision before it patches the Deployment (so a failed patch is finished
+    # later, not forgotten): the Deployment follows the status, a moment after it.
+    dep = wait_for(lambda: (d := control_plane.get(f"{DEPLOYMENTS}/delta"))["spec"]["template"]["spec"]
+                   ["containers"][0]["image"] == good_image and d, timeout=30, what="delta's template rolled back")
     assert condition(dep, "Progressing").get("reason") != "ProgressDeadlineExceeded"
     # The rollback rolls back for real: the failing pod goes, one good pod serves.
     wait_for(lambda: [p["spec"]["containers"][0]["image"] for p in pods_of(control_plane, "delta")] == [good_image],
