@@ -144,7 +144,9 @@ def test_a_crash_loop_without_vllms_words_rolls_back_at_the_restart_threshold(ap
                    what="Degraded/RolledBack")
     assert obj["status"]["lastFailure"]["reason"] == "CrashLoopBackOff"
     assert "restarted 2 times (CrashLoopBackOff), last exit code 137: OOMKilled" in condition(obj, "Degraded")["message"]
-    assert engine_of(api.get(dep_path("mistral"))) == good["status"]["lastGoodEngine"]
+    # The decision is written before the Deployment is patched: the template follows a moment later.
+    wait_for(lambda: engine_of(api.get(dep_path("mistral"))) == good["status"]["lastGoodEngine"],
+             what="mistral's template rolled back")
 
 
 def test_a_first_rollout_that_cannot_start_says_why_and_keeps_its_deployment(api: KMockAPI,

@@ -279,7 +279,9 @@ def test_an_operator_killed_between_a_rollback_patch_and_its_status_keeps_the_ro
             obj = wait_for(lambda: condition(o := isvc(api, name), "Degraded").get("reason") == "RolledBack" and o,
                            what="Degraded/RolledBack")
             assert obj["status"]["lastGoodEngine"]["maxNumBatchedTokens"] == 2048
-            assert engine_arg(api.get(dep_path(name)), "--max-num-batched-tokens") == "2048"
+            # The decision is written before the Deployment is patched: the template follows it.
+            wait_for(lambda: engine_arg(api.get(dep_path(name)), "--max-num-batched-tokens") == "2048",
+                     what="2048 back")
             _rollout_complete(api, name)  # the restored engine's rollout finishes
             wait_for(lambda: condition(isvc(api, name), "Ready").get("status") == "True", what="Ready")
         assert len(requests_to(api, "PATCH", dep_path(name))) == patches_before  # 8192 never sent again
