@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvpilot.tuner.adapters.local import free_port
-from tests.integration.tuner.test_live_local import BackgroundLoad
+from tests.support.live_tuning import BackgroundLoad
 from tests.support.prometheus import PrometheusServer, require_prometheus
 
 pytestmark = pytest.mark.integration
@@ -103,7 +103,9 @@ def test_a_finished_run_writes_its_report(tmp_path: Path) -> None:
     port, slots = free_port(), (free_port(), free_port())
     prom = PrometheusServer(targets=[f"127.0.0.1:{p}" for p in slots], job="twin")
     prom.start()
-    load = BackgroundLoad(f"http://127.0.0.1:{port}")
+    # Open loop at 12 req/s of short requests (what the live-loop test sends).
+    load = BackgroundLoad(f"http://127.0.0.1:{port}", rate=12.0, seed=5, max_tokens=16, prompt_words=32,
+                          request_timeout_s=30.0)
     try:
         with tune_local(tmp_path, port, slots, "--prometheus", prom.url, "--selector", 'job="twin"',
                         "--slo", "ttft=0.25,itl=0.1", "--trials", "1", "--warmup", "1", "--window", "3",
