@@ -15,11 +15,14 @@ from typing import Any
 
 import pytest
 
+from kvpilot.twin.conformance import reference
 from kvpilot.twin.conformance.reference import VllmEnvMissing, VllmWorker, require_vllm_env
 from kvpilot.twin.conformance.replay import replay_twin
 from kvpilot.twin.hardware import GiB
 
 pytestmark = pytest.mark.vllm
+
+STEPS = Path(reference.__file__).with_name("vllm_steps.py")
 
 BUDGET, SEQS, BLOCK = 256, 8, 128  # vLLM's CPU block size
 KV_BYTES_PER_TOKEN = 2 * 2 * 64 * 2 * 2  # tiny-llama: 2 layers, 2 KV heads, head_dim 64, K and V, bf16
@@ -31,9 +34,9 @@ def engine() -> Iterator[VllmWorker]:
         _, model = require_vllm_env()
     except VllmEnvMissing as e:
         pytest.skip(str(e))
-    from kvpilot.twin.conformance import vllm_steps
-
-    with VllmWorker(Path(vllm_steps.__file__), "--model", str(model),
+    # By path, not imported: the script sets vLLM's environment (in-process engine, quiet logs) at import,
+    # and in this process that would leak into every vLLM a later test starts.
+    with VllmWorker(STEPS, "--model", str(model),
                     "--max-num-batched-tokens", str(BUDGET), "--max-num-seqs", str(SEQS),
                     "--max-model-len", "2048") as worker:
         yield worker
