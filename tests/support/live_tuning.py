@@ -11,7 +11,6 @@ reading the loop took.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +37,7 @@ class BackgroundLoad:
         self.drain_s = drain_s
         self.kwargs = {"num_requests": 100_000, "max_duration_s": 600.0, **kwargs}
         self.result: LoadResult | None = None
+        self.error: Exception | None = None
         self._stop = threading.Event()
         self._loop = asyncio.new_event_loop()
         self._task: asyncio.Task[LoadResult] | None = None
@@ -46,8 +46,12 @@ class BackgroundLoad:
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         self._task = self._loop.create_task(run_load(self.url, stop=self._stop.is_set, **self.kwargs))
-        with contextlib.suppress(asyncio.CancelledError, Exception):
+        try:
             self.result = self._loop.run_until_complete(self._task)
+        except asyncio.CancelledError:
+            pass  # stopped past its drain: what was in flight is recorded as failed
+        except Exception as exc:  # noqa: BLE001 - raised again by stop(), in the test's thread
+            self.error = exc
 
     def start(self) -> None:
         self._thread.start()
@@ -58,7 +62,30 @@ class BackgroundLoad:
         if self._thread.is_alive() and self._task is not None:
             self._loop.call_soon_threadsafe(self._task.cancel)
             self._thread.join(timeout=30)
+        if self.error is not None:
+            # A load that could not run (bad arguments, say) must fail the test, not look like no traffic.
+            raise RuntimeError(f"the background load failed: {self.error!r}") from self.error
         return self.result
+
+
+class TunerThread:
+    """`tuner.run()` in a daemon thread of its own: `result` gets "best" (what run() returned) or
+    "error" (what it raised), for the test's assertions."""
+
+    def __init__(self, tuner: Any) -> None:
+        self.tuner = tuner
+        self.result: dict[str, object] = {}
+        self.thread = threading.Thread(target=self._run, name="tuner", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.result["best"] = self.tuner.run()
+        except BaseException as exc:  # surfaced by the test's assertions
+            self.result["error"] = exc
+
+    def start(self) -> TunerThread:
+        self.thread.start()
+        return self
 
 
 class Events(Observer):

@@ -29,7 +29,6 @@ forwarder (like a Service) routes connections: a client that keeps one alive sta
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,7 +42,7 @@ from kvpilot.tuner.core.objective import INFEASIBLE_VIOLATION, MEMORY_VIOLATION,
 from kvpilot.tuner.core.space import EngineParams, SearchSpace
 from kvpilot.tuner.core.study import ATTR_MEMORY, TunerStudy, constraints_of
 from kvpilot.twin.conformance.reference import VllmEnvMissing, require_vllm_env, vllm_env
-from tests.support.live_tuning import BackgroundLoad, Events, RecordingSignals
+from tests.support.live_tuning import BackgroundLoad, Events, RecordingSignals, TunerThread
 from tests.support.prometheus import VLLM_METRIC_RELABEL_CONFIGS, PrometheusServer, require_prometheus
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
@@ -141,16 +140,8 @@ def test_live_tuning_on_real_vllm(world: tuple[LocalApplier, PrometheusServer, B
     prom.wait_for('sum(rate(vllm:time_to_first_token_seconds_count{job="vllm"}[4s])) > 0', timeout=120)
     events = Events()
     tuner = LiveTuner(study, applier, signals, SETTINGS, observer=events)
-    result: dict[str, object] = {}
-
-    def run() -> None:
-        try:
-            result["best"] = tuner.run()
-        except BaseException as exc:  # surfaced by the assertion below
-            result["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
+    runner = TunerThread(tuner).start()
+    thread, result = runner.thread, runner.result
     try:
         # Every engine start may take minutes on a shared machine: the bound is generous, the
         # assertions are on what happened, not on how long it took.

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +30,7 @@ from kvpilot.tuner.core.loop import LiveSettings, LiveTuner
 from kvpilot.tuner.core.objective import SLO, Goal
 from kvpilot.tuner.core.space import EngineParams, SearchSpace
 from kvpilot.tuner.core.study import TunerStudy
-from tests.support.live_tuning import BackgroundLoad, Events, RecordingSignals
+from tests.support.live_tuning import BackgroundLoad, Events, RecordingSignals, TunerThread
 from tests.support.prometheus import PrometheusServer, require_prometheus
 
 pytestmark = pytest.mark.integration
@@ -106,16 +105,8 @@ def test_live_tuning_with_a_bad_config_and_a_prometheus_outage(
     prom.wait_for('sum(rate(vllm:time_to_first_token_seconds_count{job="twin"}[4s])) > 0', timeout=60)
     events = Events()
     tuner = LiveTuner(study, applier, signals, SETTINGS, observer=events)
-    result: dict[str, object] = {}
-
-    def run() -> None:
-        try:
-            result["best"] = tuner.run()
-        except BaseException as exc:  # surfaced by the assertion below
-            result["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
+    runner = TunerThread(tuner).start()
+    thread, result = runner.thread, runner.result
 
     # --- Prometheus dies while trial 1 is being measured --------------------------------------
     assert events.wait(lambda log: any(k == "start" and a == "1" for _, k, a, _ in log), timeout=120), events.log
