@@ -15,11 +15,8 @@ from __future__ import annotations
 import copy
 import gzip
 import json
-import os
 import signal
-import socket
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -36,7 +33,7 @@ from kvpilot.api.models import InferenceService
 from kvpilot.operator.builders.render import render_manifests
 from kvpilot.slo import promql
 from kvpilot.slo.objectives import SloTarget
-from kvpilot.twin.conformance.reference import VllmEnvMissing, require_vllm_env, vllm_env
+from kvpilot.twin.conformance.reference import VllmEnvMissing
 from tests.support import prometheus_operator as po
 from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.support.prometheus import (
@@ -46,10 +43,9 @@ from tests.support.prometheus import (
     require_prometheus,
 )
 from tests.support.twin_process import FAST_TWIN_ARGS, twin_server
+from tests.support.vllm_process import VllmProcess, VllmStartError
 
 pytestmark = pytest.mark.vllm
-
-START_DEADLINE_S = 600.0  # 22-70 s on an idle machine; CI machines are shared
 
 ISVC = {
     "apiVersion": "kvpilot.dev/v1alpha1",
@@ -82,12 +78,6 @@ def flag_value(args: list[str], flag: str) -> str:
     return args[args.index(flag) + 1]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def get(url: str, timeout: float = 10.0) -> tuple[int, str]:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return resp.status, resp.read().decode()
@@ -102,14 +92,23 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 120.0) -> dict[st
 
 @dataclass
 class VllmServer:
-    proc: subprocess.Popen[bytes]
-    base_url: str
-    args: list[str]
-    log_path: Path
+    """The rendered command running (tests.support.vllm_process), with what the render asked for."""
+
+    vllm: VllmProcess
+    args: list[str]  # the rendered container's args, as rendered
     env: dict[str, str]  # the rendered container's environment (its plain values)
 
+    @property
+    def base_url(self) -> str:
+        return self.vllm.base_url
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        assert self.vllm.proc is not None
+        return self.vllm.proc
+
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        return Path(self.vllm.log_path).read_text(errors="replace")
 
 
 # The BatchSpanProcessor exports every 5 s by default; the tests' engines export at once.
@@ -122,54 +121,32 @@ def otlp() -> Iterator[OtlpReceiver]:
         yield receiver
 
 
+def swapped_args(args: list[str]) -> list[str]:
+    """The rendered args after `vllm serve <model>`, less `--port` (VllmProcess serves the tiny
+    model on a free 127.0.0.1 port); every other flag as rendered."""
+    rest = list(args[1:])
+    i = rest.index("--port")
+    del rest[i:i + 2]
+    return rest
+
+
 @pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory: pytest.TempPathFactory, otlp: OtlpReceiver) -> Iterator[VllmServer]:
-    try:
-        python, model = require_vllm_env()
-    except VllmEnvMissing as e:
-        pytest.skip(str(e))
+def vllm_server(otlp: OtlpReceiver) -> Iterator[VllmServer]:
     container = rendered_container(otlp.url)
     container_env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
     command, args = list(container["command"]), list(container["args"])
-    assert command[:2] == ["vllm", "serve"]
-    port = free_port()
-    swapped = list(args)
-    swapped[0] = str(model)  # the rendered model id -> the tiny local model
-    swapped[swapped.index("--port") + 1] = str(port)
-    cmd = [str(vllm_env() / "bin" / "vllm"), *command[1:], *swapped, "--host", "127.0.0.1", "--enforce-eager"]
-    tmp = tmp_path_factory.mktemp("vllm")
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", TMPDIR=str(tmp), VLLM_CACHE_ROOT=str(tmp / "cache"),
-               PYTHONPATH="", VIRTUAL_ENV=str(vllm_env()), **container_env, **FAST_EXPORT)
-    for name in ("CUDA_VISIBLE_DEVICES",):
-        env.pop(name, None)
-    log_path = tmp / "vllm.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp,
-                                start_new_session=True)
-    server = VllmServer(proc, f"http://127.0.0.1:{port}", args, log_path, container_env)
+    assert command == ["vllm", "serve"]
+    vllm = VllmProcess(*swapped_args(args), env={**container_env, **FAST_EXPORT})
     try:
-        deadline = time.monotonic() + START_DEADLINE_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited with {proc.returncode} before /health:\n{server.log()[-6000:]}")
-            try:
-                if get(server.base_url + "/health", timeout=2.0)[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve not healthy within {START_DEADLINE_S:.0f} s:\n{server.log()[-6000:]}")
-            time.sleep(0.5)  # polling /health against a deadline
-        yield server
+        vllm.start()
+    except VllmEnvMissing as e:
+        pytest.skip(str(e))
+    except VllmStartError as e:
+        pytest.fail(str(e))
+    try:
+        yield VllmServer(vllm, args, container_env)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        vllm.stop()
 
 
 def families(text: str) -> dict[str, Any]:

@@ -15,7 +15,10 @@ start-up would be.  A drawn trial the caller says to `redo` (the tuner: one that
 for lack of memory) gives its strata back: the next draw tries the same strata again, where the
 tuner raises the KV-cache fraction past what the failure ruled out, so a memory-bound model
 still gets every token-budget stratum measured once.  Enqueued trials (the current engine, vLLM's defaults, a warm start) count
-towards the start-up, as in TPE, but take no stratum.
+towards the start-up, as in TPE; with `claim` they also take the strata their values lie in, so
+the draws fill the strata trial 0 left unmeasured instead of measuring its stratum again.  With
+`bounds` a knob drawn on its own is kept within another already drawn (the sequence cap within
+the token budget): the tuner would otherwise raise the budget to the cap, undoing its stratum.
 
 The strata come from the study's storage (how many earlier trials were drawn, not enqueued), so
 a resumed tuner continues the same hypercube.
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import optuna
@@ -56,7 +59,8 @@ def startup_trials(n_trials: int) -> int:
 def make_sampler(seed: int | None, n_trials: int, sampler: str = "tpe",
                  redo: Callable[[FrozenTrial], bool] | None = None,
                  drawn: Callable[[FrozenTrial], bool] | None = None,
-                 constant_liar: bool = False) -> BaseSampler:
+                 constant_liar: bool = False, claim: bool = False,
+                 bounds: Mapping[str, str] | None = None) -> BaseSampler:
     if sampler == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if sampler != "tpe":
@@ -66,7 +70,8 @@ def make_sampler(seed: int | None, n_trials: int, sampler: str = "tpe",
     # constant_liar (several workers on one study): trials still running count as bad ones, so a
     # worker does not draw next to what another is measuring (Optuna's advice for parallel TPE).
     tpe = optuna.samplers.TPESampler(seed=seed, n_startup_trials=n, constant_liar=constant_liar)
-    return LatinHypercubeStart(tpe, n_startup_trials=n, seed=seed, redo=redo, drawn=drawn)
+    return LatinHypercubeStart(tpe, n_startup_trials=n, seed=seed, redo=redo, drawn=drawn, claim=claim,
+                               bounds=bounds)
 
 
 class LatinHypercubeStart(BaseSampler):
@@ -77,7 +82,8 @@ class LatinHypercubeStart(BaseSampler):
 
     def __init__(self, main: BaseSampler, *, n_startup_trials: int, seed: int | None = None,
                  redo: Callable[[FrozenTrial], bool] | None = None,
-                 drawn: Callable[[FrozenTrial], bool] | None = None) -> None:
+                 drawn: Callable[[FrozenTrial], bool] | None = None,
+                 claim: bool = False, bounds: Mapping[str, str] | None = None) -> None:
         if n_startup_trials < 1:
             raise ValueError(f"n_startup_trials must be >= 1, got {n_startup_trials}")
         self._main = main
@@ -85,6 +91,8 @@ class LatinHypercubeStart(BaseSampler):
         self._drawn = drawn or _every_trial_drawn
         self._n = n_startup_trials
         self._seed = seed
+        self._claim = claim
+        self._bounds = dict(bounds or {})
         self._rng = random.Random(seed)
 
     # -- which phase ----------------------------------------------------------------------
@@ -125,11 +133,22 @@ class LatinHypercubeStart(BaseSampler):
         if not self._in_startup(study, trial):
             return self._main.sample_independent(study, trial, param_name, param_distribution)
         index = self._stratum_index(study, trial)
-        if index >= self._n:  # more drawn trials than strata (pruned or failed ones): plain random
+        free = self._permutation(param_name)
+        if self._claim:
+            claimed = self._claimed(study, trial, param_name, param_distribution)
+            free = [s for s in free if s not in claimed]
+        if index >= len(free):  # more drawn trials than strata (pruned or failed ones): plain random
             return self._uniform(param_name, param_distribution, self._rng.random())
-        stratum = self._permutation(param_name)[index]
+        stratum = free[index]
         u = (stratum + self._rng.random()) / self._n
-        return self._uniform(param_name, param_distribution, u)
+        value = self._uniform(param_name, param_distribution, u)
+        upper = self._bounds.get(param_name)
+        if upper is not None and upper in trial.params and isinstance(param_distribution, IntDistribution):
+            # The caller resolves a draw that breaks the bound by raising `upper` to it (vLLM needs
+            # maxNumBatchedTokens >= maxNumSeqs), which would undo `upper`'s stratum: about a third of
+            # the smallest-budget draws were lost that way.  Keep this knob within it instead.
+            value = max(min(value, int(trial.params[upper])), param_distribution.low)
+        return value
 
     def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
         self._main.before_trial(study, trial)
@@ -144,6 +163,32 @@ class LatinHypercubeStart(BaseSampler):
         self._rng = random.Random()
 
     # -- the hypercube --------------------------------------------------------------------
+    def _claimed(self, study: optuna.Study, trial: FrozenTrial, param_name: str,
+                 dist: BaseDistribution) -> set[int]:
+        """Strata of this knob that enqueued trials (vLLM's defaults, the current engine) already
+        measure: the draws fill the others, so no start-up trial repeats what trial 0 showed."""
+        return {self._stratum_of(dist, t.params[param_name]) for t in self._earlier(study, trial)
+                if not self._drawn(t) and t.state != TrialState.FAIL and param_name in t.params}
+
+    def _stratum_of(self, dist: BaseDistribution, value: Any) -> int:
+        """The stratum a value lies in: the inverse of `_uniform` (a discrete value: its middle)."""
+        if isinstance(dist, CategoricalDistribution):
+            u = (dist.choices.index(value) + 0.5) / len(dist.choices)
+        elif isinstance(dist, IntDistribution) and dist.log:
+            lo, hi = math.log(dist.low - 0.5), math.log(dist.high + 0.5)
+            u = (math.log(value) - lo) / (hi - lo)
+        elif isinstance(dist, IntDistribution) or (isinstance(dist, FloatDistribution) and dist.step is not None):
+            step = dist.step or 1
+            n_steps = int(round((dist.high - dist.low) / step)) + 1
+            u = (round((value - dist.low) / step) + 0.5) / n_steps
+        elif isinstance(dist, FloatDistribution) and dist.log:
+            u = (math.log(value) - math.log(dist.low)) / (math.log(dist.high) - math.log(dist.low))
+        elif isinstance(dist, FloatDistribution):
+            u = (value - dist.low) / (dist.high - dist.low)
+        else:
+            raise TypeError(f"unsupported distribution {dist!r}")
+        return min(max(int(u * self._n), 0), self._n - 1)
+
     def _permutation(self, param_name: str) -> list[int]:
         """Each knob's strata in its own seeded order (the same after a restart)."""
         order = list(range(self._n))

@@ -202,20 +202,28 @@ class SearchSpace:
     # -- sampling -------------------------------------------------------------------------
     def distributions(self) -> dict[str, BaseDistribution]:
         """The Optuna distributions of a draw, built once and passed to `Study.ask` (as Katib does).
-        Sequence cap first, then the fraction, then the token budget (clamped up to the cap)."""
+        Token budget first, then the fraction, then the sequence cap: a knob drawn on its own (the
+        start-up) is drawn in this order, so the start-up can keep the cap within the budget
+        already drawn (`bounds`).  The token budget is still clamped up to the cap (`resolve`)."""
         util_lo, util_hi = self._util_bounds()
         util = FloatDistribution(util_lo, util_hi, step=self.util_step)
         if self.scale == "pow2":
             return {
-                LOG2_PREFIX + PARAM_SEQS: IntDistribution(*_pow2_exponents(*self.max_num_seqs)),
-                PARAM_GPU_UTIL: util,
                 LOG2_PREFIX + PARAM_TOKENS: IntDistribution(*_pow2_exponents(*self.max_num_batched_tokens)),
+                PARAM_GPU_UTIL: util,
+                LOG2_PREFIX + PARAM_SEQS: IntDistribution(*_pow2_exponents(*self.max_num_seqs)),
             }
         return {
-            PARAM_SEQS: IntDistribution(*self.max_num_seqs, log=True),
-            PARAM_GPU_UTIL: util,
             PARAM_TOKENS: IntDistribution(*self.max_num_batched_tokens, log=True),
+            PARAM_GPU_UTIL: util,
+            PARAM_SEQS: IntDistribution(*self.max_num_seqs, log=True),
         }
+
+    def bounds(self) -> dict[str, str]:
+        """Trial params that vLLM needs at most another: the sequence cap within the token budget
+        (both raw params on the same scale, values or exponents)."""
+        prefix = LOG2_PREFIX if self.scale == "pow2" else ""
+        return {prefix + PARAM_SEQS: prefix + PARAM_TOKENS}
 
     def _util_bounds(self) -> tuple[float, float]:
         lo, hi = self.gpu_memory_utilization

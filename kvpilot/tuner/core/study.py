@@ -179,10 +179,12 @@ class Guidance:
     memory_floor: bool = True  # raise a draw's fraction past what memory failures rule out (core.startup)
     redo_startup: bool = True  # a start-up draw that could not start gives its strata back (core.sampler)
     polish: bool = True  # every few trials, a neighbour of the best config (core.polish)
+    claim_strata: bool = True  # start-up draws skip the strata enqueued trials already measure (core.sampler)
+    bound_startup: bool = True  # start-up draws keep the sequence cap within the token budget (core.sampler)
 
     @classmethod
     def none(cls) -> Guidance:
-        return cls(memory_floor=False, redo_startup=False, polish=False)
+        return cls(memory_floor=False, redo_startup=False, polish=False, claim_strata=False, bound_startup=False)
 
 
 class TunerStudy:
@@ -214,7 +216,9 @@ class TunerStudy:
             direction=goal.direction,
             sampler=make_sampler(seed, n_trials, sampler,
                                  redo=_is_memory_failure if self.guidance.redo_startup else None,
-                                 drawn=_was_drawn, constant_liar=workers > 1 or joined),
+                                 drawn=_was_drawn, constant_liar=workers > 1 or joined,
+                                 claim=self.guidance.claim_strata,
+                                 bounds=space.bounds() if self.guidance.bound_startup else None),
             load_if_exists=True,
         )
         self.workers = workers

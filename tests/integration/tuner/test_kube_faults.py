@@ -393,6 +393,14 @@ def test_a_worker_whose_loop_fails_puts_back_the_best_says_so_and_starts_again(
     assert sorted(told) == sorted(str(t.number) for t in done)  # each trial told once
 
 
+def rollouts_after(tuner: LiveTuner, number: int, best: EngineParams) -> list[EngineParams]:
+    """The rollouts a tuner makes after trial `number`: each later trial's engine, then the best put
+    back unless the last trial's engine is the best (the cut trial may well be the best: a count of
+    its rollouts says nothing about the resume)."""
+    engines = [tuner.study.engine_of(t) for t in tuner.study.study.trials if t.number > number]
+    return engines + [best] if engines and engines[-1] != best else engines
+
+
 class Killed(BaseException):
     """The tuner process dying (SIGKILL, OOM): nothing runs after it, no put-back, no tell."""
 
@@ -419,6 +427,7 @@ def test_a_tuner_killed_mid_trial_resumes_that_trial_in_place(api: KMockAPI, tmp
         before = {t.number: (t.state, t.value) for t in first.study.study.trials}
         cut_engine = in_force(api, name)[0]
         assert cut_engine != START
+        rolled_before = len(player.rollouts)
         # A new tuner on the same storage, as a restarted pod would be.
         second = live_tuner(api, kube, name, storage, KubeSignals(api, name))
         best = second.run()
@@ -432,8 +441,10 @@ def test_a_tuner_killed_mid_trial_resumes_that_trial_in_place(api: KMockAPI, tmp
     for number, (state, value) in before.items():
         if state is TrialState.COMPLETE:
             assert (trials[number].state, trials[number].value) == (state, value)
-    # No config rolled out twice: the resumed trial's apply wrote the same fields (no new generation).
-    assert player.rollouts.count(cut_engine) == 1
+    # The resumed trial's apply wrote the same fields (no new generation): the second tuner rolled out
+    # only its later trials and, at the end, the best put back.
+    assert player.rollouts[:rolled_before] == [cut_engine]
+    assert player.rollouts[rolled_before:] == rollouts_after(second, resumed[0].number, best)
     assert second.study.finished_count() == SETTINGS.max_trials
     inc = second.study.incumbent
     assert inc is not None and inc.params == best == in_force(api, name)[0]
@@ -487,6 +498,7 @@ def test_a_tuner_killed_mid_rollout_resumes_that_trial_without_rolling_it_out_ag
     resumed = [t for t in trials if t.user_attrs.get("source") == "resume"]
     assert len(resumed) == 1 and resumed[0].state is TrialState.COMPLETE
     assert resumed[0].number == cut[0].number + 1 and second.study.engine_of(resumed[0]) == held
-    assert player.rollouts.count(held) == 1  # resumed in place: no second rollout of it
+    # Resumed in place: no second rollout of it, only the later trials' and the best put back.
+    assert player.rollouts == [held, *rollouts_after(second, resumed[0].number, best)]
     assert second.study.finished_count() == SETTINGS.max_trials
     assert second.fallback() == best == in_force(api, name)[0]

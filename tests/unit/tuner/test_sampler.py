@@ -62,6 +62,39 @@ def test_enqueued_trials_count_towards_startup_but_take_no_stratum() -> None:
     assert len(set(_strata([d["x"] for d in drawn], 0.0, 1.0, n))) == n - 1
 
 
+@pytest.mark.parametrize("seed", [0, 1, 7])
+def test_claimed_strata_leave_the_draws_the_strata_the_enqueued_trial_did_not_measure(seed: int) -> None:
+    """vLLM's defaults as trial 0 measure one stratum of every knob: with `claim`, the start-up
+    draws fill the other n - 1 of each, so together the n start-up trials cover every stratum."""
+    n = 4
+    study = optuna.create_study(sampler=LatinHypercubeStart(
+        optuna.samplers.TPESampler(seed=seed, n_startup_trials=n), n_startup_trials=n, seed=seed,
+        drawn=lambda t: "source" not in t.user_attrs, claim=True))
+    study.enqueue_trial({"x": 0.01, "n": 900, "u": 0.80}, user_attrs={"source": "vllmDefaults"})
+    trials = _draw(study, n)
+    assert trials[0]["x"] == 0.01
+    assert _strata([d["x"] for d in trials], 0.0, 1.0, n) == list(range(n))
+    logs = [math.log(d["n"]) for d in trials]
+    assert _strata(logs, math.log(0.5), math.log(1000.5), n) == list(range(n))
+    # The fraction is discrete (0.70..0.95 by 0.01, 26 values): each value's stratum is its middle's.
+    assert _strata([(round((d["u"] - 0.70) / 0.01) + 0.5) / 26 for d in trials], 0.0, 1.0, n) == list(range(n))
+
+
+def test_without_claim_the_draws_may_repeat_the_enqueued_trials_stratum() -> None:
+    """The same study without `claim`: some seed's draws measure trial 0's stratum again (the
+    behaviour `claim` removes; if no seed did, the test above would prove nothing)."""
+    n = 4
+    repeats = 0
+    for seed in range(10):
+        study = optuna.create_study(sampler=LatinHypercubeStart(
+            optuna.samplers.TPESampler(seed=seed, n_startup_trials=n), n_startup_trials=n, seed=seed,
+            drawn=lambda t: "source" not in t.user_attrs))
+        study.enqueue_trial({"x": 0.01, "n": 900, "u": 0.80}, user_attrs={"source": "vllmDefaults"})
+        trials = _draw(study, n)
+        repeats += _strata([d["x"] for d in trials], 0.0, 1.0, n) != list(range(n))
+    assert repeats > 0
+
+
 def test_a_resumed_study_continues_the_same_hypercube(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 's.db'}"
     n = 6
@@ -101,3 +134,35 @@ def test_after_startup_tpe_draws_near_the_good_region() -> None:
 def test_unknown_sampler_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="expected one of tpe, random"):
         make_sampler(0, 20, "cmaes")
+
+
+def _startup_budgets(space: SearchSpace, seed: int, bounded: bool) -> list[tuple[int, int]]:
+    """(drawn, applied) token budget of each start-up trial on a pow2 space: `resolve` raises the
+    budget to the cap where the cap is larger."""
+    study = optuna.create_study(direction="maximize", sampler=make_sampler(
+        seed, 20, bounds=space.bounds() if bounded else None))
+    out = []
+    for _ in range(startup_trials(20)):
+        t = study.ask(space.distributions())
+        p = space.resolve(t.params)
+        assert p.max_num_seqs <= p.max_num_batched_tokens
+        out.append((2 ** t.params[LOG2_PREFIX + PARAM_TOKENS], p.max_num_batched_tokens))
+        study.tell(t, 1.0)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_bounded_startup_applies_the_token_budgets_it_draws(seed: int) -> None:
+    """With the cap kept within the drawn budget, the clamp never raises a start-up budget: each
+    stratum of the budget (the knob that matters most) is applied as drawn."""
+    space = SearchSpace(scale="pow2", util_step=0.05)
+    budgets = _startup_budgets(space, seed, bounded=True)
+    assert all(drawn == applied for drawn, applied in budgets)
+
+
+def test_unbounded_startup_loses_small_budgets_to_the_clamp() -> None:
+    """Without the bound, some seed's small-budget draw is raised to its cap: the behaviour the
+    bound removes (if no seed lost one, the test above would prove nothing)."""
+    space = SearchSpace(scale="pow2", util_step=0.05)
+    raised = sum(drawn != applied for seed in range(8) for drawn, applied in _startup_budgets(space, seed, False))
+    assert raised > 0
