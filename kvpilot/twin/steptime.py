@@ -56,6 +56,12 @@ class StepTimeParams:
     allreduce_eff: float = 0.70
     cpu_overhead_s: float = 1.2e-3
     cpu_per_request_s: float = 8e-6
+    # The serving frontend's latency, not a step's: from a request's send to the first token's arrival
+    # at the client, what vLLM's API server (HTTP, the engine-core IPC, SSE) adds to the engine's
+    # steps.  The offline twin (offline.drive) holds a request back this long before the scheduler sees
+    # it.  0 for the GPU presets (their constants are fitted on engine steps, not served latencies); a
+    # device profile fitted through the HTTP API (benchmarks/twin_vs_vllm.py --calibrate) sets it.
+    frontend_s: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
