@@ -72,6 +72,18 @@ def test_a_profiles_frontend_latency_delays_every_request_and_adds_to_ttft_not_i
     assert steps == pytest.approx(steps0)  # alone at the engine, each request sees the same steps
 
 
+def test_a_profiles_frontend_token_cost_bounds_a_step_from_below() -> None:
+    """frontend_token_s: a step's tokens reach the clients no faster than the frontend streams them."""
+    profile = DeviceProfile.from_dict({"device": CPU, "step_time": {"frontend_token_s": 1.0}})
+    model = resolve_model("Qwen/Qwen2.5-7B-Instruct")  # ~0.8 s a decode step on this slow device
+    with_cost = StepTimeModel(model, profile.device, 1, profile.step_time)
+    without = StepTimeModel(model, profile.device, 1, profile.step_time.__class__())
+    chunk = (500, 1, 0, 500 * 250.5, 0)  # a prefill chunk that samples nothing: engine-bound
+    assert with_cost.step_time(*chunk) == without.step_time(*chunk)
+    assert without.step_time(8, 8, 8, 0.0, 800) < 8.0
+    assert with_cost.step_time(8, 8, 8, 0.0, 800) == 8.0  # eight tokens to stream: frontend-bound
+
+
 @pytest.mark.parametrize(("data", "message"), [
     ([], "JSON object"),
     ({"device": {**CPU, "bf16_flops": "fast"}}, "device.bf16_flops: must be a non-negative number"),
