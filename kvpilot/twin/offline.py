@@ -127,7 +127,8 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
           stop_on_miss: SLO | None = None, measure_from_s: float = 0.0) -> Trace:
     """Serve a request batch through `engine` on a virtual clock: requests that arrived by the start
     of a step are queued before it (as vLLM's engine core adds requests between steps), a step lasts
-    what the step-time model says, and a step's tokens exist at its end.
+    what the step-time model says, and a step's tokens exist at its end.  A request arrives at the
+    engine `frontend_s` (of the step-time constants) after it is sent.
 
     Prompt + output lengths are clipped to `max_model_len` (the output is shortened), as a benchmark
     client sizes its requests.  The run stops at `max_sim_time_s` of virtual time (default: 3x the
@@ -138,6 +139,10 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
     """
     mml = engine.max_model_len
     arrivals = batch.arrival_s.tolist()
+    # When the scheduler can see each request: its send time plus the serving frontend's latency
+    # (StepTimeParams.frontend_s, 0 but for served-engine device profiles); TTFT still counts from the send.
+    delay = engine.step_model.params.frontend_s
+    ready = [a + delay for a in arrivals] if delay else arrivals
     prompts_a = np.minimum(batch.prompt_tokens, mml - 1)
     outputs = np.maximum(1, np.minimum(batch.output_tokens, mml - prompts_a)).tolist()
     prompts = prompts_a.tolist()
@@ -169,7 +174,7 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
     now = 0.0
     i = 0
     while True:
-        while i < n and arrivals[i] <= now:
+        while i < n and ready[i] <= now:
             if keys is not None and keys[i] and ptoks is not None:
                 pk = keys[i]
                 pb = min(ptoks[i], prompts[i]) // bs
@@ -180,7 +185,7 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
         if not (sched.running or sched.waiting):
             if i >= n:
                 break
-            now = arrivals[i]
+            now = ready[i]
             continue
         if now >= limit:
             break

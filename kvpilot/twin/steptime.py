@@ -56,6 +56,16 @@ class StepTimeParams:
     allreduce_eff: float = 0.70
     cpu_overhead_s: float = 1.2e-3
     cpu_per_request_s: float = 8e-6
+    # The serving frontend's latency, not a step's: from a request's send to the first token's arrival
+    # at the client, what vLLM's API server (HTTP, the engine-core IPC, SSE) adds to the engine's
+    # steps.  The offline twin (offline.drive) holds a request back this long before the scheduler sees
+    # it.  0 for the GPU presets (their constants are fitted on engine steps, not served latencies); a
+    # device profile fitted through the HTTP API (benchmarks/twin_vs_vllm.py --calibrate) sets it.
+    frontend_s: float = 0.0
+    # The frontend's cost per streamed token (detokenising, one SSE event, and on a host shared with the
+    # client, the client's read of it): a step's tokens reach the clients no faster than the frontend
+    # sends them, so a step lasts at least this times the requests it samples for.  0 for the GPU presets.
+    frontend_token_s: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -297,6 +307,8 @@ class StepTimeModel:
             t += p.gemm_floor_s + (head if head > self._lm_head_floor else self._lm_head_floor)
         if self.tp > 1:
             t += self.allreduce_time(tokens)
+        if p.frontend_token_s and num_sampled * p.frontend_token_s > t:
+            return num_sampled * p.frontend_token_s
         return t
 
     def breakdown(

@@ -4,7 +4,8 @@ The scheduler differential (test_scheduler_differential.py) drives vLLM's schedu
 here the model runs, sampling included, and every engine step's composition (tokens, requests,
 prefill (query, key) pairs, KV tokens read by decodes, in the twin's step-time terms) is compared
 with the twin's scheduler on the same trace.  The sim-to-real benchmark (benchmarks/twin_vs_vllm.py)
-fits the twin's CPU profile on exactly these rows, so this also checks what it measures.
+fitted the twin's CPU profile on these rows until it moved to the served engine (a served step crosses
+the engine core's IPC with its worker, which this in-process engine lacks).
 """
 
 from __future__ import annotations

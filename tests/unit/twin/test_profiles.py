@@ -45,6 +45,45 @@ def test_an_engine_runs_on_a_profiled_device_with_a_fixed_kv_cache() -> None:
     assert steps == 2 + 3  # 300 prompt tokens in chunks of 256, then three more decodes
 
 
+def test_a_profiles_frontend_latency_delays_every_request_and_adds_to_ttft_not_itl() -> None:
+    """frontend_s (a served engine's HTTP/IPC/SSE latency) holds each request back before the scheduler
+    sees it; with it 0, as for every GPU preset, the run is the same as without the field."""
+    import numpy as np
+
+    from kvpilot.twin.offline import drive
+    from kvpilot.twin.workload import RequestBatch
+
+    def run(frontend_s: float) -> tuple[list[float], list[float]]:
+        profile = DeviceProfile.from_dict({"device": CPU, "step_time": {"frontend_s": frontend_s}})
+        config = EngineConfig(model=resolve_model("Qwen/Qwen2.5-7B-Instruct"), gpu=profile.device,
+                              max_num_batched_tokens=256, max_num_seqs=8, max_model_len=4096,
+                              gpu_memory_utilization=None, kv_cache_memory_bytes=GiB, block_size=128,
+                              async_scheduling=False, step_time_params=profile.step_time)
+        batch = RequestBatch(np.array([0.0, 0.05, 2.0]), np.array([300, 40, 100]), np.array([4, 6, 3]))
+        trace = drive(Engine(config), batch)
+        ends = trace.ends
+        done = sorted(trace.done, key=lambda r: r.arrival_time)
+        return ([ends[r.step_first_token] - r.arrival_time for r in done],
+                [e - s for s, e in zip(trace.starts, ends, strict=True)])
+
+    ttft0, steps0 = run(0.0)
+    ttft, steps = run(0.02)
+    assert ttft == pytest.approx([t + 0.02 for t in ttft0])
+    assert steps == pytest.approx(steps0)  # alone at the engine, each request sees the same steps
+
+
+def test_a_profiles_frontend_token_cost_bounds_a_step_from_below() -> None:
+    """frontend_token_s: a step's tokens reach the clients no faster than the frontend streams them."""
+    profile = DeviceProfile.from_dict({"device": CPU, "step_time": {"frontend_token_s": 1.0}})
+    model = resolve_model("Qwen/Qwen2.5-7B-Instruct")  # ~0.8 s a decode step on this slow device
+    with_cost = StepTimeModel(model, profile.device, 1, profile.step_time)
+    without = StepTimeModel(model, profile.device, 1, profile.step_time.__class__())
+    chunk = (500, 1, 0, 500 * 250.5, 0)  # a prefill chunk that samples nothing: engine-bound
+    assert with_cost.step_time(*chunk) == without.step_time(*chunk)
+    assert without.step_time(8, 8, 8, 0.0, 800) < 8.0
+    assert with_cost.step_time(8, 8, 8, 0.0, 800) == 8.0  # eight tokens to stream: frontend-bound
+
+
 @pytest.mark.parametrize(("data", "message"), [
     ([], "JSON object"),
     ({"device": {**CPU, "bf16_flops": "fast"}}, "device.bf16_flops: must be a non-negative number"),
