@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+from dataclasses import replace
 from typing import Any
 
 from kvpilot.api import tracing as vllm_tracing
@@ -167,7 +168,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
     t.add_argument("--device-profile", default=None, metavar="JSON",
                    help="a measured device instead of a GPU preset: its peaks and fitted step-time constants "
                         "(see kvpilot/twin/profiles.py; benchmarks/twin_vs_vllm.py --calibrate writes one for "
-                        "vLLM on this host's CPU); not with --gpu")
+                        "vLLM on this host's CPU); not with --gpu.  `twin serve` leaves out the profile's "
+                        "frontend terms: its own HTTP frontend is real")
     ig = parser.add_argument_group("accepted and ignored (no effect on the simulation)")
     for flag in HARMLESS_VALUE_FLAGS:
         ig.add_argument(flag, default=None, metavar="VALUE", help=argparse.SUPPRESS)
@@ -194,16 +196,21 @@ def gpu_from_args(args: argparse.Namespace) -> GpuSpec:
 
 
 def engine_config_from_args(args: argparse.Namespace, *, model: ModelSpec | None = None,
-                            gpu: GpuSpec | None = None) -> EngineConfig:
+                            gpu: GpuSpec | None = None, real_frontend: bool = False) -> EngineConfig:
     """EngineConfig from parsed flags.  ValueError subclasses for unknown GPUs/models.  `model` and
-    `gpu`, when given, stand for the ones the flags name (a config.json already read, say)."""
+    `gpu`, when given, stand for the ones the flags name (a config.json already read, say).  `real_frontend`:
+    for `twin serve`, whose HTTP frontend is real, so a device profile's model of vLLM's frontend
+    (`frontend_s`, `frontend_token_s`) is left out rather than counted twice."""
     knobs: dict[str, Any] = {}
     if getattr(args, "device_profile", None):
         if getattr(args, "gpu", None):
             raise ValueError("--device-profile and --gpu both name the device: give one")
         profile = DeviceProfile.load(args.device_profile)
         gpu = gpu or profile.device
-        knobs["step_time_params"] = profile.step_time
+        step_time = profile.step_time
+        if real_frontend:
+            step_time = replace(step_time, frontend_s=0.0, frontend_token_s=0.0)
+        knobs["step_time_params"] = step_time
     served = args.served_model_name[0] if args.served_model_name else (
         getattr(args, "model", None) or getattr(args, "model_flag", None))
     return EngineConfig.resolve(

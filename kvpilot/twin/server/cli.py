@@ -120,7 +120,7 @@ def serve_command(args: argparse.Namespace) -> int:
 
     jsonlog.configure(args.log_level)
     try:
-        config = engine_config_from_args(args)
+        config = engine_config_from_args(args, real_frontend=True)
     except ValueError as exc:  # unknown model or GPU preset, unreadable config.json
         print(f"kvpilot twin serve: error: {exc}", file=sys.stderr)
         return 2

@@ -128,3 +128,21 @@ def test_twin_run_simulates_the_profiled_device(tmp_path: Path, capsys: pytest.C
     assert report["itl_s"]["p50"] >= 0.004
     code, _, err = run_cli([*args, "--device-profile", str(tmp_path / "p.json"), "--gpu", "L4"], capsys)
     assert code == 2 and "--device-profile and --gpu" in err
+
+
+def test_twin_serve_leaves_out_the_profiles_frontend_terms_its_own_frontend_is_real(tmp_path: Path) -> None:
+    import argparse
+
+    from kvpilot.twin.flags import add_engine_arguments, engine_config_from_args
+
+    (tmp_path / "p.json").write_text(json.dumps(
+        {"device": CPU, "step_time": {"cpu_overhead_s": 0.004, "frontend_s": 0.02, "frontend_token_s": 1e-4}}))
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["Qwen/Qwen2.5-7B-Instruct", "--device-profile", str(tmp_path / "p.json"),
+                              "--kv-cache-memory-bytes", "1Gi"])
+    offline = engine_config_from_args(args).step_time_params
+    served = engine_config_from_args(args, real_frontend=True).step_time_params
+    assert offline is not None and (offline.frontend_s, offline.frontend_token_s) == (0.02, 1e-4)
+    assert served is not None and (served.frontend_s, served.frontend_token_s) == (0.0, 0.0)
+    assert served.cpu_overhead_s == 0.004  # the rest of the profile stands
