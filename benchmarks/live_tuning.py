@@ -67,7 +67,7 @@ from kvpilot.api import vllm as vllm_facts  # noqa: E402
 from kvpilot.tuner.adapters.local import LocalApplier, free_port  # noqa: E402
 from kvpilot.tuner.adapters.offline import TwinTarget  # noqa: E402
 from kvpilot.tuner.adapters.prometheus import PrometheusSignals  # noqa: E402
-from kvpilot.tuner.core.loop import LiveSettings, LiveTuner  # noqa: E402
+from kvpilot.tuner.core.loop import FAST_BURN, LiveSettings, LiveTuner  # noqa: E402
 from kvpilot.tuner.core.objective import SLO, Goal, Measurement, score  # noqa: E402
 from kvpilot.tuner.core.space import EngineParams, SearchSpace  # noqa: E402
 from kvpilot.tuner.core.study import TunerStudy, constraints_of  # noqa: E402
@@ -138,6 +138,10 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=1, help="study seeds 0..N-1 (each runs both studies)")
     ap.add_argument("--warm-start-trials", type=int, default=20, help="twin trials of the warm start")
     ap.add_argument("--profile", default=str(PROFILE), help="the twin's device profile")
+    ap.add_argument("--fast-burn-off", action=argparse.BooleanOptionalAction, default=True,
+                    help="no fast-burn pruning in the studies: on these shared cores each engine switch (a vLLM "
+                         "start beside the engine serving) makes requests wait seconds, and the burn over the "
+                         "first poll's 6 s window, which holds them, pruned every trial at its first poll")
     ap.add_argument("--only", choices=("all", "grid", "studies"), default="all",
                     help="grid: measure the grid and stop; studies: read the grid from --grid and run the studies")
     ap.add_argument("--grid", default=None, metavar="JSON", help="--only studies: the --out of a --only grid run")
@@ -256,6 +260,8 @@ def main() -> int:
         defaults = EngineParams.vllm_defaults(serve_defaults(profile.device))
         settings = LiveSettings(warmup_s=args.warmup, window_s=args.window, poll_s=1.0, fast_burn_window_s=6.0,
                                 pause_poll_s=1.0, max_trials=args.trials,
+                                # --fast-burn-off: no trial is pruned (the window still scores every one).
+                                fast_burn=float("inf") if args.fast_burn_off else FAST_BURN,
                                 # Closed loop: the request rate is the engine's throughput, not drift.
                                 drift=1e9)
         print(f"\nstudies start from {start.label()} (the grid's median, {mean[start]:.3f}); vLLM's defaults on "
