@@ -51,10 +51,17 @@ def register(subparsers: Any) -> None:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--offline", action="store_true", help="search the engine twin (the default)")
     mode.add_argument("--local", action="store_true", help="tune a local engine process live")
-    p.add_argument("--model", default="Llama-3.1-8B", help="twin model preset (default %(default)s)")
+    p.add_argument("--model", default="Llama-3.1-8B",
+                   help="the twin's model: a preset, or a local model directory (or its config.json), whose "
+                        "config.json gives the shapes (default %(default)s)")
     p.add_argument("--gpu", default="H100-80GB",
                    help="GPU preset: the twin simulates it; live, vLLM's defaults on it fill the tuned flags the "
                         "engine command leaves out (default %(default)s)")
+    p.add_argument("--device-profile", default=None, metavar="JSON",
+                   help="a measured device instead of the --gpu preset: its peaks and fitted step-time constants "
+                        "(kvpilot/twin/profiles.py; benchmarks/twin_vs_vllm.py --calibrate writes one for vLLM on "
+                        "this host's CPU, benchmarks/data/vllm-cpu/profile.json); the twin (--offline, "
+                        "--warm-start) simulates it and vLLM's defaults are those on it")
     p.add_argument("--max-model-len", type=int, default=8192, help="default %(default)s")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="GPUs the twin engine shards the model over, as vLLM's flag (default %(default)s)")
@@ -127,7 +134,8 @@ def register(subparsers: Any) -> None:
     live.add_argument("--canary-weight", type=float, default=0.25, metavar="W",
                       help="canary: its share of new connections, in (0, 1) (default %(default)s: stable 3 : canary 1)")
     live.add_argument("--warm-start", action="store_true",
-                      help="first search the twin (--model/--gpu) under the measured workload; try its best 3 first")
+                      help="first search the twin (--model, --gpu or --device-profile, --max-model-len) under the "
+                           "workload measured from Prometheus; try its best 3 first, before vLLM's defaults")
     live.add_argument("--warm-start-trials", type=int, default=20, help="twin trials of the warm start")
     live.add_argument("--signals-timeout", type=float, default=600.0, metavar="S",
                       help="give up when Prometheus has shown no usable signal for S seconds since the start "

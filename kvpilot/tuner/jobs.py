@@ -9,6 +9,7 @@ import shlex
 import signal
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +193,27 @@ def no_answer(st: TunerStudy) -> str:
     return f"no config met the SLO on the twin{note}: relax the SLO, or try a larger GPU"
 
 
+def twin_target(args: argparse.Namespace) -> Any:
+    """The twin the flags describe (--model, --gpu or --device-profile, --max-model-len, -tp).  A device
+    profile that cannot be used is a UsageError naming the file and the field."""
+    from kvpilot.tuner.adapters.offline import TwinTarget
+    from kvpilot.twin.profiles import DeviceProfile, DeviceProfileError
+
+    profile = None
+    if getattr(args, "device_profile", None):
+        try:
+            profile = DeviceProfile.load(args.device_profile)
+        except DeviceProfileError as exc:
+            raise UsageError(f"--device-profile {args.device_profile}: {exc}") from None
+    return TwinTarget(model=args.model, gpu=args.gpu, max_model_len=args.max_model_len,
+                      tensor_parallel_size=args.tensor_parallel_size, device_profile=profile)
+
+
+def _device_input(target: Any) -> dict[str, Any] | None:
+    """A measured device is part of a study's inputs (another profile is another study)."""
+    return target.device_profile.as_dict() if target.device_profile is not None else None
+
+
 # --- offline ----------------------------------------------------------------------------
 
 
@@ -256,7 +278,7 @@ def _poll_wait(args: argparse.Namespace) -> Callable[[], None]:
 def tune_offline(args: argparse.Namespace) -> int:
     import optuna
 
-    from kvpilot.tuner.adapters.offline import StartupFailed, TwinEvaluator, TwinTarget, parse_workload
+    from kvpilot.tuner.adapters.offline import StartupFailed, TwinEvaluator, parse_workload
     from kvpilot.tuner.core.search import run_joined, run_offline
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -269,8 +291,7 @@ def tune_offline(args: argparse.Namespace) -> int:
         raise UsageError(f"--probe-seconds: must be between 10 and 3600, got {args.probe_seconds:g}")
     if args.tensor_parallel_size < 1:
         raise UsageError(f"--tensor-parallel-size: must be >= 1, got {args.tensor_parallel_size}")
-    target = TwinTarget(model=args.model, gpu=args.gpu, max_model_len=args.max_model_len,
-                        tensor_parallel_size=args.tensor_parallel_size)
+    target = twin_target(args)
     from kvpilot.twin.memory import EngineStartupError
 
     try:
@@ -300,7 +321,8 @@ def tune_offline(args: argparse.Namespace) -> int:
         m = Measurement(ttft_p99=s.ttft_p99, itl_p99=s.itl_p99, request_rate=args.rate)
         return score(goal, m, slo)
 
-    inputs = identity(model=target.model, gpu=target.gpu, maxModelLen=target.max_model_len,
+    inputs = identity(model=target.model, gpu=target.gpu, device=_device_input(target),
+                      maxModelLen=target.max_model_len,
                       tensorParallelSize=target.tensor_parallel_size, workload=workload,
                       slo={"ttftSeconds": slo.ttft_seconds, "itlSeconds": slo.itl_seconds},
                       goal=goal.value, rate=args.rate if goal is Goal.LATENCY else None, seed=args.seed,
@@ -401,7 +423,7 @@ def tune_local(args: argparse.Namespace) -> int:
     from kvpilot.tuner.core.loop import LiveSettings, LiveTuner
     from kvpilot.tuner.observe import LogObserver
     from kvpilot.tuner.watchdog import FirstSignalsWatchdog, SignalsNeverCame
-    from kvpilot.twin.hardware import resolve_gpu, serve_defaults
+    from kvpilot.twin.hardware import serve_defaults
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if not args.engine_command:
@@ -410,12 +432,14 @@ def tune_local(args: argparse.Namespace) -> int:
         raise UsageError("--local needs --prometheus URL (the server that scrapes the engine)")
     slo = SLO.parse(args.slo)
     space = space_from_args(args)
+    target = twin_target(args)  # a bad --device-profile fails here, before any engine starts
     try:
-        defaults = serve_defaults(resolve_gpu(args.gpu))
+        # vLLM's defaults on the device: the profile's when one is given (a CPU, say), else --gpu's.
+        defaults = serve_defaults(target.gpu_spec())
         command, port, start = parse_engine_command(args.engine_command, defaults)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    inputs = identity(engine=command, gpu=args.gpu,
+    inputs = identity(engine=command, gpu=args.gpu, device=_device_input(target),
                       slo={"ttftSeconds": slo.ttft_seconds, "itlSeconds": slo.itl_seconds},
                       objective=args.objective, selector=args.selector, goal=Goal.LATENCY.value, seed=args.seed,
                       space=space.as_spec())
@@ -423,8 +447,6 @@ def tune_local(args: argparse.Namespace) -> int:
     report = report_path(args.report, name)
     st = open_study(storage=sqlite_url(args.storage), name=name, inputs=inputs, goal=Goal.LATENCY, space=space,
                     slo=slo, seed=args.seed, n_trials=args.trials)
-    st.enqueue(start, "current")
-    st.enqueue(EngineParams.vllm_defaults(defaults), "vllmDefaults")
     strategy = TrialStrategy(getattr(args, "trial_strategy", None) or TrialStrategy.ROLLING)
     weight = getattr(args, "canary_weight", 0.25)
     if not 0.0 < weight < 1.0:
@@ -454,9 +476,10 @@ def tune_local(args: argparse.Namespace) -> int:
     try:
         applier.start()
         tuner = LiveTuner(st, applier, signals, settings, observer=LogObserver())
-        if args.warm_start and st.finished_count() == 0:
-            _warm_start_local(args, st, tuner, signals, space, slo, start)
-        best = tuner.run()
+        warm = WarmStart(target, warmup_s=args.warmup, trials=args.warm_start_trials,
+                         seed=args.seed) if args.warm_start else None
+        best = run_live_study(st, tuner, signals, start=start, defaults=EngineParams.vllm_defaults(defaults),
+                              warm=warm)
     except SignalsNeverCame as exc:
         raise UsageError(str(exc)) from None
     finally:
@@ -491,26 +514,56 @@ def _exit_on_signal(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def _warm_start_local(args: argparse.Namespace, st: TunerStudy, tuner: Any, signals: Any, space: SearchSpace,
-                      slo: SLO, start: EngineParams) -> None:
-    """Watch the starting engine's traffic for a warm-up, search the twin under it, queue its best 3."""
-    from kvpilot.tuner.adapters.offline import TwinEvaluator, TwinTarget, workload_from_estimate
+@dataclass(frozen=True)
+class WarmStart:
+    """How a live study's warm start searches the twin: the target (model, device), the seconds of
+    traffic watched before the workload is read from Prometheus, the twin trials, the seed."""
+
+    target: Any  # adapters.offline.TwinTarget
+    warmup_s: float = 120.0
+    trials: int = 20
+    seed: int = 0
+
+
+def run_live_study(st: TunerStudy, tuner: Any, signals: Any, *, start: EngineParams, defaults: EngineParams,
+                   warm: WarmStart | None = None) -> EngineParams:
+    """A live study's order of trials, then the loop: the engine in force first (measuring it costs
+    no restart); with a warm start, the twin's best 3 under the measured workload next; then vLLM's
+    defaults (after the twin's picks: the twin ranked them too, so they come first only where the
+    twin put them); then Optuna's draws.  A resumed study (trials done) is not warm-started again."""
+    fresh = st.finished_count() == 0
+    st.enqueue(start, "current")
+    if warm is not None and fresh:
+        warm_start_live(st, tuner, signals, warm, start=start, defaults=defaults)
+    st.enqueue(defaults, "vllmDefaults")
+    best: EngineParams = tuner.run()
+    return best
+
+
+def warm_start_live(st: TunerStudy, tuner: Any, signals: Any, warm: WarmStart, *, start: EngineParams,
+                    defaults: EngineParams | None = None) -> list[tuple[EngineParams, float]]:
+    """Watch the starting engine's traffic for a warm-up, search the twin under it (the study's
+    space, so each pick is a config the study can draw), queue its best 3; returns them (config,
+    twin capacity), or [] when skipped (no traffic to read, or a start config the twin cannot
+    model), which is logged."""
+    from kvpilot.tuner.adapters.offline import TwinEvaluator, workload_from_estimate
     from kvpilot.tuner.adapters.prometheus import estimate_workload
     from kvpilot.tuner.core.loop import SignalsUnavailable
     from kvpilot.tuner.core.warmstart import enqueue_warm_start, twin_best
 
     tuner._wait_for_signals()
-    tuner.clock.sleep(args.warmup)
+    tuner.clock.sleep(warm.warmup_s)
     try:
-        est = estimate_workload(signals, window_s=max(args.warmup, 10.0))
-        target = TwinTarget(model=args.model, gpu=args.gpu, max_model_len=args.max_model_len,
-                        tensor_parallel_size=args.tensor_parallel_size)
-        target.engine_config(start)
+        est = estimate_workload(signals, window_s=max(warm.warmup_s, 10.0))
+        warm.target.engine_config(start)
     except (SignalsUnavailable, ValueError) as exc:
         log.warning("warm start skipped: %s", exc)
-        return
+        return []
     log.info("warm start: %.2f req/s, prompt ~%.0f tokens, output ~%.0f tokens; searching the twin",
              est.request_rate, est.prompt_median, est.output_median)
-    ev = TwinEvaluator(target, workload_from_estimate(est), slo, seed=args.seed)
-    picks = twin_best(space, slo, ev.evaluate, trials=args.warm_start_trials, k=3, first=[start])
+    ev = TwinEvaluator(warm.target, workload_from_estimate(est), st.slo, seed=warm.seed)
+    first = [start] + ([defaults] if defaults is not None else [])
+    picks = twin_best(st.space, st.slo, ev.evaluate, trials=warm.trials, k=3, first=first)
+    log.info("warm start: the twin's best %s", ", ".join(f"{p.label()} ({c:.2f} req/s)" for p, c in picks))
     enqueue_warm_start(st, picks)
+    return picks

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,7 @@ from kvpilot.tuner.core.capacity import CapacityResult, find_capacity
 from kvpilot.tuner.core.objective import SLO, Goal, Measurement, Outcome, infeasible, score
 from kvpilot.tuner.core.space import EngineParams
 from kvpilot.tuner.core.startup import StartupMemory
+from kvpilot.twin.profiles import DeviceProfile
 from kvpilot.twin.workload import PRESETS, LengthDist, Workload, WorkloadError
 
 __all__ = ["PRESETS", "RunStats", "StartupFailed", "TwinEvaluator", "TwinTarget", "Workload", "WorkloadError", "parse_workload",
@@ -62,27 +64,48 @@ def parse_workload(text: str) -> Workload:
 
 @dataclass(frozen=True)
 class TwinTarget:
-    """What the twin simulates: a model on a GPU, optionally perturbed (efficiencies and overheads)."""
+    """What the twin simulates: a model on a GPU, optionally perturbed (efficiencies and overheads).
+
+    `model` is a preset name (or a Hugging Face id of one), or, as `vllm serve` takes it, a local model
+    directory (or its config.json): the twin reads the shapes from its config.json.  `device_profile`,
+    when given, is the device instead of the `gpu` preset: its peaks and its fitted step-time constants
+    (kvpilot.twin.profiles; e.g. vLLM on this host's CPU), so the twin simulates what was measured."""
 
     model: str = "Llama-3.1-8B"
     gpu: str = "H100-80GB"
     max_model_len: int = 8192
     tensor_parallel_size: int = 1
     perturb: tuple[tuple[str, float], ...] = ()  # StepTimeParams field -> multiplier
+    device_profile: DeviceProfile | None = None
+
+    def gpu_spec(self) -> Any:
+        """The device simulated: the profile's, else the `gpu` preset (UnknownGpuError names the presets)."""
+        from kvpilot.twin.hardware import resolve_gpu
+
+        return self.device_profile.device if self.device_profile is not None else resolve_gpu(self.gpu)
+
+    def model_spec(self) -> Any:
+        """The model: a local config.json (a directory holding one, or the file) when `model` names one
+        that exists, else the preset (ModelSpecError lists them)."""
+        from kvpilot.twin.models import load_model_config, resolve_model
+
+        path = Path(self.model)
+        if (path / "config.json").is_file() or (path.suffix == ".json" and path.is_file()):
+            return load_model_config(path)
+        return resolve_model(self.model)
 
     def engine_config(self, params: EngineParams) -> Any:
         from kvpilot.twin.engine import EngineConfig
-        from kvpilot.twin.hardware import resolve_gpu
-        from kvpilot.twin.models import resolve_model
         from kvpilot.twin.steptime import params_for
 
-        gpu = resolve_gpu(self.gpu)
-        stp = None  # the twin's calibration for the GPU's architecture
+        gpu = self.gpu_spec()
+        # The profile's fitted constants, else the twin's calibration for the GPU's architecture.
+        stp = self.device_profile.step_time if self.device_profile is not None else None
         if self.perturb:
-            base = params_for(gpu)
+            base = stp or params_for(gpu)
             stp = replace(base, **{k: getattr(base, k) * f for k, f in self.perturb})
         return EngineConfig.resolve(
-            resolve_model(self.model), gpu,
+            self.model_spec(), gpu,
             max_num_batched_tokens=params.max_num_batched_tokens,
             max_num_seqs=params.max_num_seqs,
             gpu_memory_utilization=params.gpu_memory_utilization,
@@ -91,9 +114,9 @@ class TwinTarget:
         )
 
     def vllm_defaults(self) -> EngineParams:
-        from kvpilot.twin.hardware import resolve_gpu, serve_defaults
+        from kvpilot.twin.hardware import serve_defaults
 
-        return EngineParams.vllm_defaults(serve_defaults(resolve_gpu(self.gpu)))
+        return EngineParams.vllm_defaults(serve_defaults(self.gpu_spec()))
 
     def perturbed(self, seed: int, spread: float = 0.2) -> TwinTarget:
         """The same target with its efficiency factors and overheads each off by up to `spread`."""

@@ -1,6 +1,6 @@
 """`kvpilot tune --local` as a user runs it, a real process with a real `kvpilot twin serve` engine:
 SIGTERM stops the engine with it, a Prometheus that never shows the engine ends the run with a reason,
-and a finished run writes its report."""
+a finished run writes its report, and a warm start on a measured device tries the twin's picks first."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import pytest
 from kvpilot.tuner.adapters.local import free_port
 from tests.support.live_tuning import BackgroundLoad
 from tests.support.prometheus import PrometheusServer, require_prometheus
+from tests.support.tiny_device import PROFILE, tiny_model_dir
 
 pytestmark = pytest.mark.integration
 
@@ -161,3 +162,50 @@ def test_a_canary_run_measures_the_trial_engine_beside_the_stable_one(tmp_path: 
     assert not answers(canary), "the canary outlived the run"
     assert not failed, [(r.index, r.error) for r in failed[:5]]
     assert "maxNumBatchedTokens" in out
+
+
+def test_a_warm_start_on_a_measured_device_tries_the_twins_best_first(tmp_path: Path) -> None:
+    """`--warm-start --device-profile`: the twin of the engine's own model (a local config.json) on the CPU
+    profile fitted on real vLLM is searched under the workload Prometheus shows; its picks are the
+    trials after the engine in force, at the search space's configs."""
+    require_prometheus()
+    model = tiny_model_dir(tmp_path)
+    port, slots = free_port(), (free_port(), free_port())
+    prom = PrometheusServer(targets=[f"127.0.0.1:{p}" for p in slots], job="twin")
+    prom.start()
+    load = BackgroundLoad(f"http://127.0.0.1:{port}", rate=4.0, seed=5, max_tokens=16, prompt_words=64,
+                          request_timeout_s=30.0)
+    # The engine is the twin of the same model on the same device (what the warm start models).
+    engine = [sys.executable, "-m", "kvpilot.cli", "twin", "serve", "--model-config", str(model),
+              "--device-profile", str(PROFILE), "--max-model-len", "2048", "--shutdown-timeout", "2",
+              "--max-num-batched-tokens", "256", "--gpu-memory-utilization", "0.1", "--max-num-seqs", "8"]
+    log = (tmp_path / "tune.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvpilot.cli", "tune", "--local", "--storage", f"sqlite:///{tmp_path}/s.db",
+         "--slots", f"{slots[0]},{slots[1]}", "--prometheus", prom.url, "--selector", 'job="twin"',
+         "--slo", "ttft=1.0,itl=0.1", "--trials", "2", "--warmup", "2", "--window", "3", "--poll", "0.5",
+         "--fast-burn-window", "3", "--report", "", "--warm-start", "--warm-start-trials", "4",
+         "--model", str(model), "--device-profile", str(PROFILE), "--max-model-len", "2048",
+         "--tokens", "64:2048", "--util", "0.10:0.20", "--seqs", "4:16", "--", *engine, "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=log, text=True, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    try:
+        wait_until(lambda: healthy(port), 90, "the engine behind the forwarder")
+        load.start()
+        out, _ = proc.communicate(timeout=300)
+        err = (tmp_path / "tune.log").read_text()
+        assert proc.returncode == 0, err[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+        load.stop()
+        prom.stop()
+        for pid in re.findall(r"started engine pid (\d+)", (tmp_path / "tune.log").read_text()):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(int(pid), signal.SIGKILL)
+    assert "warm start: the twin's best" in err and "Traceback" not in err
+    # Two live trials: the engine in force, then the twin's first pick (before vLLM's defaults).
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert sorted(r[-1] for r in rows) == ["current", "warmStart"], out
