@@ -273,6 +273,9 @@ class LocalApplier:
             self._wait_healthy(eng)
         except ApplyFailed as exc:
             raise RuntimeError(f"the starting engine did not come up: {exc}\n{eng.log_tail()}") from None
+        except BaseException:  # SIGTERM or Ctrl-C mid-start: this engine is no one's to stop later
+            self._kill(eng, grace=0.0)
+            raise
         self._engine = eng
         self._forwarder = _Forwarder(self.port, eng.port)
         self._forwarder.start()
@@ -294,7 +297,7 @@ class LocalApplier:
             new = self._launch(params, port)
             try:
                 self._wait_healthy(new)
-            except ApplyFailed:
+            except BaseException:  # a failed start, or SIGTERM / Ctrl-C mid-start: stop() only knows _engine
                 self._kill(new, grace=0.0)
                 raise
             if self._forwarder is not None:
@@ -327,7 +330,7 @@ class LocalApplier:
             eng = self._launch(params, self.canary_port)
             try:
                 self._wait_healthy(eng)
-            except ApplyFailed:
+            except BaseException:  # as in apply: not yet _canary, so stop() would miss it
                 self._kill(eng, grace=0.0)
                 raise
             self._canary = eng
