@@ -260,14 +260,14 @@ class LiveTuner:
             log.error("putting back %s failed: %s", target.label(), exc)
             return False
 
-    def _wait_for_signals(self) -> None:
-        """Block until signals are readable and traffic flows.  The engine is not touched meanwhile."""
+    def _wait_for_signals(self) -> float:
+        """Block until signals are readable and traffic flows; returns the burn rate that said so.
+        The engine is not touched meanwhile."""
         while True:
             if self.stop_requested:
                 raise TunerStopped()
             try:
-                self.signals.burn_rate(self.s.fast_burn_window_s)
-                return
+                return self.signals.burn_rate(self.s.fast_burn_window_s)
             except SignalsUnavailable as exc:
                 self.pauses += 1
                 self.obs.phase(TuningPhase.PAUSED, exc.reason, f"{exc.message}; the engine is left as it is")
@@ -322,7 +322,11 @@ class LiveTuner:
             try:
                 burn = self.signals.burn_rate(self.s.fast_burn_window_s)
             except SignalsUnavailable:
-                self._wait_for_signals()
+                # A trial engine so bad that nothing completes reads as no traffic; the first reading
+                # after it is judged like any other poll, or the prune waits one more poll.
+                burn = self._wait_for_signals()
+                if burn >= self.s.fast_burn:
+                    raise TrialPruned(burn) from None
                 self.obs.phase(TuningPhase.MEASURING, "SignalsBack", "signals are back; the window starts again")
                 return False
             if burn >= self.s.fast_burn:

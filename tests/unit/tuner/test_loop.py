@@ -202,3 +202,32 @@ def test_a_restarted_tuner_keeps_the_studys_starting_engine_not_the_trial_engine
     again = LiveTuner(study(), world, world, SETTINGS, clock=world.clock)
     assert again.starting == START and again.fallback() == START
     assert again.put_back() and world.engine == START
+
+
+def test_a_trial_engine_that_stops_all_traffic_is_pruned_on_the_first_reading_after_it() -> None:
+    """A config so bad that no request completes reads as no traffic (a pause, the engine left alone);
+    the reading that ends the pause shows the fast burn, and that reading prunes: not one poll later."""
+    bad = EngineParams(16384, 0.80, 1024)
+    world = World(engine=START, burning=lambda p: p == bad)
+    tuner, rec = _tuner(world)
+    tuner.study.enqueue(bad, "planted")
+    n0, p0 = tuner.study.ask()
+    tuner.run_trial(n0, p0)
+    quiet_from = world.clock.t + 30 + 1  # the bad engine in force (30 s rollout), then nothing completes
+    world.load = lambda t: 0.0 if quiet_from <= t < quiet_from + 45 else 5.0
+    reads: list[float] = []
+    burn_rate = world.burn_rate
+
+    def counted(window_s: float, track: object = None) -> float:
+        reads.append(world.clock.t)
+        return burn_rate(window_s)
+
+    world.burn_rate = counted  # type: ignore[method-assign]
+    n1, p1 = tuner.study.ask()
+    assert p1 == bad
+    assert tuner.run_trial(n1, p1) == "pruned"
+    assert "Paused" in rec.phases
+    back = next(t for t in reads if t >= quiet_from + 45)  # the first reading with traffic again
+    t_restore, restored, _ = world.applies[-1]
+    assert restored == START and t_restore == back  # pruned on that reading, restored at once
+    assert tuner.study.study.trials[n1].user_attrs["reason"] == "FastBurn"
