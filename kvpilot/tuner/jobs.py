@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import shlex
 import signal
 import sys
@@ -209,6 +210,15 @@ def twin_target(args: argparse.Namespace) -> Any:
                       tensor_parallel_size=args.tensor_parallel_size, device_profile=profile)
 
 
+def _target_label(target: Any) -> str:
+    """Model and device as a study's name shows them: a local model directory by its own name, a
+    measured device by its profile's name (not the --gpu default it stands in for)."""
+    model = Path(target.model).name if Path(target.model).exists() else target.model
+    if target.device_profile is None:
+        return f"{model}.{target.gpu}"
+    return f"{model}.{'-'.join(re.findall(r'[A-Za-z0-9.]+', target.device_profile.device.name))}"
+
+
 def _device_input(target: Any) -> dict[str, Any] | None:
     """A measured device is part of a study's inputs (another profile is another study)."""
     return target.device_profile.as_dict() if target.device_profile is not None else None
@@ -328,7 +338,7 @@ def tune_offline(args: argparse.Namespace) -> int:
                       goal=goal.value, rate=args.rate if goal is Goal.LATENCY else None, seed=args.seed,
                       probeSeconds=args.probe_seconds, space=space.as_spec())
     name = args.study_name or (
-        f"{study_name('offline', f'{target.model}.{target.gpu}.{workload.name}', space, goal)}.{digest(inputs)}")
+        f"{study_name('offline', f'{_target_label(target)}.{workload.name}', space, goal)}.{digest(inputs)}")
     report = report_path(args.report, name)
     url = sqlite_url(args.storage)
     if args.join and is_sqlite(url):

@@ -65,7 +65,10 @@ def test_offline_tune_on_the_measured_cpu(tiny: Path, tmp_path: Path, capsys: py
     assert main([str(other) if a == str(PROFILE) else a for a in argv]) == 0
     import optuna
 
-    assert len(optuna.get_all_study_summaries(storage=f"sqlite:///{tmp_path}/s.db")) == 2
+    names = [s.study_name for s in optuna.get_all_study_summaries(storage=f"sqlite:///{tmp_path}/s.db")]
+    assert len(names) == 2
+    # Named by the model directory's own name and the measured device, not the path and the --gpu default.
+    assert all(n.startswith(f"offline.{tiny.name}.vllm-cpu-this-host.") for n in names), names
 
 
 @pytest.mark.parametrize("mode", [["--offline"], ["--local", "--warm-start", "--prometheus", "http://127.0.0.1:9"]])
