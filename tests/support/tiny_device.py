@@ -1,4 +1,4 @@
-"""The tiny local model real vLLM runs on these CPUs (its config.json's shapes, ../shared/notes/toolchain.md)
+"""The tiny local model real vLLM runs on these CPUs (its config.json's shapes, as `make vllm-env` generates it)
 and the device profile fitted for it on this host (benchmarks/twin_vs_vllm.py --calibrate): what the
 tuner's twin is given to model that engine."""
 

