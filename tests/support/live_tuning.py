@@ -11,9 +11,10 @@ reading the loop took.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvpilot.tuner.adapters.prometheus import PrometheusSignals
@@ -23,6 +24,20 @@ from kvpilot.tuner.core.space import EngineParams
 from tests.support.loadgen import LoadResult, run_load
 
 EventLog = list[tuple[float, str, str, str]]  # (monotonic time, kind, a, b)
+
+
+@contextlib.contextmanager
+def live_world(prom: Any, applier: Any, load: BackgroundLoad) -> Iterator[tuple[Any, Any, BackgroundLoad]]:
+    """Prometheus, the engines (the applier) and the load started in that order, and stopped in
+    reverse whatever failed (one stop that raises, the load's error say, does not skip the others)."""
+    with contextlib.ExitStack() as stack:
+        prom.start()
+        stack.callback(prom.stop)
+        stack.callback(applier.stop)
+        applier.start()
+        stack.callback(load.stop)
+        load.start()
+        yield applier, prom, load
 
 
 class BackgroundLoad:

@@ -42,7 +42,7 @@ from kvpilot.tuner.core.objective import INFEASIBLE_VIOLATION, MEMORY_VIOLATION,
 from kvpilot.tuner.core.space import EngineParams, SearchSpace
 from kvpilot.tuner.core.study import ATTR_MEMORY, TunerStudy, constraints_of
 from kvpilot.twin.conformance.reference import VllmEnvMissing, require_vllm_env, vllm_env
-from tests.support.live_tuning import BackgroundLoad, Events, RecordingSignals, TunerThread
+from tests.support.live_tuning import BackgroundLoad, Events, RecordingSignals, TunerThread, live_world
 from tests.support.prometheus import VLLM_METRIC_RELABEL_CONFIGS, PrometheusServer, require_prometheus
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
@@ -117,15 +117,8 @@ def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Loc
                           model="tiny",
                           max_tokens=16, prompt_words=PROMPT_WORDS, keepalive=False, request_timeout_s=900.0,
                           max_duration_s=3600.0, drain_s=float(SHUTDOWN_S))
-    try:
-        prom.start()
-        applier.start()
-        load.start()
-        yield applier, prom, load
-    finally:
-        load.stop()
-        applier.stop()
-        prom.stop()
+    with live_world(prom, applier, load) as world:
+        yield world
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)

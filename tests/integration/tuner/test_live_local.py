@@ -30,7 +30,7 @@ from kvpilot.tuner.core.loop import LiveSettings, LiveTuner
 from kvpilot.tuner.core.objective import SLO, Goal
 from kvpilot.tuner.core.space import EngineParams, SearchSpace
 from kvpilot.tuner.core.study import TunerStudy
-from tests.support.live_tuning import BackgroundLoad, Events, RecordingSignals, TunerThread
+from tests.support.live_tuning import BackgroundLoad, Events, RecordingSignals, TunerThread, live_world
 from tests.support.prometheus import PrometheusServer, require_prometheus
 
 pytestmark = pytest.mark.integration
@@ -73,20 +73,13 @@ def world(tmp_path: Path) -> Iterator[tuple[LocalApplier, RestartablePrometheus,
     require_prometheus()
     slots = (free_port(), free_port())
     prom = RestartablePrometheus(targets=[f"127.0.0.1:{p}" for p in slots], job="twin")
-    prom.start()
     applier = LocalApplier(TWIN, port=free_port(), start=START, slots=slots, startup_timeout_s=60,
                            shutdown_timeout_s=10, log_dir=str(tmp_path),
                            env={"PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")})
     load = BackgroundLoad(f"http://127.0.0.1:{applier.port}", rate=RATE, seed=5, max_tokens=16, prompt_words=32,
                           request_timeout_s=30.0, drain_s=30.0)
-    try:
-        applier.start()
-        load.start()
-        yield applier, prom, load
-    finally:
-        load.stop()
-        applier.stop()
-        prom.stop()
+    with live_world(prom, applier, load) as world:
+        yield world
 
 
 def test_live_tuning_with_a_bad_config_and_a_prometheus_outage(
