@@ -265,9 +265,9 @@ class Engine:
         return self.scheduler.kv_cache_usage()
 
     # -- the step -------------------------------------------------------------------------------
-    def _run_step(self) -> tuple[float, list[Request], list[Request], int, int, int, list[tuple[int, int]]]:
+    def _run_step(self) -> tuple[float, list[Request], list[Request], int, int, int, list[tuple[int, int]], int]:
         """Schedule, apply and price one step: (duration, scheduled, finished, preemptions,
-        tokens, steady, gaps); see Scheduler.step."""
+        tokens, steady, gaps, sampled); see Scheduler.step."""
         k = self.num_steps + 1  # step indices start at 1 (the scheduler relies on it)
         self.num_steps = k
         scheduled, finished, tokens, preempted, pairs, decode_kv, sampled, steady, gaps = self.scheduler.step(k)
@@ -278,12 +278,12 @@ class Engine:
         # vLLM computes logits for every scheduled request (a partial prefill's are discarded).
         n = len(scheduled)
         duration = self.step_model.step_time(tokens, n, n, pairs, decode_kv)
-        return duration, scheduled, finished, preempted, tokens, steady, gaps
+        return duration, scheduled, finished, preempted, tokens, steady, gaps, sampled
 
     def step(self) -> StepOutput:
         s = self.scheduler
         queries, hits = s.prefix_query_tokens, s.prefix_hit_tokens
-        duration, scheduled, _finished, preempted, tokens, _steady, _gaps = self._run_step()
+        duration, scheduled, _finished, preempted, tokens, _steady, _gaps, _sampled = self._run_step()
         outputs = []
         for req in scheduled:
             sampled = req.sched < 0

@@ -200,7 +200,7 @@ def engine_config_from_args(args: argparse.Namespace, *, model: ModelSpec | None
     """EngineConfig from parsed flags.  ValueError subclasses for unknown GPUs/models.  `model` and
     `gpu`, when given, stand for the ones the flags name (a config.json already read, say).  `real_frontend`:
     for `twin serve`, whose HTTP frontend is real, so a device profile's model of vLLM's frontend
-    (`frontend_s`, `frontend_token_s`) is left out rather than counted twice."""
+    (`frontend_s` and its server costs) is left out rather than counted twice."""
     knobs: dict[str, Any] = {}
     if getattr(args, "device_profile", None):
         if getattr(args, "gpu", None):
@@ -209,7 +209,8 @@ def engine_config_from_args(args: argparse.Namespace, *, model: ModelSpec | None
         gpu = gpu or profile.device
         step_time = profile.step_time
         if real_frontend:
-            step_time = replace(step_time, frontend_s=0.0, frontend_token_s=0.0)
+            step_time = replace(step_time, frontend_s=0.0, frontend_request_s=0.0, frontend_step_s=0.0,
+                                frontend_token_s=0.0)
         knobs["step_time_params"] = step_time
     served = args.served_model_name[0] if args.served_model_name else (
         getattr(args, "model", None) or getattr(args, "model_flag", None))

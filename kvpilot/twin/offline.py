@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 from statistics import NormalDist
 from typing import Any
@@ -103,8 +104,10 @@ class Report:
 @dataclass
 class Trace:
     """What one virtual-time run produced, before any statistics: the finished requests, each
-    step's start and end, its steady token gaps and its other gaps (as step indices), and, for a
-    run stopped early, which p99 had certainly missed its SLO."""
+    step's start and end, when its tokens reached the clients (`delivered`: its end, unless the
+    device profile models the serving frontend as a server they wait for), its steady token gaps
+    and its other gaps (as step indices), and, for a run stopped early, which p99 had certainly
+    missed its SLO."""
 
     engine: Engine
     batch: RequestBatch
@@ -114,6 +117,7 @@ class Trace:
     ends: list[float]
     steadies: list[int]
     gaps: list[tuple[int, int]]
+    delivered: list[float] = field(default_factory=list)
     in_system: list[int] = field(default_factory=lambda: [0])  # requests running or waiting after each step
     usage_area: float = 0.0
     usage_max: float = 0.0
@@ -128,7 +132,11 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
     """Serve a request batch through `engine` on a virtual clock: requests that arrived by the start
     of a step are queued before it (as vLLM's engine core adds requests between steps), a step lasts
     what the step-time model says, and a step's tokens exist at its end.  A request arrives at the
-    engine `frontend_s` (of the step-time constants) after it is sent.
+    engine `frontend_s` (of the step-time constants) after it is sent.  Where the constants model the
+    serving frontend as a server (`frontend_request_s`, `frontend_step_s`, `frontend_token_s`: a
+    device profile fitted through vLLM's HTTP API), requests wait for it to admit them and each
+    step's tokens for it to stream them, in time order; TTFT and token gaps are then read at the
+    clients (`Trace.delivered`), not at the step ends.
 
     Prompt + output lengths are clipped to `max_model_len` (the output is shortened), as a benchmark
     client sizes its requests.  The run stops at `max_sim_time_s` of virtual time (default: 3x the
@@ -141,8 +149,10 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
     arrivals = batch.arrival_s.tolist()
     # When the scheduler can see each request: its send time plus the serving frontend's latency
     # (StepTimeParams.frontend_s, 0 but for served-engine device profiles); TTFT still counts from the send.
-    delay = engine.step_model.params.frontend_s
-    ready = [a + delay for a in arrivals] if delay else arrivals
+    params = engine.step_model.params
+    delay = params.frontend_s
+    queues = params.frontend_queues
+    ready = [a + delay for a in arrivals] if delay and not queues else arrivals
     prompts_a = np.minimum(batch.prompt_tokens, mml - 1)
     outputs = np.maximum(1, np.minimum(batch.output_tokens, mml - prompts_a)).tolist()
     prompts = prompts_a.tolist()
@@ -160,6 +170,23 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
     # Indexed by engine step; steps count from 1, so index 0 is a placeholder.
     trace = Trace(engine, batch, float(window), [], [0.0], [0.0], [0], [])
     starts, ends, steadies, gaps, done = trace.starts, trace.ends, trace.steadies, trace.gaps, trace.done
+    # The frontend server (see StepTimeParams.frontend_request_s): `admitted` requests have had their
+    # admission service, in send order; `fe_free` is when the server is next idle.
+    delivered = [0.0] if queues else ends
+    trace.delivered = delivered
+    c_req, c_step, c_tok = params.frontend_request_s, params.frontend_step_s, params.frontend_token_s
+    if queues:
+        ready = [0.0] * n
+    admitted = 0
+    fe_free = 0.0
+
+    def admit_until(t: float) -> None:
+        nonlocal admitted, fe_free
+        while admitted < n and arrivals[admitted] <= t:
+            a = arrivals[admitted]
+            fe_free = (a if a > fe_free else fe_free) + c_req
+            ready[admitted] = fe_free + delay
+            admitted += 1
     in_system = trace.in_system
     # The early stop's tallies: more misses than 1% of what will be observed and the p99 is over.
     watch = stop_on_miss is not None
@@ -167,6 +194,7 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
     slo_itl = stop_on_miss.itl_seconds if stop_on_miss else 0.0
     measured = [i for i in range(n) if arrivals[i] >= measure_from_s] if watch else []
     ttft_budget = int(0.01 * len(measured))
+    first_measured = bisect_left(arrivals, measure_from_s)
     itl_budget = int(0.01 * sum(max(outputs[i] - 1, 0) for i in measured))
     ttft_miss = itl_miss = 0
     usage_area = usage_max = 0.0
@@ -174,7 +202,9 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
     now = 0.0
     i = 0
     while True:
-        while i < n and ready[i] <= now:
+        if queues:
+            admit_until(now)
+        while i < n and (i < admitted or not queues) and ready[i] <= now:
             if keys is not None and keys[i] and ptoks is not None:
                 pk = keys[i]
                 pb = min(ptoks[i], prompts[i]) // bs
@@ -185,14 +215,24 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
         if not (sched.running or sched.waiting):
             if i >= n:
                 break
-            now = ready[i]
+            # Idle: on to the next request's admission (its send, where the frontend has not seen it yet).
+            now = ready[i] if i < admitted or not queues else arrivals[i]
             continue
         if now >= limit:
             break
-        duration, scheduled, finished, _pre, tokens, steady, g = run()
+        duration, scheduled, finished, _pre, tokens, steady, g, sampled = run()
         starts.append(now)
         now += duration
         ends.append(now)
+        if queues:
+            # Requests sent during the step are admitted before its output is streamed.
+            admit_until(now)
+            if sampled:
+                # frontend_s is counted once, on the way in (ready): it is a latency, not server time.
+                fe_free = (now if now > fe_free else fe_free) + c_step + sampled * c_tok
+                delivered.append(fe_free)
+            else:
+                delivered.append(delivered[-1])
         steadies.append(steady)
         in_system.append(len(sched.running) + len(sched.waiting))
         tokens_total += tokens
@@ -206,17 +246,20 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
             done.extend(finished)
         if watch and now >= measure_from_s:
             k = len(ends) - 1
+            seen = delivered[k]
             for req in scheduled:
-                if req.step_first_token == k and req.arrival_time >= measure_from_s and now - req.arrival_time > slo_ttft:
+                if req.step_first_token == k and req.arrival_time >= measure_from_s and seen - req.arrival_time > slo_ttft:
                     ttft_miss += 1
-            if duration > slo_itl:
+            if seen - delivered[k - 1] > slo_itl:
                 itl_miss += steady
             for a, b in g:
-                if ends[b] - ends[a] > slo_itl:
+                if delivered[b] - delivered[a] > slo_itl:
                     itl_miss += 1
             if not k % 32:
                 # Requests still waiting for their first token longer than the SLO are misses already.
                 late = sum(1 for r in sched.waiting if r.arrival_time >= measure_from_s and now - r.arrival_time > slo_ttft)
+                if queues:  # and those the frontend has not handed to the scheduler yet
+                    late += max(0, bisect_right(arrivals, now - slo_ttft, lo=i) - max(i, first_measured))
                 if ttft_miss + late > ttft_budget:
                     ttft_miss += late
             if ttft_miss > ttft_budget or itl_miss > itl_budget:
@@ -246,7 +289,7 @@ def observed_p99(trace: Trace, measure_from_s: float = 0.0, *,
     `confidence` (e.g. 0.95), upper confidence bounds of the two p99s: TTFTs are one observation
     per request, but every token gap of a step has that step's length, so the token gaps count as
     one independent observation per engine step."""
-    ends = np.asarray(trace.ends, dtype=float)
+    ends = np.asarray(trace.delivered, dtype=float)
     reqs = [r for r in trace.done if r.arrival_time >= measure_from_s]
     live = [r for r in trace.engine.scheduler.running if r.arrival_time >= measure_from_s and r.step_first_token]
     firsts = np.fromiter((ends[r.step_first_token] - r.arrival_time for r in (*reqs, *live)), float)
@@ -299,7 +342,8 @@ def _report(trace: Trace, config: EngineConfig, workload: Workload | RequestBatc
     usage_area, usage_max, tokens_total = trace.usage_area, trace.usage_max, trace.tokens_total
     starts = np.asarray(trace.starts, dtype=float)  # [0] is a placeholder (steps count from 1)
     ends = np.asarray(trace.ends, dtype=float)
-    makespan = float(ends[-1])
+    seen = np.asarray(trace.delivered, dtype=float)  # when each step's tokens reached the clients
+    makespan = float(seen[-1])
     busy = float((ends - starts).sum())
     m = len(done)
     arrival = np.fromiter((r.arrival_time for r in done), float, m)
@@ -308,8 +352,8 @@ def _report(trace: Trace, config: EngineConfig, workload: Workload | RequestBatc
     s_last = np.fromiter((r.step_last_token for r in done), np.int64, m)
     n_out = np.fromiter((r.num_output for r in done), np.int64, m)
     n_prompt = np.fromiter((r.prompt_tokens for r in done), np.int64, m)
-    ttft = ends[s_first] - arrival if m else np.zeros(0)
-    e2e = ends[s_last] - arrival if m else np.zeros(0)
+    ttft = seen[s_first] - arrival if m else np.zeros(0)
+    e2e = seen[s_last] - arrival if m else np.zeros(0)
     queue = starts[s_sched] - arrival if m else np.zeros(0)
     prefill = ends[s_first] - starts[s_sched] if m else np.zeros(0)
     decode = e2e - ttft
@@ -317,11 +361,11 @@ def _report(trace: Trace, config: EngineConfig, workload: Workload | RequestBatc
     tpot = decode[multi] / (n_out[multi] - 1)
 
     steady = np.asarray(trace.steadies, dtype=np.int64)
-    step_itl = np.diff(ends, prepend=0.0)
+    step_itl = np.diff(seen, prepend=0.0)
     itl_parts = [np.repeat(step_itl, steady)]
     if trace.gaps:
         g = np.asarray(trace.gaps, dtype=np.int64)
-        itl_parts.append(ends[g[:, 1]] - ends[g[:, 0]])
+        itl_parts.append(seen[g[:, 1]] - seen[g[:, 0]])
     itl = np.concatenate(itl_parts)
 
     good_mask = ttft <= slo.ttft_seconds

@@ -58,14 +58,27 @@ class StepTimeParams:
     cpu_per_request_s: float = 8e-6
     # The serving frontend's latency, not a step's: from a request's send to the first token's arrival
     # at the client, what vLLM's API server (HTTP, the engine-core IPC, SSE) adds to the engine's
-    # steps.  The offline twin (offline.drive) holds a request back this long before the scheduler sees
-    # it.  0 for the GPU presets (their constants are fitted on engine steps, not served latencies); a
-    # device profile fitted through the HTTP API (benchmarks/twin_vs_vllm.py --calibrate) sets it.
+    # steps without occupying it.  The offline twin (offline.drive) holds a request back this long
+    # before the scheduler sees it.  0 for the GPU presets (their constants are fitted on engine steps,
+    # not served latencies); a device profile fitted through the HTTP API
+    # (benchmarks/twin_vs_vllm.py --calibrate) sets it and the three costs below.
     frontend_s: float = 0.0
-    # The frontend's cost per streamed token (detokenising, one SSE event, and on a host shared with the
-    # client, the client's read of it): a step's tokens reach the clients no faster than the frontend
-    # sends them, so a step lasts at least this times the requests it samples for.  0 for the GPU presets.
+    # The serving frontend as one server: vLLM's API server is a single asyncio process (and on a host
+    # where the load client shares its core, the client's CPU is the same server).  It admits each
+    # request (a connection, parsing, input processing: `frontend_request_s` of its time) and streams
+    # each engine step's output (`frontend_step_s` per step that samples a token, `frontend_token_s`
+    # per token: detokenising, one SSE event, the client's read), one thing at a time in arrival
+    # order.  A request reaches the scheduler once admitted; a step's tokens reach the clients once
+    # streamed.  The engine core is a process of its own and does not wait for it, so these delay
+    # what clients see, not the steps.  0 for the GPU presets.
+    frontend_request_s: float = 0.0
+    frontend_step_s: float = 0.0
     frontend_token_s: float = 0.0
+
+    @property
+    def frontend_queues(self) -> bool:
+        """Whether the frontend is modelled as a server that requests and tokens wait for."""
+        return bool(self.frontend_request_s or self.frontend_step_s or self.frontend_token_s)
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -307,8 +320,6 @@ class StepTimeModel:
             t += p.gemm_floor_s + (head if head > self._lm_head_floor else self._lm_head_floor)
         if self.tp > 1:
             t += self.allreduce_time(tokens)
-        if p.frontend_token_s and num_sampled * p.frontend_token_s > t:
-            return num_sampled * p.frontend_token_s
         return t
 
     def breakdown(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -72,16 +73,65 @@ def test_a_profiles_frontend_latency_delays_every_request_and_adds_to_ttft_not_i
     assert steps == pytest.approx(steps0)  # alone at the engine, each request sees the same steps
 
 
-def test_a_profiles_frontend_token_cost_bounds_a_step_from_below() -> None:
-    """frontend_token_s: a step's tokens reach the clients no faster than the frontend streams them."""
-    profile = DeviceProfile.from_dict({"device": CPU, "step_time": {"frontend_token_s": 1.0}})
-    model = resolve_model("Qwen/Qwen2.5-7B-Instruct")  # ~0.8 s a decode step on this slow device
-    with_cost = StepTimeModel(model, profile.device, 1, profile.step_time)
-    without = StepTimeModel(model, profile.device, 1, profile.step_time.__class__())
-    chunk = (500, 1, 0, 500 * 250.5, 0)  # a prefill chunk that samples nothing: engine-bound
-    assert with_cost.step_time(*chunk) == without.step_time(*chunk)
-    assert without.step_time(8, 8, 8, 0.0, 800) < 8.0
-    assert with_cost.step_time(8, 8, 8, 0.0, 800) == 8.0  # eight tokens to stream: frontend-bound
+def _served_trace(step_time: dict[str, float], arrivals: list[float], prompts: list[int],
+                  outputs: list[int]) -> Any:
+    import numpy as np
+
+    from kvpilot.twin.offline import drive
+    from kvpilot.twin.workload import RequestBatch
+
+    profile = DeviceProfile.from_dict({"device": CPU, "step_time": step_time})
+    config = EngineConfig(model=resolve_model("Qwen/Qwen2.5-7B-Instruct"), gpu=profile.device,
+                          max_num_batched_tokens=1024, max_num_seqs=16, max_model_len=4096,
+                          gpu_memory_utilization=None, kv_cache_memory_bytes=GiB, block_size=128,
+                          async_scheduling=False, step_time_params=profile.step_time)
+    return drive(Engine(config), RequestBatch(np.array(arrivals), np.array(prompts), np.array(outputs)))
+
+
+def _ttfts(trace: Any) -> list[float]:
+    done = sorted(trace.done, key=lambda r: r.arrival_time)
+    return [trace.delivered[r.step_first_token] - r.arrival_time for r in done]
+
+
+def test_without_frontend_costs_tokens_reach_clients_at_the_step_ends() -> None:
+    trace = _served_trace({}, [0.0, 0.1], [300, 40], [4, 6])
+    assert trace.delivered is trace.ends  # every GPU preset: nothing is added, nothing is copied
+
+
+def test_the_frontend_admits_a_burst_one_request_at_a_time() -> None:
+    """frontend_request_s: requests sent together wait for the frontend to admit each in turn, so the
+    k-th reaches the scheduler k admissions after the send, and its TTFT grows with k."""
+    cost = 0.5  # longer than the steps here, so the engine takes them one by one
+    base = _ttfts(_served_trace({}, [0.0] * 4, [16] * 4, [2] * 4))
+    ttft = _ttfts(_served_trace({"frontend_request_s": cost}, [0.0] * 4, [16] * 4, [2] * 4))
+    assert all(t >= (k + 1) * cost for k, t in enumerate(sorted(ttft)))
+    assert sorted(ttft)[-1] - sorted(base)[-1] >= 3 * cost
+
+
+def test_streaming_delays_what_clients_see_not_the_engines_steps() -> None:
+    """frontend_token_s: a step's tokens reach the clients once the frontend has streamed each of
+    them; the engine core does not wait for it, so the steps are those of a run without the cost."""
+    args = ([0.0] * 8, [40] * 8, [6] * 8)
+    plain = _served_trace({}, *args)
+    slow = _served_trace({"frontend_token_s": 1.0}, *args)  # 1 s a token: far above a step here
+    assert slow.ends == pytest.approx(plain.ends)
+    steps = [k for k in range(1, len(slow.ends)) if slow.delivered[k] != slow.delivered[k - 1]]
+    # Eight tokens a step, one second each: the clients see one step's tokens every 8 s.
+    assert [slow.delivered[b] - slow.delivered[a] for a, b in zip(steps, steps[1:], strict=False)] == \
+        pytest.approx([8.0] * (len(steps) - 1))
+
+
+def test_an_arrival_holds_up_the_tokens_streaming_behind_it() -> None:
+    """One server: a request the frontend admits while another streams delays that stream's next
+    token by the admission, which is how a lone arrival shows in p99 ITL."""
+    cost = 2.0  # longer than a step (~0.9 s on this slow device): the admission spans a step's end
+    alone = _served_trace({"frontend_request_s": cost}, [0.0], [16], [40])
+    shared = _served_trace({"frontend_request_s": cost}, [0.0, 5.0], [16, 16], [40, 2])
+    first = min(shared.done, key=lambda r: r.arrival_time)
+    gaps = [shared.delivered[k] - shared.delivered[k - 1]
+            for k in range(first.step_first_token + 1, first.step_last_token + 1)]
+    alone_gaps = [alone.delivered[k] - alone.delivered[k - 1] for k in range(2, len(alone.delivered))]
+    assert max(gaps) >= max(alone_gaps) + cost / 2
 
 
 @pytest.mark.parametrize(("data", "message"), [
@@ -136,13 +186,15 @@ def test_twin_serve_leaves_out_the_profiles_frontend_terms_its_own_frontend_is_r
     from kvpilot.twin.flags import add_engine_arguments, engine_config_from_args
 
     (tmp_path / "p.json").write_text(json.dumps(
-        {"device": CPU, "step_time": {"cpu_overhead_s": 0.004, "frontend_s": 0.02, "frontend_token_s": 1e-4}}))
+        {"device": CPU, "step_time": {"cpu_overhead_s": 0.004, "frontend_s": 0.02, "frontend_request_s": 0.01,
+                                      "frontend_token_s": 1e-4}}))
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
     args = parser.parse_args(["Qwen/Qwen2.5-7B-Instruct", "--device-profile", str(tmp_path / "p.json"),
                               "--kv-cache-memory-bytes", "1Gi"])
     offline = engine_config_from_args(args).step_time_params
     served = engine_config_from_args(args, real_frontend=True).step_time_params
-    assert offline is not None and (offline.frontend_s, offline.frontend_token_s) == (0.02, 1e-4)
-    assert served is not None and (served.frontend_s, served.frontend_token_s) == (0.0, 0.0)
+    assert offline is not None and (offline.frontend_s, offline.frontend_request_s, offline.frontend_token_s) == \
+        (0.02, 0.01, 1e-4)
+    assert served is not None and not served.frontend_queues and served.frontend_s == 0.0
     assert served.cpu_overhead_s == 0.004  # the rest of the profile stands
