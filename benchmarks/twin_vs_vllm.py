@@ -91,10 +91,21 @@ DECODE_TOKENS = 40  # decode steps measured once every prompt of the batch is in
 DECODE_REPEATS = 3  # the median of 3: one batch's mean gap moved by 20-40% at small batches
 PREFILL_PROMPTS = (16, 64, 128, 256, 512, 1024, 1536, 2048)
 PREFILL_REPEATS = 7
+# Bursts of short requests sent at once, (requests, output tokens): the engine takes them in one or
+# two steps, so their makespan and TTFTs are the frontend's admissions and streaming, one at a time.
+BURSTS = ((8, 1), (32, 1), (64, 1), (16, 16), (64, 16))
+BURST_PROMPT = 16
+# A prompt of (decoders, prompt tokens) sent while that many short requests decode, MIXED_AT s after
+# them: the longest gap in their streams until its first token is its one prefill step with their
+# decodes in it (a mixed step, which lone prefills and steady decodes do not show), plus whatever the
+# frontend's admission of it held the streams up.
+MIXED = ((4, 256), (4, 1024), (16, 256), (16, 1024))
+MIXED_AT = 0.15
+MIXED_DECODE_TOKENS = 160
 # The constants the fit moves (the shape constants of the GEMM roofline keep their calibrated values).
 FITTED = ("gemm_compute_eff", "gemm_memory_eff", "gemm_floor_s", "elementwise_floor_s", "attn_prefill_eff",
           "attn_decode_eff", "attn_floor_s", "cpu_overhead_s", "cpu_per_request_s", "frontend_s",
-          "frontend_token_s")
+          "frontend_request_s", "frontend_step_s", "frontend_token_s")
 
 
 def _token_times(ttft: float, gaps: list[float], start: float) -> np.ndarray:
@@ -154,6 +165,51 @@ def prefill_observation(base_url: str, prompt: int, seed: int) -> dict[str, Any]
             "seconds": float(np.median(ttfts)), "all": ttfts}
 
 
+def burst_observations(base_url: str, n: int, tokens: int, seed: int) -> list[dict[str, Any]]:
+    """n requests of BURST_PROMPT tokens sent at once, `tokens` each: the makespan (send to the last
+    token) and the median TTFT, medians of DECODE_REPEATS bursts."""
+    makespans, ttfts = [], []
+    for r in range(DECODE_REPEATS):
+        times = asyncio.run(_batch_times(base_url, BURST_PROMPT, tokens, n, seed + 1000 * r))
+        makespans.append(float(max(t[-1] for t in times)))
+        ttfts.append(float(np.median([t[0] for t in times])))
+    return [{"kind": "burst", "stat": stat, "n": n, "tokens": tokens, "prompt": BURST_PROMPT, "frontend": True,
+             "seconds": float(np.median(values)), "all": values}
+            for stat, values in (("makespan", makespans), ("ttft_p50", ttfts))]
+
+
+async def _mixed_times(base_url: str, n: int, prompt: int, seed: int) -> tuple[list[np.ndarray], float]:
+    import aiohttp
+
+    url = base_url + "/v1/completions"
+    conn = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as session:
+        t0 = time.perf_counter() + 0.1
+        jobs = [_one(session, url, "tiny", prompt_ids(i, BURST_PROMPT, seed), MIXED_DECODE_TOKENS, 0.0, t0)
+                for i in range(n)]
+        jobs.append(_one(session, url, "tiny", prompt_ids(n, prompt, seed), 2, MIXED_AT, t0))
+        done = await asyncio.gather(*jobs)
+    if any(d is None for d in done):
+        raise RuntimeError(f"calibration: a request of the mixed batch ({n} + {prompt}) failed")
+    decoders = [_token_times(d[0], d[1], 0.0) for d in done[:-1] if d is not None]
+    long = done[-1]
+    assert long is not None
+    return decoders, MIXED_AT + long[0]
+
+
+def mixed_observation(base_url: str, n: int, prompt: int, seed: int) -> dict[str, Any]:
+    """The longest gap in the decoders' streams from the prompt's send to its first token (median over
+    the decoders, then of DECODE_REPEATS runs)."""
+    values = []
+    for r in range(DECODE_REPEATS):
+        decoders, first = asyncio.run(_mixed_times(base_url, n, prompt, seed + 1000 * r))
+        longest = [float(np.max(np.diff(t)[(t[1:] > MIXED_AT) & (t[1:] <= first + 1e-4)], initial=0.0))
+                   for t in decoders]
+        values.append(float(np.median(longest)))
+    return {"kind": "mixed", "n": n, "prompt": prompt, "frontend": True, "seconds": float(np.median(values)),
+            "all": values}
+
+
 def measure_peaks(engine_cpus: str) -> dict[str, float]:
     """bf16 matmul FLOP/s and copy bandwidth on the engine's CPUs, with vLLM's torch (vllm_steps.peaks)."""
     import subprocess
@@ -180,6 +236,9 @@ def measure_served(engine_cpus: str, seed: int) -> dict[str, Any]:
         obs = [decode_observation(server.base_url, n, p, seed + i)
                for i, (n, p) in enumerate((n, p) for p in DECODE_PROMPTS for n in DECODE_BATCHES)]
         obs += [prefill_observation(server.base_url, p, seed + 100 * (i + 1)) for i, p in enumerate(PREFILL_PROMPTS)]
+        for i, (n, tokens) in enumerate(BURSTS):
+            obs += burst_observations(server.base_url, n, tokens, seed + 5000 + 100 * i)
+        obs += [mixed_observation(server.base_url, n, p, seed + 7000 + 100 * i) for i, (n, p) in enumerate(MIXED)]
     os.sched_setaffinity(0, all_cpus)
     out["observations"] = obs
     return out
@@ -195,12 +254,53 @@ def tiny_model() -> Any:
     return load_model_config(require_vllm_env()[1] / "config.json", name="tiny-llama")
 
 
+def simulate(model: Any, device: GpuSpec, params: StepTimeParams, o: dict[str, Any]) -> float:
+    """A burst or mixed observation as the twin serves it (offline.drive, the frontend as a server),
+    read as it is read from vLLM's streams."""
+    config = EngineConfig(model=model, gpu=device, max_num_batched_tokens=CAL_BUDGET, max_num_seqs=MAX_NUM_SEQS,
+                          max_model_len=MAX_MODEL_LEN, gpu_memory_utilization=None,
+                          kv_cache_memory_bytes=int(KV_CACHE_GIB * GiB), block_size=BLOCK_SIZE,
+                          async_scheduling=False, step_time_params=params)
+    n = int(o["n"])
+    if o["kind"] == "mixed":
+        batch = RequestBatch(np.array([0.0] * n + [MIXED_AT]), np.array([BURST_PROMPT] * n + [int(o["prompt"])]),
+                             np.array([MIXED_DECODE_TOKENS] * n + [2]))
+        trace = drive(Engine(config), batch, max_sim_time_s=1e6)
+        seen = np.asarray(trace.delivered)
+        long = next(r for r in trace.done if r.arrival_time == MIXED_AT)
+        # Every decoder decodes in every step here: their gaps are the gaps between steps' deliveries.
+        gaps = np.diff(seen)
+        ends = seen[1:]
+        inside = (ends > MIXED_AT) & (ends <= seen[long.step_first_token] + 1e-9)
+        return float(np.max(gaps[inside], initial=0.0))
+    batch = RequestBatch(np.zeros(n), np.full(n, int(o["prompt"])), np.full(n, int(o["tokens"])))
+    trace = drive(Engine(config), batch, max_sim_time_s=1e6)
+    at = trace.delivered
+    if o["stat"] == "makespan":
+        return float(max(at[r.step_last_token] for r in trace.done))
+    return float(np.median([at[r.step_first_token] for r in trace.done]))
+
+
 def predict(model: Any, device: GpuSpec, params: StepTimeParams, obs: list[dict[str, Any]]) -> np.ndarray:
-    """Each observation's seconds as the twin has them: its steps' times (the engine's step_time, every
-    scheduled request sampling), plus the frontend where the figure is a TTFT."""
+    """Each observation's seconds as the twin has them.  A decode gap: its step's time (the engine's
+    step_time, every scheduled request sampling), or the frontend's streaming of that step's tokens
+    where that is longer (one server: the clients see a step's tokens no faster).  A lone prompt's
+    TTFT: its admission, its prefill steps, the streaming of its token, and the frontend's latency.
+    A burst or a mixed step: served by the twin."""
     stm = StepTimeModel(model, device, 1, params)
-    return np.array([sum(stm.step_time(int(t), int(n), int(n), p, int(kv)) for t, n, p, kv in o["steps"])
-                     + (params.frontend_s if o["frontend"] else 0.0) for o in obs])
+    out = []
+    for o in obs:
+        if o["kind"] in ("burst", "mixed"):
+            out.append(simulate(model, device, params, o))
+            continue
+        steps = [stm.step_time(int(t), int(n), int(n), p, int(kv)) for t, n, p, kv in o["steps"]]
+        if o["kind"] == "decode":
+            n = int(o["n"])
+            out.append(max(sum(steps), params.frontend_step_s + n * params.frontend_token_s))
+        else:
+            out.append(sum(steps) + params.frontend_s + params.frontend_request_s + params.frontend_step_s
+                       + params.frontend_token_s)
+    return np.array(out)
 
 
 def fit_params(model: Any, device: GpuSpec, obs: list[dict[str, Any]]) -> StepTimeParams:
@@ -208,7 +308,7 @@ def fit_params(model: Any, device: GpuSpec, obs: list[dict[str, Any]]) -> StepTi
     (benchmarks/calibration.py's Nelder-Mead on their logs, efficiencies capped at 1), from floors
     sized for a CPU."""
     start = StepTimeParams(cpu_overhead_s=2e-3, gemm_floor_s=2e-5, elementwise_floor_s=1e-5, attn_floor_s=2e-5,
-                           frontend_s=5e-3, frontend_token_s=5e-5)
+                           frontend_s=5e-3, frontend_request_s=3e-3, frontend_step_s=2e-4, frontend_token_s=5e-5)
     measured = np.array([o["seconds"] for o in obs])
     params = start
     for _ in range(3):  # restarts: the simplex of 11 constants stalls before the minimum
@@ -248,10 +348,14 @@ def calibrate(args: argparse.Namespace) -> int:
     errs = observation_errors(model, profile, obs)
     pred = predict(model, device, params, obs)
     for o, e, p in zip(obs, errs, pred, strict=True):
-        what = f"decode {o['n']:>2} x {o['prompt']:>4}" if o["kind"] == "decode" else f"TTFT {o['prompt']:>4}"
+        what = (f"decode {o['n']:>2} x {o['prompt']:>4}" if o["kind"] == "decode" else
+                f"burst {o['n']:>2} x {o['tokens']:>2} {o['stat']}" if o["kind"] == "burst" else
+                f"mixed {o['n']:>2} + {o['prompt']:>4}" if o["kind"] == "mixed" else f"TTFT {o['prompt']:>4}")
         print(f"  {what:<18} vLLM {o['seconds'] * 1e3:7.2f} ms  twin {p * 1e3:7.2f} ms  {e:5.1%}")
-    for kind in ("decode", "prefill"):
+    for kind in ("decode", "prefill", "burst", "mixed"):
         k = np.array([o["kind"] == kind for o in obs])
+        if not k.any():
+            continue
         print(f"{kind}: median |error| {np.median(errs[k]):.1%}, max {np.max(errs[k]):.1%} ({k.sum()} observations)")
     print(f"wrote {DATA / 'profile.json'}")
     return 0
@@ -364,7 +468,7 @@ def twin_config(profile: DeviceProfile, budget: int) -> EngineConfig:
 def replay_twin(profile: DeviceProfile, budget: int, batch: RequestBatch) -> Result:
     engine = Engine(twin_config(profile, budget))
     trace = drive(engine, batch, max_sim_time_s=1e6)
-    ends = np.asarray(trace.ends)
+    ends = np.asarray(trace.delivered)  # when each step's tokens reached the clients
     ttft = np.array([ends[r.step_first_token] - r.arrival_time for r in trace.done])
     step_itl = np.diff(ends, prepend=0.0)
     parts = [np.repeat(step_itl, np.asarray(trace.steadies, dtype=np.int64))]
@@ -407,6 +511,30 @@ def pin_server(server: Any, engine_cpus: set[int]) -> set[int]:
     return frontend
 
 
+def cpu_seconds(api_pid: int) -> dict[str, float]:
+    """CPU seconds so far of the served vLLM's processes, by role (its worker, its engine core, the
+    API server and any other helper), and of this process (the load client)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {"worker": 0.0, "engine_core": 0.0, "api_server": 0.0}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if os.getpgid(int(pid)) != api_pid:
+                continue
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (ProcessLookupError, FileNotFoundError):
+            continue
+        used = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        role = "worker" if comm == "VLLM::Worker" else "engine_core" if comm.startswith("VLLM::EngineCor") else \
+            "api_server"
+        out[role] += used
+    me = os.times()
+    out["client"] = me.user + me.system
+    return out
+
+
 def saturation(base_url: str, model: str, mix: str, seed: int) -> float:
     burst = poisson(mix, 0.0, 64, seed)
     return asyncio.run(replay_real(base_url, model, burst, seed)).throughput
@@ -419,48 +547,39 @@ def rel(twin: float, real: float) -> float:
 STATS = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "rps")
 
 
-def run_replay(args: argparse.Namespace) -> int:
-    from tests.support.vllm_process import VllmProcess
+HEADER = f"{'budget':>6} {'mix':<5} {'load':>4} {'rate':>6} | " + " | ".join(
+    f"{s:>8} vLLM (spread) twin err" for s in STATS) + " | cpu0 cpu1"
 
-    profile = DeviceProfile.load(args.profile)
-    all_cpus = os.sched_getaffinity(0)
-    rows = []
-    started = time.perf_counter()
-    print(f"{'budget':>6} {'mix':<5} {'load':>4} {'rate':>6} | " + " | ".join(
-        f"{s:>8} vLLM (spread) twin err" for s in STATS), flush=True)
-    for budget in args.budgets:
-        flags = ["--max-num-batched-tokens", str(budget), "--max-num-seqs", str(MAX_NUM_SEQS),
-                 "--max-model-len", str(MAX_MODEL_LEN), "--enable-chunked-prefill", "--no-enable-prefix-caching",
-                 "--served-model-name", "tiny"]
-        os.sched_setaffinity(0, all_cpus)  # the server starts on every CPU; pin_server then places it
-        with VllmProcess(*flags, kv_cache_gib=int(KV_CACHE_GIB)) as server:
-            pin_server(server, cpu_list(args.engine_cpus))
-            for mix in args.mixes:
-                sat = saturation(server.base_url, "tiny", mix, args.seed)
-                for load in args.loads:
-                    rate = load * sat
-                    n = int(min(args.max_requests, max(args.min_requests, rate * args.duration)))
-                    batch = poisson(mix, rate, n, args.seed + 1)
-                    reals = [asyncio.run(replay_real(server.base_url, "tiny", batch, args.seed))
-                             for _ in range(args.repeats)]
-                    twin = replay_twin(profile, budget, batch).stats()
-                    real_stats = [r.stats() for r in reals]
-                    row: dict[str, Any] = {"budget": budget, "mix": mix, "load": load, "rate": rate, "n": n,
-                                           "failed": sum(r.failed for r in reals)}
-                    cells = []
-                    for s in STATS:
-                        vals = [r[s] for r in real_stats]
-                        mean = statistics.fmean(vals)
-                        spread = (max(vals) - min(vals)) / mean if mean else 0.0
-                        row[s] = {"vllm": vals, "twin": twin[s], "error": rel(twin[s], mean), "spread": spread}
-                        unit = 1.0 if s == "rps" else 1e3
-                        cells.append(f"{mean * unit:8.2f} ({spread:4.0%}) {twin[s] * unit:8.2f} "
-                                     f"{row[s]['error']:4.0%}")
-                    rows.append(row)
-                    print(f"{budget:>6} {mix:<5} {load:>4.1f} {rate:6.2f} | " + " | ".join(cells), flush=True)
-    print("(latencies in ms, rps in requests/s; spread = (max - min) / mean over repeats)")
-    print(f"\nmedian relative error over {len(rows)} cases ({args.repeats} repeats each), "
-          f"in {time.perf_counter() - started:.0f} s:")
+
+def case_row(case: dict[str, Any], real_stats: list[dict[str, float]], twin: dict[str, float]) -> dict[str, Any]:
+    """A case's row: for each statistic vLLM's repeats, the twin's figure, its error and the spread."""
+    row = dict(case)
+    for s in STATS:
+        vals = [r[s] for r in real_stats]
+        mean = statistics.fmean(vals)
+        spread = (max(vals) - min(vals)) / mean if mean else 0.0
+        row[s] = {"vllm": vals, "twin": twin[s], "error": rel(twin[s], mean), "spread": spread}
+    return row
+
+
+def print_row(row: dict[str, Any]) -> None:
+    cells = []
+    for s in STATS:
+        unit = 1.0 if s == "rps" else 1e3
+        mean = statistics.fmean(row[s]["vllm"])
+        cells.append(f"{mean * unit:8.2f} ({row[s]['spread']:4.0%}) {row[s]['twin'] * unit:8.2f} {row[s]['error']:4.0%}")
+    busy = row.get("cpu_busy")
+    cpu = (f" | {busy['api_server'] + busy['client']:4.0%} {busy['engine_core'] + busy['worker']:4.0%}"
+           if busy else "")
+    print(f"{row['budget']:>6} {row['mix']:<5} {row['load']:>4.1f} {row['rate']:6.2f} | " + " | ".join(cells) + cpu,
+          flush=True)
+
+
+def print_summary(rows: list[dict[str, Any]], seconds: float) -> None:
+    repeats = len(rows[0]["rps"]["vllm"]) if rows else 0
+    print("(latencies in ms, rps in requests/s; spread = (max - min) / mean over repeats; cpu0: CPU time of the\n"
+          " API server and this client over the replays' wall time, cpu1: of the engine core and its worker)")
+    print(f"\nmedian relative error over {len(rows)} cases ({repeats} repeats each), in {seconds:.0f} s:")
     for s in STATS:
         errs = [r[s]["error"] for r in rows]
         spreads = [r[s]["spread"] for r in rows]
@@ -468,8 +587,64 @@ def run_replay(args: argparse.Namespace) -> int:
               f"run-to-run spread median {statistics.median(spreads):5.1%}")
     if any(r["failed"] for r in rows):
         print(f"failed requests: {sum(r['failed'] for r in rows)}")
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    from tests.support.vllm_process import VllmProcess
+
+    profile = DeviceProfile.load(args.profile)
+    all_cpus = os.sched_getaffinity(0)
+    rows = []
+    started = time.perf_counter()
+    print(HEADER, flush=True)
+    for budget in args.budgets:
+        flags = ["--max-num-batched-tokens", str(budget), "--max-num-seqs", str(MAX_NUM_SEQS),
+                 "--max-model-len", str(MAX_MODEL_LEN), "--enable-chunked-prefill", "--no-enable-prefix-caching",
+                 "--served-model-name", "tiny"]
+        os.sched_setaffinity(0, all_cpus)  # the server starts on every CPU; pin_server then places it
+        with VllmProcess(*flags, kv_cache_gib=int(KV_CACHE_GIB)) as server:
+            pin_server(server, cpu_list(args.engine_cpus))
+            assert server.proc is not None
+            api = server.proc.pid
+            for mix in args.mixes:
+                sat = saturation(server.base_url, "tiny", mix, args.seed)
+                for load in args.loads:
+                    rate = load * sat
+                    n = int(min(args.max_requests, max(args.min_requests, rate * args.duration)))
+                    batch = poisson(mix, rate, n, args.seed + 1)
+                    cpu0, wall0 = cpu_seconds(api), time.perf_counter()
+                    reals = [asyncio.run(replay_real(server.base_url, "tiny", batch, args.seed))
+                             for _ in range(args.repeats)]
+                    cpu1, wall = cpu_seconds(api), time.perf_counter() - wall0
+                    case = {"budget": budget, "mix": mix, "load": load, "rate": rate, "n": n, "seed": args.seed + 1,
+                            "failed": sum(r.failed for r in reals),
+                            "cpu_busy": {k: (cpu1[k] - cpu0[k]) / wall for k in cpu1}}
+                    row = case_row(case, [r.stats() for r in reals], replay_twin(profile, budget, batch).stats())
+                    rows.append(row)
+                    print_row(row)
+    print_summary(rows, time.perf_counter() - started)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+def run_twin_only(args: argparse.Namespace) -> int:
+    """The twin's side of a recorded replay (--json of an earlier run) with the profile given now:
+    the same traces (mix, rate, count, seed), vLLM's figures as recorded.  For working on the twin
+    without vLLM; the recorded run's figures are the real side."""
+    profile = DeviceProfile.load(args.profile)
+    recorded = json.loads(Path(args.twin_only).read_text())
+    started = time.perf_counter()
+    rows = []
+    print(HEADER, flush=True)
+    for old in recorded:
+        batch = poisson(old["mix"], old["rate"], old["n"], old.get("seed", args.seed + 1))
+        twin = replay_twin(profile, old["budget"], batch).stats()
+        case = {k: v for k, v in old.items() if k not in STATS}
+        row = case_row(case, [{s: old[s]["vllm"][i] for s in STATS} for i in range(len(old["rps"]["vllm"]))], twin)
+        rows.append(row)
+        print_row(row)
+    print_summary(rows, time.perf_counter() - started)
     return 0
 
 
@@ -490,6 +665,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-requests", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write every case's figures here")
+    ap.add_argument("--twin-only", metavar="JSON", help="replay only the twin, against vLLM's figures recorded "
+                                                         "by an earlier --json (no vLLM needed)")
     ap.add_argument("--engine-cpus", default="1", help="CPUs the engine runs on, as VLLM_CPU_OMP_THREADS_BIND "
                                                          "takes them (default 1: the engine on CPU 1)")
     args = ap.parse_args(argv)
@@ -501,6 +678,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(m not in MIXES for m in args.mixes):
         ap.error(f"--mixes: allowed {', '.join(MIXES)}")
     try:
+        if args.twin_only:
+            return run_twin_only(args)
         return calibrate(args) if args.calibrate else run_replay(args)
     except VllmEnvMissing as e:
         print(f"error: {e}", file=sys.stderr)
