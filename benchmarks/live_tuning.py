@@ -94,20 +94,15 @@ def vllm_command(model: Path, max_model_len: int) -> list[str]:
             "--shutdown-timeout", str(SHUTDOWN_S)]
 
 
-def default_engine_cpus() -> str:
-    """The last CPU for the engines' compute, where there is more than one: the API servers, the load,
-    Prometheus and this process keep the others."""
-    cpus = sorted(os.sched_getaffinity(0))
-    return str(cpus[-1]) if len(cpus) > 1 else "nobind"
-
-
-def vllm_process_env(tmp: Path, engine_cpus: str) -> dict[str, str]:
-    # vLLM's own default ("auto") pins every engine's worker to core 0.  Unbound ("nobind", as the
-    # live test runs), each worker runs one OpenMP thread per core, and on two cores shared with the
-    # API server, the load and Prometheus a thread descheduled at a barrier stalls the whole step:
-    # single 10 s windows of one config read p99 TTFTs from 0.34 to 4.25 s.  One bound thread does not.
-    return {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": engine_cpus, "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1", "TMPDIR": str(tmp), "VLLM_CACHE_ROOT": str(tmp / "cache"),
+def vllm_process_env(tmp: Path, engine_threads: int) -> dict[str, str]:
+    # Each engine's worker runs `engine_threads` OpenMP threads, unbound.  Unbound and unsized, as the
+    # live test runs, it runs one per core, and on two cores shared with the API server, the load and
+    # Prometheus a thread descheduled at a barrier stalls the whole step: three 10 s windows of one
+    # config read p99 TTFTs of 2.42, 4.25 and 0.34 s.  Bound (VLLM_CPU_OMP_THREADS_BIND) it is worse:
+    # vLLM's default pins every engine's worker to core 0, and with both engines bound to one core
+    # the starting engine's worker got 0.3 s of CPU in 7 minutes beside the serving worker's spin.
+    return {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(engine_threads),
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TMPDIR": str(tmp), "VLLM_CACHE_ROOT": str(tmp / "cache"),
             "PYTHONPATH": "", "VIRTUAL_ENV": str(vllm_env())}
 
 
@@ -158,9 +153,9 @@ def main() -> int:
                     help="grid: measure the grid and stop; studies: read the grid from --grid and run the studies")
     ap.add_argument("--grid", default=None, metavar="JSON", help="--only studies: the --out of a --only grid run")
     ap.add_argument("--out", default="out/live_tuning.json", help="the figures as JSON")
-    ap.add_argument("--engine-cpus", default=default_engine_cpus(),
-                    help="CPUs for the engines' compute threads, as VLLM_CPU_OMP_THREADS_BIND takes them "
-                         "(default: the last CPU, or nobind on one CPU)")
+    ap.add_argument("--engine-threads", type=int, default=1,
+                    help="OpenMP threads of each engine's worker (OMP_NUM_THREADS; default 1: on a small host "
+                         "one per core stalls steps at barriers when the frontend and the load run beside it)")
     args = ap.parse_args()
     if args.only == "studies" and not args.grid:
         ap.error("--only studies needs --grid JSON (the --out of a --only grid run)")
@@ -180,8 +175,8 @@ def main() -> int:
     assert all(p.gpu_memory_utilization == args.util for p in grid), grid
     print(f"grid: {len(grid)} configs (tokens {lo_t}..{hi_t} x seqs {lo_s}..{hi_s}, util {args.util:g}); load: "
           f"closed loop, {args.concurrency} clients, think {args.think:g} s, {args.prompt_words}-word prompts, "
-          f"{args.max_tokens} output tokens; warm-up {args.warmup:g} s, window {args.window:g} s; engine compute "
-          f"on CPU {args.engine_cpus}", flush=True)
+          f"{args.max_tokens} output tokens; warm-up {args.warmup:g} s, window {args.window:g} s; "
+          f"{args.engine_threads} engine thread(s)", flush=True)
 
     tmp = Path(tempfile.mkdtemp(prefix="kvpilot-live-tuning-"))
     slots = (free_port(), free_port())
@@ -190,7 +185,7 @@ def main() -> int:
         "metric_relabel_configs": VLLM_METRIC_RELABEL_CONFIGS}])
     applier = LocalApplier(vllm_command(model, args.max_model_len), port=free_port(), start=grid[0], slots=slots,
                            startup_timeout_s=900.0, shutdown_timeout_s=SHUTDOWN_S, log_dir=str(tmp),
-                           env=vllm_process_env(tmp, args.engine_cpus))
+                           env=vllm_process_env(tmp, args.engine_threads))
     load = BackgroundLoad(f"http://127.0.0.1:{applier.port}", concurrency=args.concurrency, think_s=args.think,
                           seed=5, model="tiny", max_tokens=args.max_tokens, prompt_words=args.prompt_words,
                           keepalive=False, request_timeout_s=600.0, max_duration_s=3 * 3600.0,
@@ -218,9 +213,10 @@ def main() -> int:
                     for t, i, r in zip(row["ttftP99"], row["itlP99"], row["rate"], strict=True)]
             if set(readings) != set(grid):
                 raise SystemExit(f"--grid {args.grid} holds another grid: run it with the same --tokens/--seqs/--util")
-            grid_cpus = saved.get("args", {}).get("engine_cpus", "nobind")
-            if grid_cpus != args.engine_cpus:
-                raise SystemExit(f"--grid {args.grid} was measured with --engine-cpus {grid_cpus}: give the same")
+            grid_threads = saved.get("args", {}).get("engine_threads")
+            if grid_threads != args.engine_threads:
+                raise SystemExit(f"--grid {args.grid} was measured with --engine-threads {grid_threads or 'unset'}: "
+                                 "give the same")
             print(f"grid read from {args.grid} (measured {saved.get('measuredAt', '?')})")
         for i, p in enumerate(grid if args.only != "studies" else []):
             t0 = time.monotonic()
