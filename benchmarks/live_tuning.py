@@ -39,15 +39,17 @@ closed-loop load (--concurrency clients, each pausing --think s between an answe
    optimum, minus 1.  A pick's live value is one window; the grid's is the mean of --repeats, so the
    regret charges the study for a lucky window.
 
-Every engine change costs a `vllm serve` start (22 s on an idle machine, 45-65 s on these shared cores
-beside the engine serving the load), so the 12-config grid and two 10-trial studies are ~32 engine starts:
-more than the 30 minutes the issue's budget allows on this machine, hence `--only`.  The warm-up is long
+Every engine change costs a `vllm serve` start (22 s on an idle machine, 40-95 s beside the engine
+serving the load), so the 12-config grid (22 min) and two 10-trial studies (~40 min a seed) do not fit
+one quiet window of the issue's 30 minutes on this machine, hence `--only`.  The warm-up is long
 because a fresh vLLM-CPU engine is slow for its first seconds (oneDNN builds a kernel for each new batch
 shape): with 4 s, configs measured right after their start read up to 4x worse than the same config
 measured after minutes in force.
 
-Run-to-run spread of the same config on these shared cores is up to ~1.5x (measured on this 2-core host):
-read the grid's spread column before reading a regret.  Prints the figures and writes them to --out.
+Each engine's worker runs --engine-threads OpenMP threads (default 1).  With one per core (vLLM's
+default unbound), the three windows of one config spread by up to 207% of their mean on a quiet
+2-core host and the engines served half the requests; with one, by at most 25%.  Read the grid's
+spread column before reading a regret.  Prints the figures and writes them to --out.
 """
 
 from __future__ import annotations
