@@ -257,10 +257,7 @@ def tiny_model() -> Any:
 def simulate(model: Any, device: GpuSpec, params: StepTimeParams, o: dict[str, Any]) -> float:
     """A burst or mixed observation as the twin serves it (offline.drive, the frontend as a server),
     read as it is read from vLLM's streams."""
-    config = EngineConfig(model=model, gpu=device, max_num_batched_tokens=CAL_BUDGET, max_num_seqs=MAX_NUM_SEQS,
-                          max_model_len=MAX_MODEL_LEN, gpu_memory_utilization=None,
-                          kv_cache_memory_bytes=int(KV_CACHE_GIB * GiB), block_size=BLOCK_SIZE,
-                          async_scheduling=False, step_time_params=params)
+    config = twin_config(model, device, params, CAL_BUDGET)
     n = int(o["n"])
     if o["kind"] == "mixed":
         batch = RequestBatch(np.array([0.0] * n + [MIXED_AT]), np.array([BURST_PROMPT] * n + [int(o["prompt"])]),
@@ -458,15 +455,16 @@ async def replay_real(base_url: str, model: str, batch: RequestBatch, seed: int)
     return Result(ttft, itl, len(ok) / end, failed=len(done) - len(ok))
 
 
-def twin_config(profile: DeviceProfile, budget: int) -> EngineConfig:
-    return EngineConfig(model=tiny_model(), gpu=profile.device, max_num_batched_tokens=budget,
+def twin_config(model: Any, device: GpuSpec, params: StepTimeParams, budget: int) -> EngineConfig:
+    """The twin engine of the replay and the calibration: the flags real vLLM gets, on the fitted device."""
+    return EngineConfig(model=model, gpu=device, max_num_batched_tokens=budget,
                         max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN, gpu_memory_utilization=None,
                         kv_cache_memory_bytes=int(KV_CACHE_GIB * GiB), block_size=BLOCK_SIZE,
-                        async_scheduling=False, step_time_params=profile.step_time)
+                        async_scheduling=False, step_time_params=params)
 
 
 def replay_twin(profile: DeviceProfile, budget: int, batch: RequestBatch) -> Result:
-    engine = Engine(twin_config(profile, budget))
+    engine = Engine(twin_config(tiny_model(), profile.device, profile.step_time, budget))
     trace = drive(engine, batch, max_sim_time_s=1e6)
     ends = np.asarray(trace.delivered)  # when each step's tokens reached the clients
     ttft = np.array([ends[r.step_first_token] - r.arrival_time for r in trace.done])

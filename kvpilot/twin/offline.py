@@ -152,7 +152,8 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
     params = engine.step_model.params
     delay = params.frontend_s
     queues = params.frontend_queues
-    ready = [a + delay for a in arrivals] if delay and not queues else arrivals
+    # With the frontend as a server, each request's ready time is set as it is admitted (admit_until).
+    ready = [0.0] * len(arrivals) if queues else [a + delay for a in arrivals] if delay else arrivals
     prompts_a = np.minimum(batch.prompt_tokens, mml - 1)
     outputs = np.maximum(1, np.minimum(batch.output_tokens, mml - prompts_a)).tolist()
     prompts = prompts_a.tolist()
@@ -170,14 +171,13 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
     # Indexed by engine step; steps count from 1, so index 0 is a placeholder.
     trace = Trace(engine, batch, float(window), [], [0.0], [0.0], [0], [])
     starts, ends, steadies, gaps, done = trace.starts, trace.ends, trace.steadies, trace.gaps, trace.done
-    # The frontend server (see StepTimeParams.frontend_request_s): `admitted` requests have had their
-    # admission service, in send order; `fe_free` is when the server is next idle.
+    # The frontend server (see StepTimeParams.frontend_request_s): the first `admitted` requests have
+    # had their admission service, in send order (without the server, every request has: its ready
+    # time is known); `fe_free` is when the server is next idle.
     delivered = [0.0] if queues else ends
     trace.delivered = delivered
     c_req, c_step, c_tok = params.frontend_request_s, params.frontend_step_s, params.frontend_token_s
-    if queues:
-        ready = [0.0] * n
-    admitted = 0
+    admitted = 0 if queues else n
     fe_free = 0.0
 
     def admit_until(t: float) -> None:
@@ -204,7 +204,7 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
     while True:
         if queues:
             admit_until(now)
-        while i < n and (i < admitted or not queues) and ready[i] <= now:
+        while i < admitted and ready[i] <= now:
             if keys is not None and keys[i] and ptoks is not None:
                 pk = keys[i]
                 pb = min(ptoks[i], prompts[i]) // bs
@@ -215,8 +215,8 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
         if not (sched.running or sched.waiting):
             if i >= n:
                 break
-            # Idle: on to the next request's admission (its send, where the frontend has not seen it yet).
-            now = ready[i] if i < admitted or not queues else arrivals[i]
+            # Idle: on to the next request's readiness (its send, where the frontend has not seen it yet).
+            now = ready[i] if i < admitted else arrivals[i]
             continue
         if now >= limit:
             break
