@@ -212,7 +212,7 @@ class Worker:
         defaults = self._vllm_defaults()
         if defaults is not None:
             study.enqueue(defaults, "vllmDefaults")
-        self._warm_start(study, signals, space, slo, current, observer)
+        self._warm_start(study, signals, space, slo, goal, current, observer)
         if goal is Goal.CAPACITY and study.finished_count() == 0:
             # capacity is an offline goal: the twin's best config is applied once, then kept.
             best = next((t for t in study.study.trials if t.user_attrs.get("source") == "warmStart"), None)
@@ -250,10 +250,11 @@ class Worker:
             log.info("%s/%s: vLLM's defaults are not tried: %s", self.namespace, self.name, exc)
             return None
 
-    def _warm_start(self, study: TunerStudy, signals: Any, space: SearchSpace, slo: SLO,
+    def _warm_start(self, study: TunerStudy, signals: Any, space: SearchSpace, slo: SLO, goal: Goal,
                     current: EngineParams, observer: Any) -> None:
-        """Search the twin under the live workload; enqueue its best 3.  Skipped (logged) when the
-        model or GPU has no twin preset, or Prometheus has no workload to show yet."""
+        """Search the twin under the live workload for the spec's goal (capacity, or latency at the
+        measured rate); enqueue its best 3.  Skipped (logged) when the model or GPU has no twin
+        preset, or Prometheus has no workload to show yet."""
         if study.finished_count() > 0:
             return  # resumed: the warm start already happened
         from kvpilot.tuner.adapters.offline import TwinEvaluator, TwinTarget, workload_from_estimate
@@ -273,7 +274,8 @@ class Worker:
             log.info("warm start skipped for %s/%s: %s", self.namespace, self.name, exc)
             return
         ev = TwinEvaluator(twin, workload_from_estimate(est), slo)
-        picks = twin_best(space, slo, ev.evaluate, trials=20, k=3, first=[current])
+        picks = twin_best(space, slo, ev.evaluator(goal, est.request_rate), goal=goal, trials=20, k=3,
+                          first=[current])
         enqueue_warm_start(study, picks)
 
 

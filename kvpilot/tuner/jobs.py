@@ -552,9 +552,9 @@ def run_live_study(st: TunerStudy, tuner: Any, signals: Any, *, start: EnginePar
 
 def warm_start_live(st: TunerStudy, tuner: Any, signals: Any, warm: WarmStart, *, start: EngineParams,
                     defaults: EngineParams | None = None) -> list[tuple[EngineParams, float]]:
-    """Watch the starting engine's traffic for a warm-up, search the twin under it (the study's
-    space, so each pick is a config the study can draw), queue its best 3; returns them (config,
-    twin capacity), or [] when skipped (no traffic to read, or a start config the twin cannot
+    """Watch the starting engine's traffic for a warm-up, search the twin under it for the study's
+    goal (latency at the measured rate; the study's space, so each pick is a config the study can
+    draw), queue its best 3; returns them (config, the twin's value), or [] when skipped (no traffic to read, or a start config the twin cannot
     model), which is logged."""
     from kvpilot.tuner.adapters.offline import TwinEvaluator, workload_from_estimate
     from kvpilot.tuner.adapters.prometheus import estimate_workload
@@ -573,7 +573,9 @@ def warm_start_live(st: TunerStudy, tuner: Any, signals: Any, warm: WarmStart, *
              est.request_rate, est.prompt_median, est.output_median)
     ev = TwinEvaluator(warm.target, workload_from_estimate(est), st.slo, seed=warm.seed)
     first = [start] + ([defaults] if defaults is not None else [])
-    picks = twin_best(st.space, st.slo, ev.evaluate, trials=warm.trials, k=3, first=first)
-    log.info("warm start: the twin's best %s", ", ".join(f"{p.label()} ({c:.2f} req/s)" for p, c in picks))
+    picks = twin_best(st.space, st.slo, ev.evaluator(st.goal, est.request_rate), goal=st.goal, trials=warm.trials,
+                      k=3, seed=warm.seed, first=first)
+    log.info("warm start: the twin's best at %.2f req/s: %s", est.request_rate,
+             ", ".join(f"{p.label()} ({st.goal.value} {v:.3f})" for p, v in picks))
     enqueue_warm_start(st, picks)
     return picks

@@ -155,7 +155,8 @@ class StartupFailed:
 
 
 class TwinEvaluator:
-    """Capacity of configs on one target and workload.  Results are cached by (config, rate)."""
+    """Capacity of configs on one target and workload, or their latency at a given rate.  Results
+    are cached by (config, rate)."""
 
     def __init__(self, target: TwinTarget, workload: Workload, slo: SLO, seed: int = 0,
                  probe_s: float = PROBE_SECONDS, warmup_s: float = WARMUP_SECONDS, paths: int = PATHS) -> None:
@@ -169,6 +170,7 @@ class TwinEvaluator:
         self._units: list[Any] = [None] * paths
         self._runs: dict[tuple[EngineParams, float], RunStats] = {}
         self._caps: dict[EngineParams, CapacityResult | StartupFailed] = {}
+        self._latency: dict[tuple[EngineParams, float], Outcome] = {}
         self.simulations = 0
         self.hint = 1.0
 
@@ -252,6 +254,46 @@ class TwinEvaluator:
         m = Measurement(ttft_p99=ttft, itl_p99=itl, request_rate=res.capacity, capacity=res.capacity,
                         extra={"simulations": float(res.simulations)})
         return score(Goal.CAPACITY, m, self.slo)
+
+    # -- latency at a given load ----------------------------------------------------------
+    def latency(self, params: EngineParams, rate: float) -> Outcome:
+        """The latency goal's outcome for one config at `rate` req/s (a live study's measured load):
+        each path served to its last request (no early stop, so a config that misses the SLO is
+        graded by how far), p99 TTFT and p99 ITL of its requests after the warm-up, averaged over
+        the paths (a ranking wants the likeliest p99, not a bound on it)."""
+        key = (params, round(rate, 6))
+        if key in self._latency:
+            return self._latency[key]
+        from kvpilot.twin.engine import Engine
+        from kvpilot.twin.memory import EngineStartupError
+        from kvpilot.twin.offline import drive, observed_p99
+
+        try:
+            p99s = []
+            for path in range(self.paths):
+                engine = Engine(self.target.engine_config(params))
+                self.simulations += 1
+                trace = drive(engine, self.requests(rate, path), window_s=self.probe_s)
+                p99s.append(observed_p99(trace, self.warmup_s))
+        except EngineStartupError as exc:
+            failed = StartupFailed.of(exc)
+            out = infeasible(Goal.LATENCY, "StartupFailed", failed.message.splitlines()[0][:300], memory=failed.memory)
+        except ValueError as exc:  # a request the config cannot serve (longer than max_model_len)
+            out = infeasible(Goal.LATENCY, "StartupFailed", str(exc).splitlines()[0][:300])
+        else:
+            m = Measurement(ttft_p99=float(np.mean([t for t, _ in p99s])), itl_p99=float(np.mean([i for _, i in p99s])),
+                            request_rate=rate, extra={"simulations": float(self.paths)})
+            out = score(Goal.LATENCY, m, self.slo)
+        self._latency[key] = out
+        return out
+
+    def evaluator(self, goal: Goal, rate: float | None = None) -> Any:
+        """An `Evaluate` for `goal`: capacity, or latency at `rate` req/s."""
+        if goal is Goal.CAPACITY:
+            return self.evaluate
+        if rate is None or rate <= 0:
+            raise ValueError(f"the latency goal is scored at a request rate > 0, got {rate}")
+        return lambda params: self.latency(params, rate)
 
 
 def workload_from_estimate(est: Any) -> Workload:

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import optuna
-from optuna.trial import FrozenTrial
+from optuna.trial import FrozenTrial, TrialState
 
-from kvpilot.tuner.core.objective import Outcome
+from kvpilot.tuner.core.objective import CAPACITY_PENALTY, LATENCY_PENALTY, Goal, Outcome
 from kvpilot.tuner.core.space import EngineParams
 from kvpilot.tuner.core.study import TunerStudy
 
@@ -77,13 +77,19 @@ def run_joined(study: TunerStudy, evaluate: Evaluate, n_trials: int, wait: Calla
             on_trial(frozen, params, outcome)
 
 
-def top_configs(study: TunerStudy, k: int) -> list[tuple[EngineParams, float]]:
-    """The k best distinct feasible configs (for warm-starting a live study)."""
+def top_configs(study: TunerStudy, k: int, *, fill: bool = False) -> list[tuple[EngineParams, float]]:
+    """The k best distinct feasible configs (for warm-starting a live study).  With `fill`, fewer
+    than k feasible ones are followed by the best infeasible ones that ran (a latency value below
+    the penalty of a config that could not): under a load that no config serves within the SLO,
+    the nearest misses are still the configs to try first."""
     seen: set[EngineParams] = set()
-    ranked = sorted(
-        (t for t in study.feasible() if t.value is not None),
-        key=lambda t: (t.value or 0.0) if study.goal.direction == "minimize" else -(t.value or 0.0),
-    )
+    sign = 1.0 if study.goal.direction == "minimize" else -1.0
+    done = [t for t in study.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value is not None]
+    feasible = {t.number for t in study.feasible()}
+    ranked = sorted((t for t in done if t.number in feasible), key=lambda t: sign * (t.value or 0.0))
+    if fill:
+        ranked += sorted((t for t in done if t.number not in feasible and _ran(study.goal, t.value)),
+                         key=lambda t: sign * (t.value or 0.0))
     out: list[tuple[EngineParams, float]] = []
     for t in ranked:
         p = study.engine_of(t)
@@ -94,3 +100,10 @@ def top_configs(study: TunerStudy, k: int) -> list[tuple[EngineParams, float]]:
         if len(out) == k:
             break
     return out
+
+
+def _ran(goal: Goal, value: float | None) -> bool:
+    """A value a running engine scored, not the penalty told for one that could not run."""
+    if value is None:
+        return False
+    return value < LATENCY_PENALTY if goal is Goal.LATENCY else value > CAPACITY_PENALTY

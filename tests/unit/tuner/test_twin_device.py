@@ -12,7 +12,7 @@ import pytest
 
 from kvpilot.cli import main
 from kvpilot.tuner.adapters.offline import TwinEvaluator, TwinTarget
-from kvpilot.tuner.core.objective import SLO
+from kvpilot.tuner.core.objective import SLO, Goal, latency_score
 from kvpilot.tuner.core.space import EngineParams
 from kvpilot.twin.profiles import DeviceProfile
 from kvpilot.twin.workload import Workload
@@ -95,3 +95,19 @@ def test_a_missing_profile_is_one_line(tmp_path: Path, capsys: pytest.CaptureFix
                  "--storage", f"sqlite:///{tmp_path}/s.db"]) == 2
     err = capsys.readouterr().err
     assert "cannot read device profile" in err and "Traceback" not in err
+
+
+def test_the_twins_latency_at_a_live_load_for_a_warm_start(tiny: Path) -> None:
+    target = TwinTarget(model=str(tiny), max_model_len=2048, device_profile=DeviceProfile.load(PROFILE))
+    slo = SLO(ttft_seconds=1.0, itl_seconds=0.05)
+    ev = TwinEvaluator(target, Workload.parse("prompt=512,output=32"), slo, probe_s=20.0, warmup_s=4.0)
+    light, heavy = ev.latency(EngineParams(512, 0.10, 8), 1.0), ev.latency(EngineParams(512, 0.10, 8), 12.0)
+    assert light.measurement is not None and heavy.measurement is not None
+    assert light.measurement.request_rate == 1.0 and light.feasible
+    assert heavy.measurement.ttft_p99 > light.measurement.ttft_p99  # more load, longer queues
+    assert heavy.value == latency_score(heavy.measurement, slo)  # served to the end: no inf from an early stop
+    # A config the twin cannot start is told as vLLM would refuse it, graded by what was missing.
+    failed = ev.evaluator(Goal.LATENCY, 1.0)(EngineParams(512, 0.0001, 8))
+    assert not failed.feasible and failed.reason == "StartupFailed" and failed.memory is not None
+    with pytest.raises(ValueError, match="rate > 0"):
+        ev.evaluator(Goal.LATENCY, 0.0)

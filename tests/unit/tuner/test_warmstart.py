@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from kvpilot.tuner.core.objective import SLO, Goal, Measurement, Outcome, score
+from kvpilot.tuner.core.objective import LATENCY_PENALTY, SLO, Goal, Measurement, Outcome, infeasible, score
 from kvpilot.tuner.core.space import EngineParams, SearchSpace
 from kvpilot.tuner.core.study import TunerStudy
 from kvpilot.tuner.core.warmstart import (
@@ -48,3 +48,40 @@ def test_the_twins_best_are_the_first_live_trials() -> None:
     asked = [live.ask() for _ in range(4)]
     assert [p for _, p in asked[1:]] == [p for p, _ in picks]
     assert [live.study.trials[n].user_attrs["source"] for n, _ in asked] == ["current"] + ["warmStart"] * 3
+
+
+def _latency_twin(p: EngineParams) -> Outcome:
+    """A fake twin's p99s at the live load: TTFT lowest (0.2 s) at 512 tokens, 16 seqs."""
+    ttft = 0.2 + abs(math.log2(p.max_num_batched_tokens / 512)) * 0.1 + abs(math.log2(p.max_num_seqs / 16)) * 0.05
+    return score(Goal.LATENCY, Measurement(ttft, 0.01, 5.0), SLO(ttft_seconds=1.0, itl_seconds=0.05))
+
+
+def test_a_latency_warm_start_picks_the_lowest_scores() -> None:
+    space = SearchSpace(max_num_batched_tokens=(128, 4096), max_num_seqs=(4, 64), scale="pow2")
+    picks = twin_best(space, SLO(ttft_seconds=1.0), _latency_twin, goal=Goal.LATENCY, trials=30, k=3, seed=0)
+    assert len(picks) == 3 and len({p for p, _ in picks}) == 3
+    assert picks[0][1] <= picks[1][1] <= picks[2][1] <= 0.35  # the best is 0.2 (512 tokens, 16 seqs)
+
+
+def test_when_no_config_meets_the_slo_the_nearest_misses_are_picked_not_none() -> None:
+    def over(p: EngineParams) -> Outcome:
+        o = _latency_twin(p)
+        m = o.measurement
+        assert m is not None
+        return score(Goal.LATENCY, Measurement(m.ttft_p99 + 1.0, m.itl_p99, m.request_rate), SLO(ttft_seconds=1.0))
+
+    space = SearchSpace(max_num_batched_tokens=(128, 4096), max_num_seqs=(4, 64), scale="pow2")
+    picks = twin_best(space, SLO(ttft_seconds=1.0), over, goal=Goal.LATENCY, trials=30, k=3, seed=0)
+    assert len(picks) == 3 and 1.0 < picks[0][1] <= picks[1][1] <= picks[2][1] <= 1.35
+
+
+def test_configs_that_could_not_run_never_fill_a_warm_start() -> None:
+    def fails_mostly(p: EngineParams) -> Outcome:
+        if p.max_num_seqs != 16:
+            return infeasible(Goal.LATENCY, "StartupFailed", "no room")
+        return _latency_twin(p)
+
+    space = SearchSpace(max_num_batched_tokens=(512, 1024), max_num_seqs=(8, 32), scale="pow2")
+    picks = twin_best(space, SLO(ttft_seconds=1.0), fails_mostly, goal=Goal.LATENCY, trials=12, k=3, seed=0)
+    assert {p.max_num_seqs for p, _ in picks} == {16}
+    assert all(v < LATENCY_PENALTY for _, v in picks)
