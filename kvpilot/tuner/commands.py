@@ -117,6 +117,11 @@ def register(subparsers: Any) -> None:
     live.add_argument("--objective", type=float, default=0.99, help="SLO objective (default %(default)s)")
     live.add_argument("--warmup", type=float, default=120.0, help="seconds after a change before measuring")
     live.add_argument("--window", type=float, default=600.0, help="trial window, seconds")
+    live.add_argument("--confirm-windows", type=int, default=1, metavar="N",
+                      help="rolling trials: a trial whose first window would make it the best engine is measured "
+                           "for N more windows and told their mean (one window's p99 is noisy; a lucky one would "
+                           "stand as the mark every later trial must beat); 0 tells every trial on one window "
+                           "(default %(default)s)")
     live.add_argument("--poll", type=float, default=15.0, help="burn-rate poll interval, seconds")
     live.add_argument("--fast-burn-window", type=float, default=300.0,
                       help="window of the fast-burn check, seconds (default 300 = 5m)")

@@ -461,9 +461,12 @@ def tune_local(args: argparse.Namespace) -> int:
     weight = getattr(args, "canary_weight", 0.25)
     if not 0.0 < weight < 1.0:
         raise UsageError(f"--canary-weight: the canary's share of new connections, in (0, 1); got {weight:g}")
+    confirm = getattr(args, "confirm_windows", 1)
+    if confirm < 0:
+        raise UsageError(f"--confirm-windows: windows more for a would-be best trial, 0 or more; got {confirm}")
     settings = LiveSettings(warmup_s=args.warmup, window_s=args.window, poll_s=args.poll,
                             fast_burn_window_s=args.fast_burn_window, pause_poll_s=args.poll,
-                            max_trials=args.trials, strategy=strategy)
+                            max_trials=args.trials, strategy=strategy, confirm_windows=confirm)
     signals = FirstSignalsWatchdog(
         PrometheusSignals(args.prometheus, selector=args.selector, slo=slo, objective=args.objective,
                           min_window_s=min(args.poll, args.window) if strategy is TrialStrategy.CANARY else 0.0),

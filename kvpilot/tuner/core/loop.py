@@ -23,7 +23,9 @@ the same code drives Kubernetes, a local process, or a fake clock in unit tests.
 
 Two trial strategies (spec.tuning.trialStrategy):
 - rolling: the whole fleet rolls to the trial engine, is measured alone, and is compared with the
-  incumbent measured earlier (re-measured when the load drifted), as above;
+  incumbent measured earlier (re-measured when the load drifted), as above; a trial whose first
+  window would make it the incumbent is measured for `confirm_windows` more and judged (and told)
+  on their mean, so one lucky window does not set the mark the later trials must beat;
 - canary: the trial engine runs beside the stable track (CanaryApplier.start_canary) and takes a
   share of the requests; both tracks are measured in the same window (TrackSignals.measure_tracks)
   and compared paired, poll by poll, by a sequential test (`sequential.PairedSPRT`) that stops
@@ -185,6 +187,11 @@ class LiveSettings:
     strategy: TrialStrategy = TrialStrategy.ROLLING
     sequential: SequentialSettings = field(default_factory=SequentialSettings)
     canary_guard: bool = True  # an undecided canary is promoted only while the test still allows "better"
+    # Rolling trials: windows more that a trial is measured for when its first window would make it
+    # the best engine (0: told on one window).  One window's p99 is noisy -- on real vLLM, 10 s
+    # windows of one config read up to 2.4x apart -- and a lucky one would otherwise stand as the
+    # value every later trial must beat; the mean of the windows is told.
+    confirm_windows: int = 1
 
 
 class TunerStopped(Exception):
@@ -378,6 +385,8 @@ class LiveTuner:
         self.obs.phase(TuningPhase.WARMING_UP, Reason.ROLLOUT_COMPLETE, f"trial {number}: {self.s.warmup_s:g}s warm-up")
         try:
             m = self._measure()
+            if kind != KIND_REMEASURE:
+                m = self._confirm(number, params, m)
         except TrialPruned as exc:
             self.study.prune(
                 number, "FastBurn",
@@ -399,6 +408,24 @@ class LiveTuner:
         self.study.tell(number, outcome)
         self.obs.trial_finished(number, params, "complete", outcome)
         return "complete"
+
+    def _confirm(self, number: int, params: EngineParams, m: Measurement) -> Measurement:
+        """A first window that would make this trial the best engine is followed by
+        `confirm_windows` more; returns the mean of them all (else `m`).  Raises TrialPruned."""
+        first = score(self.goal, m, self.study.slo)
+        inc = self.study.incumbent
+        leads = first.feasible and (inc is None or (inc.params != params and better(self.goal, first.value, inc.value)))
+        # Canary trials need no confirming: each paired window measures the incumbent again
+        # (`_refresh_incumbent`), so a lucky reading of it does not last.
+        if self.s.confirm_windows < 1 or not leads or self.canary is not None:
+            return m
+        self.obs.phase(TuningPhase.MEASURING, "ConfirmingBest",
+                       f"trial {number} would be the best ({first.value:.3f}); measuring "
+                       f"{self.s.confirm_windows} more window(s) of {self.s.window_s:g}s")
+        readings = [m]
+        for _ in range(self.s.confirm_windows):
+            readings.append(self._measure(warmup=False))
+        return mean_measurement(readings)
 
     def _compare(self, number: int, params: EngineParams, outcome: Outcome) -> None:
         """Make the trial the incumbent if it beats it under comparable load."""
@@ -617,6 +644,21 @@ class LiveTuner:
             raise
         self.obs.phase(TuningPhase.DONE, "BudgetSpent", f"best: {best.label()}")
         return best
+
+
+def mean_measurement(ms: list[Measurement]) -> Measurement:
+    """Consecutive windows of one engine as one reading: each p99, rate and burn averaged over the
+    windows (a field any window lacks stays unknown), the samples summed."""
+    def mean(xs: list[float | None]) -> float | None:
+        return None if any(x is None for x in xs) else math.fsum(x for x in xs if x is not None) / len(xs)
+
+    counts = [m.sample_count for m in ms]
+    return Measurement(
+        ttft_p99=math.fsum(m.ttft_p99 for m in ms) / len(ms), itl_p99=math.fsum(m.itl_p99 for m in ms) / len(ms),
+        request_rate=math.fsum(m.request_rate for m in ms) / len(ms), burn_rate=mean([m.burn_rate for m in ms]),
+        burn_rate_5m=mean([m.burn_rate_5m for m in ms]),
+        sample_count=None if any(c is None for c in counts) else sum(c for c in counts if c is not None),
+        extra={"windows": float(len(ms))})
 
 
 def _drifted(old: float, new: float, limit: float) -> bool:

@@ -65,3 +65,11 @@ def test_a_canary_weight_outside_0_1_is_one_clear_line(capsys: pytest.CaptureFix
                  "kvpilot", "twin", "serve", "--port", "8000"]) == 2
     err = capsys.readouterr().err
     assert "--canary-weight" in err and "in (0, 1)" in err and "Traceback" not in err
+
+
+def test_a_negative_confirm_windows_is_one_clear_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["tune", "--local", "--prometheus", "http://127.0.0.1:9", "--storage", f"sqlite:///{tmp_path}/s.db",
+                 "--report", "", "--confirm-windows", "-1", "--",
+                 "kvpilot", "twin", "serve", "--port", "8000"]) == 2
+    err = capsys.readouterr().err
+    assert "--confirm-windows" in err and "0 or more" in err and "Traceback" not in err

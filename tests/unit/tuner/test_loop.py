@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, replace
+
 import pytest
 from optuna.trial import TrialState
 
-from kvpilot.tuner.core.loop import LiveSettings, LiveTuner, Observer
-from kvpilot.tuner.core.objective import SLO, Goal, Outcome
+from kvpilot.tuner.core.loop import LiveSettings, LiveTuner, Observer, mean_measurement
+from kvpilot.tuner.core.objective import SLO, Goal, Measurement, Outcome
 from kvpilot.tuner.core.space import EngineParams, SearchSpace
 from kvpilot.tuner.core.study import KIND_REMEASURE, TunerStudy
 from tests.unit.tuner.world import World
@@ -104,7 +106,7 @@ def test_no_traffic_pauses_before_a_change() -> None:
 
 def test_load_drift_remeasures_the_incumbent_before_comparing() -> None:
     # Load doubles after the first trial: the incumbent is measured again before trial 1 is judged.
-    world = World(engine=START, load=lambda t: 4.0 if t < 500 else 8.0)
+    world = World(engine=START, load=lambda t: 4.0 if t < 1000 else 8.0)  # trial 0 and its confirming window end by 700 s
     tuner, _ = _tuner(world)
     tuner.study.enqueue(EngineParams(1024, 0.85, 128), "second")
     queued = EngineParams(4096, 0.90, 512)
@@ -231,3 +233,88 @@ def test_a_trial_engine_that_stops_all_traffic_is_pruned_on_the_first_reading_af
     t_restore, restored, _ = world.applies[-1]
     assert restored == START and t_restore == back  # pruned on that reading, restored at once
     assert tuner.study.study.trials[n1].user_attrs["reason"] == "FastBurn"
+
+
+@dataclass
+class ScriptedWorld(World):
+    """Each window's p99 TTFT of an engine read, in order, from `script` (then its steady value)."""
+
+    script: dict[EngineParams, list[float]] = field(default_factory=dict)
+    windows: list[tuple[float, EngineParams]] = field(default_factory=list)
+
+    def measure(self, window_s: float) -> Measurement:
+        m = super().measure(window_s)
+        self.windows.append((self.clock.t, self.engine))
+        readings = self.script.get(self.engine)
+        return replace(m, ttft_p99=readings.pop(0)) if readings else m
+
+
+LUCKY = EngineParams(1024, 0.85, 128)
+
+
+def _told(tuner: LiveTuner, number: int) -> float:
+    value = tuner.study.study.trials[number].value
+    assert value is not None
+    return value
+
+
+def test_a_lucky_first_window_is_confirmed_and_not_promoted() -> None:
+    # The starting engine reads 0.40 s; the trial reads 0.30 s once, then 0.60 s: one more window
+    # before it would become the best, and the mean of the two (0.45 s) does not beat 0.40 s.
+    # (TTFT decides the score: every ITL here is 0.55 of its SLO or less.)
+    world = ScriptedWorld(engine=START, script={START: [0.4, 0.4], LUCKY: [0.3, 0.6]})
+    tuner, rec = _tuner(world)
+    tuner.study.enqueue(LUCKY, "lucky")
+    n0, p0 = tuner.study.ask()
+    tuner.run_trial(n0, p0)
+    assert _told(tuner, n0) == pytest.approx(0.4 / SLO().ttft_seconds)  # two windows of 0.4 s
+    n1, p1 = tuner.study.ask()
+    tuner.run_trial(n1, p1)
+    assert [e for _, e in world.windows] == [START, START, LUCKY, LUCKY]
+    assert _told(tuner, n1) == pytest.approx(0.45 / SLO().ttft_seconds)
+    inc = tuner.study.incumbent
+    assert inc is not None and inc.params == START
+    # The second window is a whole one after the first, with no second warm-up.
+    assert world.windows[3][0] - world.windows[2][0] == pytest.approx(SETTINGS.window_s)
+
+
+def test_a_trial_that_holds_up_is_promoted_on_the_mean_of_its_windows() -> None:
+    world = ScriptedWorld(engine=START, script={START: [0.4, 0.4], LUCKY: [0.3, 0.34]})
+    tuner, _ = _tuner(world)
+    tuner.study.enqueue(LUCKY, "lucky")
+    for _ in range(2):
+        n, p = tuner.study.ask()
+        tuner.run_trial(n, p)
+    inc = tuner.study.incumbent
+    assert inc is not None and inc.params == LUCKY and inc.value == pytest.approx(0.32 / SLO().ttft_seconds)
+
+
+def test_a_trial_worse_than_the_best_gets_one_window() -> None:
+    world = ScriptedWorld(engine=START, script={START: [0.4, 0.4], LUCKY: [0.45, 0.05]})
+    tuner, _ = _tuner(world)
+    tuner.study.enqueue(LUCKY, "worse")
+    for _ in range(2):
+        n, p = tuner.study.ask()
+        tuner.run_trial(n, p)
+    assert [e for _, e in world.windows] == [START, START, LUCKY]
+    assert _told(tuner, 1) == pytest.approx(0.45 / SLO().ttft_seconds)
+
+
+def test_without_confirming_a_trial_is_told_on_its_first_window() -> None:
+    world = ScriptedWorld(engine=START, script={START: [0.4], LUCKY: [0.3, 0.6]})
+    tuner, _ = _tuner(world, settings=replace(SETTINGS, confirm_windows=0))
+    tuner.study.enqueue(LUCKY, "lucky")
+    for _ in range(2):
+        n, p = tuner.study.ask()
+        tuner.run_trial(n, p)
+    assert [e for _, e in world.windows] == [START, LUCKY]
+    inc = tuner.study.incumbent
+    assert inc is not None and inc.params == LUCKY and inc.value == pytest.approx(0.3 / SLO().ttft_seconds)
+
+
+def test_the_mean_of_windows_averages_each_field_and_keeps_unknowns_unknown() -> None:
+    a = Measurement(ttft_p99=0.1, itl_p99=0.02, request_rate=4.0, burn_rate=0.5, sample_count=40)
+    b = Measurement(ttft_p99=0.3, itl_p99=0.04, request_rate=6.0, burn_rate=1.5, sample_count=None)
+    m = mean_measurement([a, b])
+    assert (m.ttft_p99, m.itl_p99, m.request_rate, m.burn_rate) == pytest.approx((0.2, 0.03, 5.0, 1.0))
+    assert m.sample_count is None and m.burn_rate_5m is None and m.extra["windows"] == 2
