@@ -28,6 +28,7 @@ for prefix caching.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -43,6 +44,8 @@ from kvpilot.twin.steptime import StepTimeModel, StepTimeParams
 __all__ = [
     "Engine", "EngineConfig", "EngineStartupError", "RequestOutput", "StepOutput",
 ]
+
+JITTER_SEED = 20261202  # the step-time jitter's stream (StepTimeParams.step_jitter)
 
 
 @dataclass(frozen=True)
@@ -225,6 +228,10 @@ class Engine:
         )
         self.max_model_len: int = config.max_model_len
         self.num_steps = 0
+        # Step-time jitter (StepTimeParams.step_jitter): a lognormal factor of mean 1 per step, from a
+        # stream seeded alike in every engine, so two configs see the same draws step for step.
+        sigma = self.step_model.params.step_jitter
+        self._jitter = (random.Random(JITTER_SEED), -sigma * sigma / 2, sigma) if sigma > 0 else None
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_tokens: int, max_tokens: int, arrival_time: float = 0.0, *,
@@ -278,6 +285,9 @@ class Engine:
         # vLLM computes logits for every scheduled request (a partial prefill's are discarded).
         n = len(scheduled)
         duration = self.step_model.step_time(tokens, n, n, pairs, decode_kv)
+        if self._jitter is not None:
+            rng, mu, sigma = self._jitter
+            duration *= rng.lognormvariate(mu, sigma)
         return duration, scheduled, finished, preempted, tokens, steady, gaps, sampled
 
     def step(self) -> StepOutput:

@@ -74,6 +74,13 @@ class StepTimeParams:
     frontend_request_s: float = 0.0
     frontend_step_s: float = 0.0
     frontend_token_s: float = 0.0
+    # The spread of one batch's step time from step to step: each step's time is the model's times a
+    # lognormal factor of mean 1 and this sigma (drawn from a seeded stream, so a run is still
+    # deterministic).  On vLLM-CPU the same batch's worker time varies by ~1.7x between its median
+    # and its 99th percentile (the OS scheduler, two engine processes on one core), and that tail,
+    # not the median step, is the p99 token gap.  0 for the GPU presets; a device profile fitted by
+    # benchmarks/twin_vs_vllm.py --calibrate sets it from vLLM's own per-step log.
+    step_jitter: float = 0.0
 
     @property
     def frontend_queues(self) -> bool:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
 import pytest
 
 from kvpilot.twin.engine import Engine, EngineConfig
 from kvpilot.twin.hardware import resolve_gpu
 from kvpilot.twin.models import resolve_model
+from kvpilot.twin.steptime import params_for
 
 SMALL = resolve_model("Qwen2.5-0.5B")
 
@@ -308,3 +312,25 @@ def test_aborting_a_preempted_request_leaves_its_cached_blocks_evictable() -> No
     assert e.step().num_scheduled_tokens == 144
     # A request that reuses an id never hits blocks its namesake left cached.
     assert e.scheduler.running[0].own_key != old_key
+
+
+def _decode_durations(step_jitter: float, steps: int = 400) -> list[float]:
+    """Step times of one steady batch (8 requests decoding), so every step costs the model the same."""
+    params = replace(params_for(resolve_gpu("L4")), step_jitter=step_jitter)
+    e = engine(max_num_batched_tokens=256, max_num_seqs=8, step_time_params=params)
+    for i in range(8):
+        e.add_request(f"r{i}", prompt_tokens=16, max_tokens=steps + 2)
+    e.step()  # the eight prompts
+    return [e.step().duration_s for _ in range(steps)]
+
+
+def test_step_jitter_is_a_seeded_lognormal_factor_of_mean_one() -> None:
+    plain = _decode_durations(0.0)
+    assert max(plain) / min(plain) < 1.05  # the same batch costs the model (nearly) the same every step
+    jittered = _decode_durations(0.3)
+    assert jittered == _decode_durations(0.3)  # the same draws in every engine: runs stay reproducible
+    factors = np.array(jittered) / np.array(plain)
+    assert abs(factors.mean() - 1.0) < 0.05  # the mean step, so throughput, is the model's
+    assert 0.25 < np.log(factors).std() < 0.35
+    # The tail is what the knob is for: the 99th-percentile step is about exp(2.33 * 0.3) = 2x the median.
+    assert np.quantile(factors, 0.99) / np.median(factors) > 1.6
