@@ -70,12 +70,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvpilot.api import vllm as vllm_facts  # noqa: E402
 from kvpilot.tuner.adapters.local import LocalApplier, free_port  # noqa: E402
-from kvpilot.tuner.adapters.offline import TwinTarget  # noqa: E402
-from kvpilot.tuner.adapters.prometheus import PrometheusSignals  # noqa: E402
+from kvpilot.tuner.adapters.offline import TwinEvaluator, TwinTarget, workload_from_estimate  # noqa: E402
+from kvpilot.tuner.adapters.prometheus import PrometheusSignals, estimate_workload  # noqa: E402
 from kvpilot.tuner.core.loop import FAST_BURN, LiveSettings, LiveTuner  # noqa: E402
 from kvpilot.tuner.core.objective import SLO, Goal, Measurement, score  # noqa: E402
 from kvpilot.tuner.core.space import EngineParams, SearchSpace  # noqa: E402
 from kvpilot.tuner.core.study import TunerStudy, constraints_of  # noqa: E402
+from kvpilot.tuner.core.warmstart import WorkloadEstimate, lognormal_from_mean, twin_best  # noqa: E402
 from kvpilot.tuner.jobs import WarmStart, run_live_study  # noqa: E402
 from kvpilot.tuner.observe import LogObserver  # noqa: E402
 from kvpilot.twin.conformance.reference import require_vllm_env, vllm_env  # noqa: E402
@@ -126,6 +127,110 @@ def pick_after(trials: list[dict[str, Any]], n: int) -> EngineParams | None:
     return EngineParams.from_spec(best["engine"])
 
 
+def median_config(grid: list[EngineParams], mean: dict[EngineParams, float]) -> EngineParams:
+    """Where the studies start: the grid config with the median value, an engine neither best nor worst."""
+    return sorted(grid, key=lambda q: mean[q])[len(grid) // 2]
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Rank correlation (average ranks for ties)."""
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+    return statistics.correlation(ranks(xs), ranks(ys))
+
+
+def workload_of(saved: dict[str, Any], args: argparse.Namespace, rate: float) -> tuple[WorkloadEstimate, str]:
+    """The workload the warm start sees: what Prometheus read at the end of the grid (recorded since
+    the grid kept it), else the load's own shape (the tiny tokenizer makes ~4.6 tokens of a word)."""
+    w = saved.get("workload")
+    if w:
+        return WorkloadEstimate(**w), "read from Prometheus at the end of the grid"
+    pm, ps = lognormal_from_mean(args.prompt_words * 4.6, 0.05)
+    om, os_ = lognormal_from_mean(float(args.max_tokens), 0.05)
+    return WorkloadEstimate(rate, pm, ps, om, os_), "the load's shape (this grid recorded no Prometheus estimate)"
+
+
+def twin_against_grid(target: TwinTarget, slo: SLO, est: WorkloadEstimate, grid: list[EngineParams],
+                      mean: dict[EngineParams, float], opt: float, space: SearchSpace, start: EngineParams,
+                      trials: int, seed: int) -> dict[str, Any]:
+    """What the warm start would pick, before any live trial: the twin's latency at the measured load
+    for every grid config against the grid's value, their rank correlation, and the picks of the
+    warm start's own search with their grid regret."""
+    ev = TwinEvaluator(target, workload_from_estimate(est), slo, seed=seed)
+    twin = {p: ev.latency(p, est.request_rate).value for p in grid}
+    rho = spearman([twin[p] for p in grid], [mean[p] for p in grid])
+    print(f"\nthe twin at {est.request_rate:.2f} req/s (prompt ~{est.prompt_median:.0f}, output "
+          f"~{est.output_median:.0f} tokens) against the grid; Spearman rho {rho:+.2f}")
+    print(f"{'tokens':>6} {'seqs':>4} | {'twin':>6} {'rank':>4} | {'grid':>6} {'rank':>4}")
+    twin_rank = {p: i + 1 for i, p in enumerate(sorted(grid, key=lambda q: twin[q]))}
+    for i, p in enumerate(sorted(grid, key=lambda q: mean[q])):
+        print(f"{p.max_num_batched_tokens:>6} {p.max_num_seqs:>4} | {twin[p]:>6.3f} {twin_rank[p]:>4} | "
+              f"{mean[p]:>6.3f} {i + 1:>4}")
+    picks = twin_best(space, slo, ev.evaluator(Goal.LATENCY, est.request_rate), goal=Goal.LATENCY, trials=trials,
+                      k=3, seed=seed, first=[start])
+    regrets = [mean[p] / opt - 1 for p, _ in picks if p in mean]
+    print("the warm start's picks: " + ", ".join(
+        f"{p.label()} (twin {v:.3f}, grid regret {mean[p] / opt - 1:.1%})" for p, v in picks if p in mean))
+    return {"rho": rho, "twin": {p.label(): twin[p] for p in grid},
+            "picks": [p.as_spec() for p, _ in picks], "pickRegrets": regrets,
+            "workload": est.__dict__}
+
+
+def read_grid(args: argparse.Namespace, grid: list[EngineParams]) -> tuple[dict[EngineParams, list[Measurement]],
+                                                                          dict[str, Any]]:
+    """The readings of a --only grid run's --out, checked against this run's grid and threads."""
+    saved: dict[str, Any] = json.loads(Path(args.grid).read_text())
+    readings: dict[EngineParams, list[Measurement]] = {}
+    for row in saved["grid"]:
+        readings[EngineParams.from_spec(row["engine"])] = [
+            Measurement(ttft_p99=t, itl_p99=i, request_rate=r)
+            for t, i, r in zip(row["ttftP99"], row["itlP99"], row["rate"], strict=True)]
+    if set(readings) != set(grid):
+        raise SystemExit(f"--grid {args.grid} holds another grid: run it with the same --tokens/--seqs/--util")
+    grid_threads = saved.get("args", {}).get("engine_threads")
+    if grid_threads != args.engine_threads:
+        raise SystemExit(f"--grid {args.grid} was measured with --engine-threads {grid_threads or 'unset'}: "
+                         "give the same")
+    print(f"grid read from {args.grid} (measured {saved.get('measuredAt', '?')})")
+    return readings, saved
+
+
+def score_grid(args: argparse.Namespace, grid: list[EngineParams], readings: dict[EngineParams, list[Measurement]]
+               ) -> tuple[SLO, dict[EngineParams, list[float]], dict[EngineParams, float], EngineParams, float, int]:
+    """The SLO (given, or auto), each config's window values and mean, the optimum; printed."""
+    slo = parse_slo(args.slo)
+    if slo is None:
+        med_ttft = statistics.median(m.ttft_p99 for ms in readings.values() for m in ms)
+        med_itl = statistics.median(m.itl_p99 for ms in readings.values() for m in ms)
+        slo = SLO(ttft_seconds=edge_at_or_above(med_ttft, vllm_facts.TTFT_BUCKETS),
+                  itl_seconds=edge_at_or_above(med_itl, vllm_facts.ITL_BUCKETS))
+    values = {p: [score(Goal.LATENCY, m, slo).value for m in ms] for p, ms in readings.items()}
+    mean = {p: statistics.fmean(v) for p, v in values.items()}
+    opt_p = min(grid, key=lambda p: mean[p])
+    opt = mean[opt_p]
+    print(f"\nSLO p99 TTFT <= {slo.ttft_seconds:g} s, p99 ITL <= {slo.itl_seconds:g} s "
+          f"({'auto: bucket edges at or above the grid medians' if args.slo == 'auto' else 'given'})")
+    print(f"{'tokens':>6} {'seqs':>4} | {'value (mean)':>12} {'spread':>7} {'vs opt':>7} | windows")
+    for p in sorted(grid, key=lambda q: mean[q]):
+        v = values[p]
+        spread = (max(v) - min(v)) / mean[p] if mean[p] else 0.0
+        print(f"{p.max_num_batched_tokens:>6} {p.max_num_seqs:>4} | {mean[p]:>12.3f} {spread:>6.0%} "
+              f"{mean[p] / opt - 1:>6.1%} | " + " ".join(f"{x:.3f}" for x in v))
+    near = sum(1 for p in grid if mean[p] <= (1 + GOAL_REGRET) * opt)
+    print(f"grid optimum {opt_p.label()} = {opt:.3f}; {near}/{len(grid)} grid configs within 5% of it")
+    return slo, values, mean, opt_p, opt, near
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -151,16 +256,18 @@ def main() -> int:
                     help="no fast-burn pruning in the studies: on these shared cores each engine switch (a vLLM "
                          "start beside the engine serving) makes requests wait seconds, and the burn over the "
                          "first poll's 6 s window, which holds them, pruned every trial at its first poll")
-    ap.add_argument("--only", choices=("all", "grid", "studies"), default="all",
-                    help="grid: measure the grid and stop; studies: read the grid from --grid and run the studies")
+    ap.add_argument("--only", choices=("all", "grid", "studies", "warm-start"), default="all",
+                    help="grid: measure the grid and stop; studies: read the grid from --grid and run the studies; "
+                         "warm-start: read the grid from --grid and print what the twin's warm start would pick "
+                         "and how the twin ranks the grid (seconds, no vLLM started)")
     ap.add_argument("--grid", default=None, metavar="JSON", help="--only studies: the --out of a --only grid run")
     ap.add_argument("--out", default="out/live_tuning.json", help="the figures as JSON")
     ap.add_argument("--engine-threads", type=int, default=1,
                     help="OpenMP threads of each engine's worker (OMP_NUM_THREADS; default 1: on a small host "
                          "one per core stalls steps at barriers when the frontend and the load run beside it)")
     args = ap.parse_args()
-    if args.only == "studies" and not args.grid:
-        ap.error("--only studies needs --grid JSON (the --out of a --only grid run)")
+    if args.only in ("studies", "warm-start") and not args.grid:
+        ap.error(f"--only {args.only} needs --grid JSON (the --out of a --only grid run)")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("kvpilot").setLevel(logging.INFO)  # the loop's phases and trials, as the CLI logs them
     # SIGTERM ends the run through the `finally` below, so no engine or Prometheus outlives it.
@@ -179,6 +286,19 @@ def main() -> int:
           f"closed loop, {args.concurrency} clients, think {args.think:g} s, {args.prompt_words}-word prompts, "
           f"{args.max_tokens} output tokens; warm-up {args.warmup:g} s, window {args.window:g} s; "
           f"{args.engine_threads} engine thread(s)", flush=True)
+
+    profile = DeviceProfile.load(args.profile)
+    target = TwinTarget(model=str(model), max_model_len=args.max_model_len, device_profile=profile)
+    if args.only == "warm-start":
+        readings, saved = read_grid(args, grid)
+        slo, _, mean, _, opt, _ = score_grid(args, grid, readings)
+        est, source = workload_of(saved, args, statistics.fmean(m.request_rate for ms in readings.values() for m in ms))
+        print(f"workload: {source}")
+        twin = twin_against_grid(target, slo, est, grid, mean, opt, space, median_config(grid, mean),
+                                 args.warm_start_trials, 0)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"args": vars(args), "grid": args.grid, "twin": twin}, indent=1) + "\n")
+        return 0
 
     tmp = Path(tempfile.mkdtemp(prefix="kvpilot-live-tuning-"))
     slots = (free_port(), free_port())
@@ -205,21 +325,7 @@ def main() -> int:
         prom.wait_for('sum(rate(vllm:time_to_first_token_seconds_count{job="vllm"}[4s])) > 0', timeout=300)
 
         # --- 1. the grid --------------------------------------------------------------------------
-        readings: dict[EngineParams, list[Measurement]] = {}
-        saved: dict[str, Any] = {}
-        if args.only == "studies":
-            saved = json.loads(Path(args.grid).read_text())
-            for row in saved["grid"]:
-                readings[EngineParams.from_spec(row["engine"])] = [
-                    Measurement(ttft_p99=t, itl_p99=i, request_rate=r)
-                    for t, i, r in zip(row["ttftP99"], row["itlP99"], row["rate"], strict=True)]
-            if set(readings) != set(grid):
-                raise SystemExit(f"--grid {args.grid} holds another grid: run it with the same --tokens/--seqs/--util")
-            grid_threads = saved.get("args", {}).get("engine_threads")
-            if grid_threads != args.engine_threads:
-                raise SystemExit(f"--grid {args.grid} was measured with --engine-threads {grid_threads or 'unset'}: "
-                                 "give the same")
-            print(f"grid read from {args.grid} (measured {saved.get('measuredAt', '?')})")
+        readings, saved = read_grid(args, grid) if args.only == "studies" else ({}, {})
         for i, p in enumerate(grid if args.only != "studies" else []):
             t0 = time.monotonic()
             applier.apply(p, None)
@@ -236,31 +342,16 @@ def main() -> int:
                   + " ".join(f"{m.request_rate or 0:.1f}" for m in ms), flush=True)
 
         # --- 2. the SLO ---------------------------------------------------------------------------
-        slo = parse_slo(args.slo)
-        if slo is None:
-            med_ttft = statistics.median(m.ttft_p99 for ms in readings.values() for m in ms)
-            med_itl = statistics.median(m.itl_p99 for ms in readings.values() for m in ms)
-            slo = SLO(ttft_seconds=edge_at_or_above(med_ttft, vllm_facts.TTFT_BUCKETS),
-                      itl_seconds=edge_at_or_above(med_itl, vllm_facts.ITL_BUCKETS))
-        values = {p: [score(Goal.LATENCY, m, slo).value for m in ms] for p, ms in readings.items()}
-        mean = {p: statistics.fmean(v) for p, v in values.items()}
-        opt_p = min(grid, key=lambda p: mean[p])
-        opt = mean[opt_p]
-        print(f"\nSLO p99 TTFT <= {slo.ttft_seconds:g} s, p99 ITL <= {slo.itl_seconds:g} s "
-              f"({'auto: bucket edges at or above the grid medians' if args.slo == 'auto' else 'given'})")
-        print(f"{'tokens':>6} {'seqs':>4} | {'value (mean)':>12} {'spread':>7} {'vs opt':>7} | windows")
-        for p in sorted(grid, key=lambda q: mean[q]):
-            v = values[p]
-            spread = (max(v) - min(v)) / mean[p] if mean[p] else 0.0
-            print(f"{p.max_num_batched_tokens:>6} {p.max_num_seqs:>4} | {mean[p]:>12.3f} {spread:>6.0%} "
-                  f"{mean[p] / opt - 1:>6.1%} | " + " ".join(f"{x:.3f}" for x in v))
-        near = sum(1 for p in grid if mean[p] <= (1 + GOAL_REGRET) * opt)
-        print(f"grid optimum {opt_p.label()} = {opt:.3f}; {near}/{len(grid)} grid configs within 5% of it")
+        slo, values, mean, opt_p, opt, near = score_grid(args, grid, readings)
+        if args.only != "studies":
+            # What the warm start will read: the workload Prometheus saw over the last minute.
+            saved["workload"] = estimate_workload(reader, window_s=60.0).__dict__
         out.update(slo={"ttftSeconds": slo.ttft_seconds, "itlSeconds": slo.itl_seconds}, optimum=opt_p.as_spec(),
                    optimumValue=opt, near=near, grid=[{"engine": p.as_spec(), "values": values[p],
                                                        "ttftP99": [m.ttft_p99 for m in readings[p]],
                                                        "itlP99": [m.itl_p99 for m in readings[p]],
                                                        "rate": [m.request_rate for m in readings[p]]} for p in grid],
+                   workload=saved.get("workload"),
                    measuredAt=saved["measuredAt"] if args.only == "studies"
                    else time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
         grid_s = time.monotonic() - t_start
@@ -270,11 +361,10 @@ def main() -> int:
             return finish(args, out, load.stop(), t_start)
 
         # --- 3. the studies -----------------------------------------------------------------------
-        ranked = sorted(grid, key=lambda q: mean[q])
-        start = ranked[len(ranked) // 2]
-        profile = DeviceProfile.load(args.profile)
-        target = TwinTarget(model=str(model), max_model_len=args.max_model_len, device_profile=profile)
+        start = median_config(grid, mean)
         defaults = EngineParams.vllm_defaults(serve_defaults(profile.device))
+        est, _ = workload_of(saved, args, statistics.fmean(m.request_rate for ms in readings.values() for m in ms))
+        out["twin"] = twin_against_grid(target, slo, est, grid, mean, opt, space, start, args.warm_start_trials, 0)
         settings = LiveSettings(warmup_s=args.warmup, window_s=args.window, poll_s=1.0, fast_burn_window_s=6.0,
                                 pause_poll_s=1.0, max_trials=args.trials,
                                 # --fast-burn-off: no trial is pruned (the window still scores every one).
