@@ -278,24 +278,25 @@ def test_a_lucky_first_window_is_confirmed_and_not_promoted() -> None:
     assert world.windows[3][0] - world.windows[2][0] == pytest.approx(SETTINGS.window_s)
 
 
-def test_a_trial_that_holds_up_is_promoted_on_the_mean_of_its_windows() -> None:
-    world = ScriptedWorld(engine=START, script={START: [0.4, 0.4], LUCKY: [0.3, 0.34]})
+def _start_then(world: ScriptedWorld, source: str) -> LiveTuner:
+    """Two trials: the engine in force (START), then LUCKY."""
     tuner, _ = _tuner(world)
-    tuner.study.enqueue(LUCKY, "lucky")
+    tuner.study.enqueue(LUCKY, source)
     for _ in range(2):
         n, p = tuner.study.ask()
         tuner.run_trial(n, p)
+    return tuner
+
+
+def test_a_trial_that_holds_up_is_promoted_on_the_mean_of_its_windows() -> None:
+    tuner = _start_then(ScriptedWorld(engine=START, script={START: [0.4, 0.4], LUCKY: [0.3, 0.34]}), "lucky")
     inc = tuner.study.incumbent
     assert inc is not None and inc.params == LUCKY and inc.value == pytest.approx(0.32 / SLO().ttft_seconds)
 
 
 def test_a_trial_worse_than_the_best_gets_one_window() -> None:
     world = ScriptedWorld(engine=START, script={START: [0.4, 0.4], LUCKY: [0.45, 0.05]})
-    tuner, _ = _tuner(world)
-    tuner.study.enqueue(LUCKY, "worse")
-    for _ in range(2):
-        n, p = tuner.study.ask()
-        tuner.run_trial(n, p)
+    tuner = _start_then(world, "worse")
     assert [e for _, e in world.windows] == [START, START, LUCKY]
     assert _told(tuner, 1) == pytest.approx(0.45 / SLO().ttft_seconds)
 
