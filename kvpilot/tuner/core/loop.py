@@ -25,7 +25,9 @@ Two trial strategies (spec.tuning.trialStrategy):
 - rolling: the whole fleet rolls to the trial engine, is measured alone, and is compared with the
   incumbent measured earlier (re-measured when the load drifted), as above; a trial whose first
   window would make it the incumbent is measured for `confirm_windows` more and judged (and told)
-  on their mean, so one lucky window does not set the mark the later trials must beat;
+  on their mean, so one lucky window does not set the mark the later trials must beat; a trial
+  that draws the incumbent's own config adds its window to the incumbent's mean (the trial is told
+  its own window);
 - canary: the trial engine runs beside the stable track (CanaryApplier.start_canary) and takes a
   share of the requests; both tracks are measured in the same window (TrackSignals.measure_tracks)
   and compared paired, poll by poll, by a sequential test (`sequential.PairedSPRT`) that stops
@@ -385,8 +387,9 @@ class LiveTuner:
         self.obs.phase(TuningPhase.WARMING_UP, Reason.ROLLOUT_COMPLETE, f"trial {number}: {self.s.warmup_s:g}s warm-up")
         try:
             m = self._measure()
+            windows = 1
             if kind != KIND_REMEASURE:
-                m = self._confirm(number, params, m)
+                m, windows = self._confirm(number, params, m)
         except TrialPruned as exc:
             self.study.prune(
                 number, "FastBurn",
@@ -404,40 +407,50 @@ class LiveTuner:
             self.study.tell(number, outcome)
             self.obs.trial_finished(number, params, "complete", outcome)
             return "complete"
-        self._compare(number, params, outcome)
+        self._compare(number, params, outcome, windows)
         self.study.tell(number, outcome)
         self.obs.trial_finished(number, params, "complete", outcome)
         return "complete"
 
-    def _confirm(self, number: int, params: EngineParams, m: Measurement) -> Measurement:
+    def _confirm(self, number: int, params: EngineParams, m: Measurement) -> tuple[Measurement, int]:
         """A first window that would make this trial the best engine is followed by
-        `confirm_windows` more; returns the mean of them all (else `m`).  Raises TrialPruned."""
+        `confirm_windows` more; returns the mean of them all (else `m`) and how many windows it holds.
+        Raises TrialPruned."""
         first = score(self.goal, m, self.study.slo)
         inc = self.study.incumbent
         leads = first.feasible and (inc is None or (inc.params != params and better(self.goal, first.value, inc.value)))
         # Canary trials need no confirming: each paired window measures the incumbent again
         # (`_refresh_incumbent`), so a lucky reading of it does not last.
         if self.s.confirm_windows < 1 or not leads or self.canary is not None:
-            return m
+            return m, 1
         self.obs.phase(TuningPhase.MEASURING, "ConfirmingBest",
                        f"trial {number} would be the best ({first.value:.3f}); measuring "
                        f"{self.s.confirm_windows} more window(s) of {self.s.window_s:g}s")
         readings = [m]
         for _ in range(self.s.confirm_windows):
             readings.append(self._measure(warmup=False))
-        return mean_measurement(readings)
+        return mean_measurement(readings), len(readings)
 
-    def _compare(self, number: int, params: EngineParams, outcome: Outcome) -> None:
+    def _compare(self, number: int, params: EngineParams, outcome: Outcome, windows: int = 1) -> None:
         """Make the trial the incumbent if it beats it under comparable load."""
         if not outcome.feasible or outcome.measurement is None:
             return
         load = outcome.measurement.request_rate
         before = self.fallback()
         inc = self.study.incumbent
+        if inc is not None and inc.params == params and not _drifted(inc.request_rate, load, self.s.drift):
+            # The incumbent's own config drawn again: its windows join the incumbent's mean rather
+            # than replace it, so one lucky (or unlucky) window does not become the bar on its own.
+            n = inc.windows + windows
+            new = Incumbent(params, (inc.value * inc.windows + outcome.value * windows) / n,
+                            (inc.request_rate * inc.windows + load * windows) / n, number, n)
+            self.study.incumbent = new
+            self.obs.best_changed(new)
+            return
         if inc is not None and inc.params != params and _drifted(inc.request_rate, load, self.s.drift):
             inc = self._remeasure(inc)
         if inc is None or better(self.goal, outcome.value, inc.value) or inc.params == params:
-            new = Incumbent(params, outcome.value, load, number)
+            new = Incumbent(params, outcome.value, load, number, windows)
             self.study.incumbent = new
             self.obs.best_changed(new)
             if params != before:  # a new engine is the best (not the one in force measured again)

@@ -153,22 +153,25 @@ def heartbeat_storage(url: str, interval: int, grace: int) -> optuna.storages.RD
 
 @dataclass(frozen=True)
 class Incumbent:
-    """The best config known so far and the load it was measured under."""
+    """The best config known so far and the load it was measured under; `value` is the mean of
+    `windows` measurement windows at that load."""
 
     params: EngineParams
     value: float
     request_rate: float
     trial: int
+    windows: int = 1
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "params": self.params.as_spec(), "value": self.value,
-            "requestRate": self.request_rate, "trial": self.trial,
+            "requestRate": self.request_rate, "trial": self.trial, "windows": self.windows,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Incumbent:
-        return cls(EngineParams.from_spec(d["params"]), float(d["value"]), float(d["requestRate"]), int(d["trial"]))
+        return cls(EngineParams.from_spec(d["params"]), float(d["value"]), float(d["requestRate"]), int(d["trial"]),
+                   int(d.get("windows", 1)))
 
 
 @dataclass(frozen=True)

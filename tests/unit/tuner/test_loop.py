@@ -10,7 +10,7 @@ from optuna.trial import TrialState
 from kvpilot.tuner.core.loop import LiveSettings, LiveTuner, Observer, mean_measurement
 from kvpilot.tuner.core.objective import SLO, Goal, Measurement, Outcome
 from kvpilot.tuner.core.space import EngineParams, SearchSpace
-from kvpilot.tuner.core.study import KIND_REMEASURE, TunerStudy
+from kvpilot.tuner.core.study import KIND_REMEASURE, Incumbent, TunerStudy
 from tests.unit.tuner.world import World
 
 START = EngineParams(2048, 0.90, 256)
@@ -292,6 +292,25 @@ def test_a_trial_that_holds_up_is_promoted_on_the_mean_of_its_windows() -> None:
     tuner = _start_then(ScriptedWorld(engine=START, script={START: [0.4, 0.4], LUCKY: [0.3, 0.34]}), "lucky")
     inc = tuner.study.incumbent
     assert inc is not None and inc.params == LUCKY and inc.value == pytest.approx(0.32 / SLO().ttft_seconds)
+
+
+def test_the_incumbents_config_drawn_again_joins_its_mean() -> None:
+    # LUCKY is promoted on two windows (0.30, 0.34 s: 0.32); drawn again it reads 0.26 s once.  The
+    # trial is told its window; the incumbent becomes the mean of all three (0.30 s), not 0.26 s.
+    world = ScriptedWorld(engine=START, script={START: [0.4, 0.4], LUCKY: [0.3, 0.34, 0.26]})
+    tuner = _start_then(world, "lucky")
+    # As TPE can draw a config it has measured (TunerStudy.enqueue would refuse one).
+    tuner.study.study.enqueue_trial(tuner.study.space.raw_params(LUCKY), user_attrs={"source": "sampler"})
+    n, p = tuner.study.ask()
+    assert p == LUCKY
+    tuner.run_trial(n, p)
+    assert [e for _, e in world.windows] == [START, START, LUCKY, LUCKY, LUCKY]  # no confirming of its own
+    assert _told(tuner, n) == pytest.approx(0.26 / SLO().ttft_seconds)
+    inc = tuner.study.incumbent
+    assert inc is not None and inc.params == LUCKY and inc.windows == 3 and inc.trial == n
+    assert inc.value == pytest.approx(0.30 / SLO().ttft_seconds)
+    # A study written before the count was kept reads as one window.
+    assert Incumbent.from_dict({k: v for k, v in inc.as_dict().items() if k != "windows"}).windows == 1
 
 
 def test_a_trial_worse_than_the_best_gets_one_window() -> None:
