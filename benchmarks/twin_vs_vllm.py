@@ -16,9 +16,10 @@ peaks (bf16 matmul FLOP/s, copy bandwidth) are measured with vLLM's torch on the
 twin's step-time constants (`StepTimeParams`, `frontend_s` included) are then fitted to the
 observations (Nelder-Mead on the log of the constants, minimising the mean |log error|).  A second
 server, started with vLLM's per-step log (`--enable-logging-iteration-details`), decodes the same
-batches once more: each steady decode step's time against the median of its batch size gives the
-step-to-step spread, fitted as a lognormal factor of mean 1 (`step_jitter`, its sigma set by the 99th
-percentile, since the p99 token gap is that tail).  The observations go to benchmarks/data/vllm-cpu/served.json, the profile to profile.json; `--refit`
+batch sizes once more at the two shorter prompts: each steady decode step's time against the median
+of its batch size gives the step-to-step spread, fitted as a lognormal factor of mean 1
+(`step_jitter`, its sigma set by the 99th percentile, since the p99 token gap is that tail).  The
+observations go to benchmarks/data/vllm-cpu/served.json, the profile to profile.json; `--refit`
 refits from the stored observations without vLLM.  (An earlier calibration timed the steps of an
 in-process engine, kvpilot/twin/conformance/vllm_steps.py: it has neither the API server nor the
 engine core's IPC with its worker process, and the twin fitted on it missed the served TTFTs and
@@ -38,8 +39,9 @@ run-to-run noise is visible next to the twin's error.
 
 `--iterations` starts the replay's servers with the per-step log too and prints, per case, vLLM's
 decode-only and mixed step times (median, p99) against the twin's step model for the same batches:
-where the twin's step is right and its tail is not, the gap is jitter, not the model.  (The log costs
-the engine core CPU time of its own: the headline replay runs without it.)
+where the twin's step is right and its tail is not, the gap is jitter, not the model.  (The engine core
+times each step and the API server logs it, which costs the API server time: the headline replay runs
+without it.)
 
 Prints, per case, p50 and p99 of TTFT and ITL for vLLM (mean of repeats, and the spread between
 them) and for the twin, throughput, and the relative error of each; then the median relative error

@@ -438,7 +438,8 @@ class LiveTuner:
         load = outcome.measurement.request_rate
         before = self.fallback()
         inc = self.study.incumbent
-        if inc is not None and inc.params == params and not _drifted(inc.request_rate, load, self.s.drift):
+        drifted = inc is not None and _drifted(inc.request_rate, load, self.s.drift)
+        if inc is not None and inc.params == params and not drifted:
             # The incumbent's own config drawn again: its windows join the incumbent's mean rather
             # than replace it, so one lucky (or unlucky) window does not become the bar on its own.
             n = inc.windows + windows
@@ -447,7 +448,7 @@ class LiveTuner:
             self.study.incumbent = new
             self.obs.best_changed(new)
             return
-        if inc is not None and inc.params != params and _drifted(inc.request_rate, load, self.s.drift):
+        if inc is not None and inc.params != params and drifted:
             inc = self._remeasure(inc)
         if inc is None or better(self.goal, outcome.value, inc.value) or inc.params == params:
             new = Incumbent(params, outcome.value, load, number, windows)
