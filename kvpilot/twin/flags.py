@@ -210,7 +210,7 @@ def engine_config_from_args(args: argparse.Namespace, *, model: ModelSpec | None
         step_time = profile.step_time
         if real_frontend:
             step_time = replace(step_time, frontend_s=0.0, frontend_request_s=0.0, frontend_step_s=0.0,
-                                frontend_token_s=0.0)
+                                frontend_token_s=0.0, frontend_prompt_token_s=0.0)
         knobs["step_time_params"] = step_time
     served = args.served_model_name[0] if args.served_model_name else (
         getattr(args, "model", None) or getattr(args, "model_flag", None))

@@ -133,10 +133,10 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
     of a step are queued before it (as vLLM's engine core adds requests between steps), a step lasts
     what the step-time model says, and a step's tokens exist at its end.  A request arrives at the
     engine `frontend_s` (of the step-time constants) after it is sent.  Where the constants model the
-    serving frontend as a server (`frontend_request_s`, `frontend_step_s`, `frontend_token_s`: a
-    device profile fitted through vLLM's HTTP API), requests wait for it to admit them and each
-    step's tokens for it to stream them, in time order; TTFT and token gaps are then read at the
-    clients (`Trace.delivered`), not at the step ends.
+    serving frontend as a server (`frontend_request_s`, `frontend_prompt_token_s`, `frontend_step_s`,
+    `frontend_token_s`: a device profile fitted through vLLM's HTTP API), requests wait for it to
+    admit them and each step's tokens for it to stream them, in time order; TTFT and token gaps are
+    then read at the clients (`Trace.delivered`), not at the step ends.
 
     Prompt + output lengths are clipped to `max_model_len` (the output is shortened), as a benchmark
     client sizes its requests.  The run stops at `max_sim_time_s` of virtual time (default: 3x the
@@ -177,6 +177,7 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
     delivered = [0.0] if queues else ends
     trace.delivered = delivered
     c_req, c_step, c_tok = params.frontend_request_s, params.frontend_step_s, params.frontend_token_s
+    c_prompt = params.frontend_prompt_token_s
     admitted = 0 if queues else n
     fe_free = 0.0
 
@@ -184,7 +185,7 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
         nonlocal admitted, fe_free
         while admitted < n and arrivals[admitted] <= t:
             a = arrivals[admitted]
-            fe_free = (a if a > fe_free else fe_free) + c_req
+            fe_free = (a if a > fe_free else fe_free) + c_req + c_prompt * prompts[admitted]
             ready[admitted] = fe_free + delay
             admitted += 1
     in_system = trace.in_system

@@ -65,7 +65,9 @@ class StepTimeParams:
     frontend_s: float = 0.0
     # The serving frontend as one server: vLLM's API server is a single asyncio process (and on a host
     # where the load client shares its core, the client's CPU is the same server).  It admits each
-    # request (a connection, parsing, input processing: `frontend_request_s` of its time) and streams
+    # request (a connection, parsing, input processing: `frontend_request_s` of its time, and
+    # `frontend_prompt_token_s` per prompt token: a prompt of token ids is a JSON list the server
+    # parses, validates and sends on to the engine core) and streams
     # each engine step's output (`frontend_step_s` per step that samples a token, `frontend_token_s`
     # per token: detokenising, one SSE event, the client's read), one thing at a time in arrival
     # order.  A request reaches the scheduler once admitted; a step's tokens reach the clients once
@@ -74,6 +76,7 @@ class StepTimeParams:
     frontend_request_s: float = 0.0
     frontend_step_s: float = 0.0
     frontend_token_s: float = 0.0
+    frontend_prompt_token_s: float = 0.0
     # The spread of one batch's step time from step to step: each step's time is the model's times a
     # lognormal factor of mean 1 and this sigma (drawn from a seeded stream, so a run is still
     # deterministic).  On vLLM-CPU the same batch's worker time varies by ~1.7x between its median
@@ -85,7 +88,8 @@ class StepTimeParams:
     @property
     def frontend_queues(self) -> bool:
         """Whether the frontend is modelled as a server that requests and tokens wait for."""
-        return bool(self.frontend_request_s or self.frontend_step_s or self.frontend_token_s)
+        return bool(self.frontend_request_s or self.frontend_step_s or self.frontend_token_s
+                    or self.frontend_prompt_token_s)
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

@@ -108,6 +108,22 @@ def test_the_frontend_admits_a_burst_one_request_at_a_time() -> None:
     assert sorted(ttft)[-1] - sorted(base)[-1] >= 3 * cost
 
 
+def test_a_longer_prompt_takes_the_frontend_longer_to_admit() -> None:
+    """frontend_prompt_token_s: a prompt is admitted in its per-request cost plus its length times
+    the per-token cost, so of two requests sent together the second waits for the first's whole
+    prompt, and a long prompt's TTFT grows by its tokens' admission."""
+    per_token = 0.01
+    short = _ttfts(_served_trace({"frontend_prompt_token_s": per_token}, [0.0], [16], [2]))
+    long = _ttfts(_served_trace({"frontend_prompt_token_s": per_token}, [0.0], [400], [2]))
+    plain_long = _ttfts(_served_trace({}, [0.0], [400], [2]))
+    assert long[0] - plain_long[0] >= 400 * per_token
+    assert long[0] - short[0] >= (400 - 16) * per_token
+    # Sent together, the short request behind the long one is admitted only after the long prompt.
+    pair = _served_trace({"frontend_prompt_token_s": per_token}, [0.0, 0.0], [400, 16], [2, 2])
+    behind = next(r for r in pair.done if r.prompt_tokens == 16)
+    assert pair.delivered[behind.step_first_token] >= (400 + 16) * per_token
+
+
 def test_streaming_delays_what_clients_see_not_the_engines_steps() -> None:
     """frontend_token_s: a step's tokens reach the clients once the frontend has streamed each of
     them; the engine core does not wait for it, so the steps are those of a run without the cost."""
