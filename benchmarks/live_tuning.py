@@ -338,7 +338,8 @@ def main() -> int:
                            env=vllm_process_env(tmp, args.engine_threads))
     shape: dict[str, Any] = {"rate": args.rate} if args.load == "poisson" \
         else {"concurrency": args.concurrency, "think_s": args.think}
-    load = BackgroundLoad(f"http://127.0.0.1:{applier.port}", **shape, seed=5, model="tiny", max_tokens=args.max_tokens, prompt_words=args.prompt_words,
+    load = BackgroundLoad(f"http://127.0.0.1:{applier.port}", **shape, seed=5, model="tiny",
+                          max_tokens=args.max_tokens, prompt_words=args.prompt_words,
                           keepalive=False, request_timeout_s=600.0, max_duration_s=3 * 3600.0,
                           drain_s=float(SHUTDOWN_S))
     t_start = time.monotonic()

@@ -73,6 +73,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.calibration import fit_loss, log_error_loss  # noqa: E402
+from kvpilot.api import vllm as vllm_facts  # noqa: E402
 from kvpilot.twin.conformance.reference import (  # noqa: E402
     VllmEnvMissing,
     require_vllm_env,
@@ -228,8 +229,8 @@ def mixed_observation(base_url: str, n: int, prompt: int, seed: int) -> dict[str
 
 # vLLM's own counters of what its frontend handled: requests finished, engine steps (the API server
 # observes vllm:iteration_tokens_total once per step's output it processes), tokens in and out.
-COUNTERS = {"requests": "vllm:request_success_total", "steps": "vllm:iteration_tokens_total_count",
-            "prompt_tokens": "vllm:prompt_tokens_total", "tokens": "vllm:generation_tokens_total"}
+COUNTERS = {"requests": vllm_facts.METRIC_REQUEST_SUCCESS, "steps": vllm_facts.METRIC_ITERATION_TOKENS + "_count",
+            "prompt_tokens": vllm_facts.METRIC_PROMPT_TOKENS, "tokens": vllm_facts.METRIC_GENERATION_TOKENS}
 
 
 def frontend_counters(base_url: str) -> dict[str, float]:
@@ -294,23 +295,21 @@ def measure_served(engine_cpus: str, seed: int) -> dict[str, Any]:
         decode_observation(server.base_url, 8, 512, seed)  # warm-up: the first steps pay one-time costs
 
         meter = FrontendMeter(server.base_url, server.proc.pid)
-        obs = []
-        for i, (n, p) in enumerate((n, p) for p in DECODE_PROMPTS for n in DECODE_BATCHES):
+
+        def metered(observe: Any, *args: Any) -> list[dict[str, Any]]:
+            """An observation (or a burst's pair, the same requests read two ways) with the meter of its
+            requests on the first."""
             with meter as m:
-                o = decode_observation(server.base_url, n, p, seed + i)
-            obs.append({**o, "meter": m})
-        for i, p in enumerate(PREFILL_PROMPTS):
-            with meter as m:
-                o = prefill_observation(server.base_url, p, seed + 100 * (i + 1))
-            obs.append({**o, "meter": m})
+                got = observe(server.base_url, *args)
+            got = got if isinstance(got, list) else [got]
+            return [{**got[0], "meter": m}, *got[1:]]
+
+        obs = [o for i, (n, p) in enumerate((n, p) for p in DECODE_PROMPTS for n in DECODE_BATCHES)
+               for o in metered(decode_observation, n, p, seed + i)]
+        obs += [o for i, p in enumerate(PREFILL_PROMPTS) for o in metered(prefill_observation, p, seed + 100 * (i + 1))]
         for i, (n, tokens) in enumerate(BURSTS):
-            with meter as m:
-                pair = burst_observations(server.base_url, n, tokens, seed + 5000 + 100 * i)
-            obs += [{**pair[0], "meter": m}, pair[1]]  # one meter for the pair: they are the same bursts
-        for i, (n, p) in enumerate(MIXED):
-            with meter as m:
-                o = mixed_observation(server.base_url, n, p, seed + 7000 + 100 * i)
-            obs.append({**o, "meter": m})
+            obs += metered(burst_observations, n, tokens, seed + 5000 + 100 * i)
+        obs += [o for i, (n, p) in enumerate(MIXED) for o in metered(mixed_observation, n, p, seed + 7000 + 100 * i)]
     # The step-time spread from vLLM's own per-step log, on a server of its own: logging every step
     # costs the API server time, which would move the served timings above.
     os.sched_setaffinity(0, all_cpus)
@@ -428,7 +427,7 @@ def frontend_costs(obs: list[dict[str, Any]]) -> dict[str, float] | None:
     a = np.array([[r[k] for k in COST_OF] + [r["wall_s"], 1.0] for r in rows])
     b = np.array([r["api_server_s"] + r["client_s"] for r in rows])
     x = _nnls(a / b[:, None], np.ones(len(b)))
-    costs = {COST_OF[k]: float(f"{v:.4g}") for k, v in zip(COST_OF, x, strict=False)}
+    costs = {COST_OF[k]: float(f"{v:.4g}") for k, v in zip(COST_OF, x[:len(COST_OF)], strict=True)}
     costs["idle"], costs["per_block"] = float(f"{x[-2]:.4g}"), float(f"{x[-1]:.4g}")
     costs["median_error"] = float(np.median(np.abs(a @ x / b - 1.0)))
     return costs
