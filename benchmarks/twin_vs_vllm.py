@@ -42,6 +42,14 @@ scheduled send time; ITL is the gap between streamed tokens (a chunk carrying k 
 its gap / k: `continuous_usage_stats` says how many).  Every real trace is sent `--repeats` times, so
 run-to-run noise is visible next to the twin's error.
 
+**Probe** (`--probe`, on by default).  This shared host's speed moves within minutes, so before each
+repeat the case's server is probed (two lone decodes, two lone prompts: ~2 s) and that repeat's twin
+runs on the profile slowed or sped up by one factor: the geometric mean of the probe's measured over
+predicted times, each read against the same ratio in the calibration the profile was fitted on
+(`--served`).  The twin's figure is the mean over the repeats.  The figures of the profile as
+calibrated, without the probes, are printed after them; `--twin-only` on a replay recorded with
+probes prints both too.
+
 `--iterations` starts the replay's servers with the per-step log too and prints, per case, vLLM's
 decode-only and mixed step times (median, p99) against the twin's step model for the same batches:
 where the twin's step is right and its tail is not, the gap is jitter, not the model.  (The engine core
@@ -144,11 +152,12 @@ async def _batch_times(base_url: str, prompt: int, max_tokens: int, n: int, seed
     return [_token_times(d[0], d[1], 0.0) for d in done if d is not None]
 
 
-def decode_observation(base_url: str, n: int, prompt: int, seed: int) -> dict[str, Any]:
+def decode_observation(base_url: str, n: int, prompt: int, seed: int, budget: int = CAL_BUDGET) -> dict[str, Any]:
     """One steady decode step of n sequences at context ~prompt: the mean gap between the tokens every
     request streamed while all n were decoding (after the last prompt's first token, before the first
-    request's last token)."""
-    prefill_steps = -(-n * prompt // CAL_BUDGET)
+    request's last token; each asks for as many tokens more as the prompts take steps to prefill at
+    the server's --max-num-batched-tokens `budget`, so that window holds DECODE_TOKENS steps)."""
+    prefill_steps = -(-n * prompt // budget)
     gaps, index = [], []
     for r in range(DECODE_REPEATS):
         times = asyncio.run(_batch_times(base_url, prompt, prefill_steps + DECODE_TOKENS, n, seed + 1000 * r))
@@ -166,16 +175,17 @@ def decode_observation(base_url: str, n: int, prompt: int, seed: int) -> dict[st
             "frontend": False, "seconds": float(np.nanmedian(gaps)), "all": gaps}
 
 
-def prefill_observation(base_url: str, prompt: int, seed: int) -> dict[str, Any]:
+def prefill_observation(base_url: str, prompt: int, seed: int, budget: int = CAL_BUDGET) -> dict[str, Any]:
     """A lone prompt's TTFT (median of PREFILL_REPEATS, one at a time): its prefill chunks of at most
-    CAL_BUDGET tokens (each attending to the chunks before it), plus the frontend."""
+    `budget` tokens (the server's --max-num-batched-tokens; each attends to the chunks before it), plus
+    the frontend."""
     ttfts = []
     for r in range(PREFILL_REPEATS):
         times = asyncio.run(_batch_times(base_url, prompt, 2, 1, seed + r))
         ttfts.append(float(times[0][0]))
     steps, done = [], 0
     while done < prompt:
-        chunk = min(CAL_BUDGET, prompt - done)
+        chunk = min(budget, prompt - done)
         steps.append([chunk, 1, chunk * (done + (chunk + 1) / 2.0), 0.0])
         done += chunk
     return {"kind": "prefill", "prompt": prompt, "steps": steps, "frontend": True,
@@ -625,6 +635,80 @@ def replay_twin(profile: DeviceProfile, budget: int, batch: RequestBatch) -> Res
     return Result(ttft, itl, len(trace.done) / (ends[-1] - float(batch.arrival_s[0])))
 
 
+# -- the host's speed, probed before each repeat (--probe) ----------------------------------------
+# This shared 2-core host does not keep one speed.  Between a calibration and the replay five minutes
+# after it (2026-12-03 13:12-13:30 UTC), a lone decode step of the calibration ran 32-45% faster than
+# the morning's while a lone prompt's prefill ran 10-27% slower, and the replay then found the server
+# slower than either; two repeats of one trace differed by up to 50% in p50 ITL.  A profile fitted
+# minutes earlier describes another machine.  So before each repeat the case's own server is probed
+# (lone decodes and lone prompts, as the calibration measures them) and the twin runs that repeat on
+# the profile slowed or sped up uniformly (every time term multiplied, the device's peaks divided, by
+# one factor) to the geometric mean of the probe's measured over predicted times.  One factor, not
+# one for fixed costs and one for arithmetic: on this tiny model a decode step is half weight reads,
+# so the two are not told apart by so small a probe.  The probe is not the trace: the twin never sees
+# the figures it is judged on, only the machine's speed of the minute.
+PROBE_DECODES = ((1, 16), (8, 512))  # (sequences, prompt tokens)
+PROBE_PROMPTS = (256, 1024)
+PROBE_LIMITS = (0.5, 2.0)  # a factor outside is a probe gone wrong, not a host
+TIME_TERMS = ("gemm_floor_s", "elementwise_floor_s", "attn_floor_s", "allreduce_latency_s", "cpu_overhead_s",
+              "cpu_per_request_s", "frontend_s", "frontend_request_s", "frontend_step_s", "frontend_token_s",
+              "frontend_prompt_token_s")
+
+
+def probe(base_url: str, budget: int, seed: int) -> list[dict[str, Any]]:
+    """The host's speed now, on a server running with --max-num-batched-tokens `budget`."""
+    return ([decode_observation(base_url, n, prompt, seed, budget) for n, prompt in PROBE_DECODES]
+            + [prefill_observation(base_url, prompt, seed, budget) for prompt in PROBE_PROMPTS])
+
+
+def rescaled(profile: DeviceProfile, factor: float) -> DeviceProfile:
+    """The profile on a host `factor` times as slow: every step, every frontend cost that long."""
+    params = replace(profile.step_time, **{k: getattr(profile.step_time, k) * factor for k in TIME_TERMS})
+    device = replace(profile.device, bf16_flops=profile.device.bf16_flops / factor,
+                     hbm_bandwidth=profile.device.hbm_bandwidth / factor)
+    return DeviceProfile(device, params, profile.source)
+
+
+def _probe_key(o: dict[str, Any]) -> tuple[str, int, int]:
+    return o["kind"], int(o.get("n") or 1), int(o["prompt"])
+
+
+def probe_scale(model: Any, profile: DeviceProfile, probes: list[dict[str, Any]],
+                reference: list[dict[str, Any]] | None = None) -> float:
+    """How much slower than at calibration the host ran the probe: the geometric mean over the probe's
+    observations of measured over predicted, each divided by the same ratio of the calibration's own
+    observation of that kind (`reference`, the observations the profile was fitted on), so a fit that
+    is 10% long on one observation does not read as a host 10% fast; held within PROBE_LIMITS.  (A
+    uniform factor scales every prediction by itself.  The calibration prefilled its prompts in
+    chunks of CAL_BUDGET: its fit's miss on a prompt is taken as the same at the case's budget.)  An
+    observation that measured nothing (NaN) is left out; with none left the factor is 1."""
+    ratios = np.array([o["seconds"] for o in probes]) / predict(model, profile.device, profile.step_time, probes)
+    if reference:
+        ref = {_probe_key(o): o for o in reference if o["kind"] in ("decode", "prefill")}
+        cal = [ref.get(_probe_key(o)) for o in probes]
+        known = [c for c in cal if c is not None]
+        if known:
+            fit = dict(zip([_probe_key(c) for c in known],
+                           np.array([c["seconds"] for c in known])
+                           / predict(model, profile.device, profile.step_time, known), strict=True))
+            ratios = np.array([r / fit[_probe_key(c)] if c is not None else r for r, c in zip(ratios, cal, strict=True)])
+    ratios = ratios[np.isfinite(ratios) & (ratios > 0)]
+    factor = float(np.exp(np.mean(np.log(ratios)))) if len(ratios) else 1.0
+    return min(PROBE_LIMITS[1], max(PROBE_LIMITS[0], factor))
+
+
+def twin_stats(profile: DeviceProfile, budget: int, batch: RequestBatch, probes: list[list[dict[str, Any]]],
+               reference: list[dict[str, Any]] | None = None) -> tuple[dict[str, float], list[float]]:
+    """The twin's figures for a trace: with the profile as given, or, with a probe per real repeat,
+    the mean over the repeats of the twin on the profile rescaled to each repeat's probe."""
+    if not probes:
+        return replay_twin(profile, budget, batch).stats(), []
+    model = tiny_model()
+    scales = [probe_scale(model, profile, p, reference) for p in probes]
+    runs = [replay_twin(rescaled(profile, f), budget, batch).stats() for f in scales]
+    return {s: statistics.fmean(r[s] for r in runs) for s in STATS}, scales
+
+
 def cpu_list(spec: str) -> set[int]:
     """CPUs from a list like "1", "0-1" or "0,2-3" (VLLM_CPU_OMP_THREADS_BIND's form)."""
     return {c for part in spec.split(",") for c in range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1)}
@@ -767,6 +851,21 @@ def case_row(case: dict[str, Any], real_stats: list[dict[str, float]], twin: dic
     return row
 
 
+def case_rows(case: dict[str, Any], real_stats: list[dict[str, float]], profile: DeviceProfile,
+              reference: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A case's row against the twin with the probes of its repeats (case["probes"]) where it has them,
+    and then also against the profile as calibrated (row["as_calibrated"])."""
+    batch = poisson(case["mix"], case["rate"], case["n"], case["seed"])
+    twin, scales = twin_stats(profile, case["budget"], batch, case.get("probes") or [], reference)
+    row = case_row(case, real_stats, twin)
+    if scales:
+        row["scales"] = scales
+        plain = replay_twin(profile, case["budget"], batch).stats()
+        row["as_calibrated"] = {s: {"twin": plain[s], "error": rel(plain[s], statistics.fmean(r[s] for r in real_stats))}
+                                for s in STATS}
+    return row
+
+
 def print_row(row: dict[str, Any]) -> None:
     cells = []
     for s in STATS:
@@ -776,8 +875,10 @@ def print_row(row: dict[str, Any]) -> None:
     busy = row.get("cpu_busy")
     cpu = (f" | {busy['api_server'] + busy['client']:4.0%} {busy['engine_core'] + busy['worker']:4.0%}"
            if busy else "")
-    print(f"{row['budget']:>6} {row['mix']:<5} {row['load']:>4.1f} {row['rate']:6.2f} | " + " | ".join(cells) + cpu,
-          flush=True)
+    scales = row.get("scales")
+    probed = (" | " + " ".join(f"x{f:.2f}" for f in scales)) if scales else ""
+    print(f"{row['budget']:>6} {row['mix']:<5} {row['load']:>4.1f} {row['rate']:6.2f} | " + " | ".join(cells) + cpu
+          + probed, flush=True)
 
 
 def print_summary(rows: list[dict[str, Any]], seconds: float) -> None:
@@ -790,14 +891,28 @@ def print_summary(rows: list[dict[str, Any]], seconds: float) -> None:
         spreads = [r[s]["spread"] for r in rows]
         print(f"  {s:<9} {statistics.median(errs):6.1%} (max {max(errs):6.1%}); "
               f"run-to-run spread median {statistics.median(spreads):5.1%}")
+    plain = [r["as_calibrated"] for r in rows if "as_calibrated" in r]
+    if plain:
+        print(f"(the twin on each repeat's probe: the profile slowed by the factors in the last column)\n"
+              f"the profile as calibrated, without the probes ({len(plain)} cases):")
+        for s in STATS:
+            errs = [p[s]["error"] for p in plain]
+            print(f"  {s:<9} {statistics.median(errs):6.1%} (max {max(errs):6.1%})")
     if any(r["failed"] for r in rows):
         print(f"failed requests: {sum(r['failed'] for r in rows)}")
+
+
+def calibration_reference(args: argparse.Namespace) -> list[dict[str, Any]] | None:
+    """The observations the profile was fitted on (--served), which the probes are read against."""
+    path = Path(args.served)
+    return json.loads(path.read_text())["observations"] if path.exists() else None
 
 
 def run_replay(args: argparse.Namespace) -> int:
     from tests.support.vllm_process import VllmProcess
 
     profile = DeviceProfile.load(args.profile)
+    reference = calibration_reference(args)
     all_cpus = os.sched_getaffinity(0)
     rows = []
     started = time.perf_counter()
@@ -819,13 +934,16 @@ def run_replay(args: argparse.Namespace) -> int:
                     batch = poisson(mix, rate, n, args.seed + 1)
                     offset = server.log_path.stat().st_size if args.iterations else 0
                     cpu0, wall0 = cpu_seconds(api), time.perf_counter()
-                    reals = [asyncio.run(replay_real(server.base_url, "tiny", batch, args.seed))
-                             for _ in range(args.repeats)]
+                    reals, probes = [], []
+                    for _ in range(args.repeats):
+                        if args.probe:
+                            probes.append(probe(server.base_url, budget, args.seed))
+                        reals.append(asyncio.run(replay_real(server.base_url, "tiny", batch, args.seed)))
                     cpu1, wall = cpu_seconds(api), time.perf_counter() - wall0
                     case = {"budget": budget, "mix": mix, "load": load, "rate": rate, "n": n, "seed": args.seed + 1,
                             "failed": sum(r.failed for r in reals),
-                            "cpu_busy": {k: (cpu1[k] - cpu0[k]) / wall for k in cpu1}}
-                    row = case_row(case, [r.stats() for r in reals], replay_twin(profile, budget, batch).stats())
+                            "cpu_busy": {k: (cpu1[k] - cpu0[k]) / wall for k in cpu1}, "probes": probes}
+                    row = case_rows(case, [r.stats() for r in reals], profile, reference)
                     if args.iterations:
                         time.sleep(1.0)  # the API server logs a step after its outputs are streamed
                         steps, _ = read_iterations(server.log_path, offset)
@@ -845,15 +963,16 @@ def run_twin_only(args: argparse.Namespace) -> int:
     the same traces (mix, rate, count, seed), vLLM's figures as recorded.  For working on the twin
     without vLLM; the recorded run's figures are the real side."""
     profile = DeviceProfile.load(args.profile)
+    reference = calibration_reference(args)
     recorded = json.loads(Path(args.twin_only).read_text())
     started = time.perf_counter()
     rows = []
     print(HEADER, flush=True)
     for old in recorded:
-        batch = poisson(old["mix"], old["rate"], old["n"], old.get("seed", args.seed + 1))
-        twin = replay_twin(profile, old["budget"], batch).stats()
-        case = {k: v for k, v in old.items() if k not in STATS}
-        row = case_row(case, [{s: old[s]["vllm"][i] for s in STATS} for i in range(len(old["rps"]["vllm"]))], twin)
+        case = {k: v for k, v in old.items() if k not in (*STATS, "scales", "as_calibrated")}
+        case.setdefault("seed", args.seed + 1)
+        row = case_rows(case, [{s: old[s]["vllm"][i] for s in STATS} for i in range(len(old["rps"]["vllm"]))],
+                        profile, reference)
         rows.append(row)
         print_row(row)
     print_summary(rows, time.perf_counter() - started)
@@ -885,6 +1004,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iterations", action="store_true",
                     help="also log vLLM's every engine step (--enable-logging-iteration-details) and print, per "
                          "case, its step times against the twin's step model for the same batches")
+    ap.add_argument("--probe", action=argparse.BooleanOptionalAction, default=True,
+                    help="probe the host's speed on the case's server before each repeat (lone decodes, lone "
+                         "prompts) and run the twin on the profile rescaled to it; the figures of the profile as "
+                         "calibrated are printed too")
+    ap.add_argument("--served", default=str(DATA / "served.json"),
+                    help="the calibration's observations that --profile was fitted on: the probes are read "
+                         "against them")
     ap.add_argument("--engine-cpus", default="1", help="CPUs the engine runs on, as VLLM_CPU_OMP_THREADS_BIND "
                                                          "takes them (default 1: the engine on CPU 1)")
     args = ap.parse_args(argv)
