@@ -72,7 +72,7 @@ import re
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -650,9 +650,8 @@ def replay_twin(profile: DeviceProfile, budget: int, batch: RequestBatch) -> Res
 PROBE_DECODES = ((1, 16), (8, 512))  # (sequences, prompt tokens)
 PROBE_PROMPTS = (256, 1024)
 PROBE_LIMITS = (0.5, 2.0)  # a factor outside is a probe gone wrong, not a host
-TIME_TERMS = ("gemm_floor_s", "elementwise_floor_s", "attn_floor_s", "allreduce_latency_s", "cpu_overhead_s",
-              "cpu_per_request_s", "frontend_s", "frontend_request_s", "frontend_step_s", "frontend_token_s",
-              "frontend_prompt_token_s")
+# Every constant in seconds (launch floors, the engine's CPU overheads, the frontend's costs).
+TIME_TERMS = tuple(f.name for f in fields(StepTimeParams) if f.name.endswith("_s"))
 
 
 def probe(base_url: str, budget: int, seed: int) -> list[dict[str, Any]]:
@@ -677,21 +676,19 @@ def probe_scale(model: Any, profile: DeviceProfile, probes: list[dict[str, Any]]
                 reference: list[dict[str, Any]] | None = None) -> float:
     """How much slower than at calibration the host ran the probe: the geometric mean over the probe's
     observations of measured over predicted, each divided by the same ratio of the calibration's own
-    observation of that kind (`reference`, the observations the profile was fitted on), so a fit that
-    is 10% long on one observation does not read as a host 10% fast; held within PROBE_LIMITS.  (A
-    uniform factor scales every prediction by itself.  The calibration prefilled its prompts in
-    chunks of CAL_BUDGET: its fit's miss on a prompt is taken as the same at the case's budget.)  An
-    observation that measured nothing (NaN) is left out; with none left the factor is 1."""
-    ratios = np.array([o["seconds"] for o in probes]) / predict(model, profile.device, profile.step_time, probes)
-    if reference:
-        ref = {_probe_key(o): o for o in reference if o["kind"] in ("decode", "prefill")}
-        cal = [ref.get(_probe_key(o)) for o in probes]
-        known = [c for c in cal if c is not None]
-        if known:
-            fit = dict(zip([_probe_key(c) for c in known],
-                           np.array([c["seconds"] for c in known])
-                           / predict(model, profile.device, profile.step_time, known), strict=True))
-            ratios = np.array([r / fit[_probe_key(c)] if c is not None else r for r, c in zip(ratios, cal, strict=True)])
+    observation of that kind (`reference`, the observations the profile was fitted on; 1 where it has
+    none), so a fit that is 10% long on one observation does not read as a host 10% fast; held within
+    PROBE_LIMITS.  (A uniform factor scales every prediction by itself.  The calibration prefilled its
+    prompts in chunks of CAL_BUDGET: its fit's miss on a prompt is taken as the same at the case's
+    budget.)  An observation that measured nothing (NaN) is left out; with none left the factor is 1."""
+    def measured_over_predicted(obs: list[dict[str, Any]]) -> np.ndarray:
+        return np.array([o["seconds"] for o in obs]) / predict(model, profile.device, profile.step_time, obs)
+
+    ratios = measured_over_predicted(probes)
+    ref = {_probe_key(o): o for o in reference or () if o["kind"] in ("decode", "prefill")}
+    matched = [i for i, o in enumerate(probes) if _probe_key(o) in ref]
+    if matched:
+        ratios[matched] /= measured_over_predicted([ref[_probe_key(probes[i])] for i in matched])
     ratios = ratios[np.isfinite(ratios) & (ratios > 0)]
     factor = float(np.exp(np.mean(np.log(ratios)))) if len(ratios) else 1.0
     return min(PROBE_LIMITS[1], max(PROBE_LIMITS[0], factor))
@@ -851,7 +848,7 @@ def case_row(case: dict[str, Any], real_stats: list[dict[str, float]], twin: dic
     return row
 
 
-def case_rows(case: dict[str, Any], real_stats: list[dict[str, float]], profile: DeviceProfile,
+def scored_case(case: dict[str, Any], real_stats: list[dict[str, float]], profile: DeviceProfile,
               reference: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """A case's row against the twin with the probes of its repeats (case["probes"]) where it has them,
     and then also against the profile as calibrated (row["as_calibrated"])."""
@@ -943,7 +940,7 @@ def run_replay(args: argparse.Namespace) -> int:
                     case = {"budget": budget, "mix": mix, "load": load, "rate": rate, "n": n, "seed": args.seed + 1,
                             "failed": sum(r.failed for r in reals),
                             "cpu_busy": {k: (cpu1[k] - cpu0[k]) / wall for k in cpu1}, "probes": probes}
-                    row = case_rows(case, [r.stats() for r in reals], profile, reference)
+                    row = scored_case(case, [r.stats() for r in reals], profile, reference)
                     if args.iterations:
                         time.sleep(1.0)  # the API server logs a step after its outputs are streamed
                         steps, _ = read_iterations(server.log_path, offset)
@@ -971,7 +968,7 @@ def run_twin_only(args: argparse.Namespace) -> int:
     for old in recorded:
         case = {k: v for k, v in old.items() if k not in (*STATS, "scales", "as_calibrated")}
         case.setdefault("seed", args.seed + 1)
-        row = case_rows(case, [{s: old[s]["vllm"][i] for s in STATS} for i in range(len(old["rps"]["vllm"]))],
+        row = scored_case(case, [{s: old[s]["vllm"][i] for s in STATS} for i in range(len(old["rps"]["vllm"]))],
                         profile, reference)
         rows.append(row)
         print_row(row)
