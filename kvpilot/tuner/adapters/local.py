@@ -88,13 +88,28 @@ class _Forwarder:
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvpilot-forwarder", daemon=True)
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def start(self) -> None:
+    def bind(self) -> None:
+        """Hold the port (bound, not yet accepting): an engine started after this cannot take it.
+        vLLM picks free ports for its own sockets (torch.distributed's store) at start-up, and once
+        took the forwarder's port while the forwarder waited for the engine to come up."""
         self._thread.start()
-        fut = asyncio.run_coroutine_threadsafe(self._serve(), self._loop)
-        fut.result(timeout=10)
+        fut = asyncio.run_coroutine_threadsafe(self._bind(), self._loop)
+        try:
+            fut.result(timeout=10)
+        except BaseException:  # the port is taken: no thread left behind
+            self.stop()
+            raise
 
-    async def _serve(self) -> None:
-        self._server = await asyncio.start_server(self._handle, self.host, self.port, reuse_address=True)
+    def start(self) -> None:
+        """Accept connections (binding first if `bind()` was not called)."""
+        if not self._thread.is_alive():
+            self.bind()
+        assert self._server is not None
+        asyncio.run_coroutine_threadsafe(self._server.start_serving(), self._loop).result(timeout=10)
+
+    async def _bind(self) -> None:
+        self._server = await asyncio.start_server(self._handle, self.host, self.port, reuse_address=True,
+                                                  start_serving=False)
 
     def set_canary(self, port: int | None, weight: float = 0.0) -> None:
         """Route `weight` of new connections to `port` (None: none to a canary)."""
@@ -267,18 +282,25 @@ class LocalApplier:
 
     # -- Applier -------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the starting engine and the forwarder on the public port."""
-        eng = self._launch(self._start_params, self.slots[0])
+        """Start the starting engine and the forwarder on the public port (bound first, so the
+        engine cannot take it; accepting once the engine is healthy)."""
+        forwarder = _Forwarder(self.port, self.slots[0])
+        forwarder.bind()
         try:
-            self._wait_healthy(eng)
-        except ApplyFailed as exc:
-            raise RuntimeError(f"the starting engine did not come up: {exc}\n{eng.log_tail()}") from None
-        except BaseException:  # SIGTERM or Ctrl-C mid-start: this engine is no one's to stop later
-            self._kill(eng, grace=0.0)
+            eng = self._launch(self._start_params, self.slots[0])
+            try:
+                self._wait_healthy(eng)
+            except ApplyFailed as exc:
+                raise RuntimeError(f"the starting engine did not come up: {exc}\n{eng.log_tail()}") from None
+            except BaseException:  # SIGTERM or Ctrl-C mid-start: this engine is no one's to stop later
+                self._kill(eng, grace=0.0)
+                raise
+        except BaseException:
+            forwarder.stop()
             raise
         self._engine = eng
-        self._forwarder = _Forwarder(self.port, eng.port)
-        self._forwarder.start()
+        self._forwarder = forwarder
+        forwarder.start()
         self.history.append((time.monotonic(), eng.params, None))
 
     def current(self) -> EngineParams:
