@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from kvpilot.api import vllm as vllm_facts
+from kvpilot.api.histogram import cumulative_counts, read_quantile
 from kvpilot.api.slo import SLO
 from kvpilot.twin.engine import Engine, EngineConfig
 from kvpilot.twin.scheduler import Request
@@ -37,11 +38,9 @@ def _stats(x: np.ndarray) -> dict[str, float]:
 
 def _histogram(x: np.ndarray, edges: tuple[float, ...]) -> dict[str, Any]:
     """A Prometheus-style cumulative histogram: {"buckets": {le: count}, "count", "sum"}."""
-    s = np.sort(x)
-    cum = np.searchsorted(s, np.asarray(edges), side="right")
-    buckets = {f"{e:g}": int(c) for e, c in zip(edges, cum, strict=True)}
-    buckets["+Inf"] = int(len(s))
-    return {"buckets": buckets, "count": int(len(s)), "sum": float(s.sum())}
+    cum = cumulative_counts(x, edges)
+    buckets = dict(zip([*(f"{e:g}" for e in edges), "+Inf"], cum, strict=True))
+    return {"buckets": buckets, "count": int(len(x)), "sum": float(np.sum(x))}
 
 
 @dataclass
@@ -283,6 +282,24 @@ def _p99(x: np.ndarray, independent: int, confidence: float | None) -> float:
     return float(np.quantile(x, q))
 
 
+def observed_samples(trace: Trace, measure_from_s: float = 0.0) -> tuple[np.ndarray, np.ndarray, int]:
+    """The TTFTs of the requests that arrived from `measure_from_s` on (those still running with a
+    first token included), the token gaps that ended from then on, and how many engine steps those
+    gaps came from."""
+    ends = np.asarray(trace.delivered, dtype=float)
+    reqs = [r for r in trace.done if r.arrival_time >= measure_from_s]
+    live = [r for r in trace.engine.scheduler.running if r.arrival_time >= measure_from_s and r.step_first_token]
+    firsts = np.fromiter((ends[r.step_first_token] - r.arrival_time for r in (*reqs, *live)), float)
+    step_itl = np.diff(ends, prepend=0.0)
+    keep = ends >= measure_from_s
+    parts = [np.repeat(step_itl[keep], np.asarray(trace.steadies, dtype=np.int64)[keep])]
+    if trace.gaps:
+        g = np.asarray(trace.gaps, dtype=np.int64)
+        gap_ends = ends[g[:, 1]]
+        parts.append((gap_ends - ends[g[:, 0]])[gap_ends >= measure_from_s])
+    return firsts, np.concatenate(parts), int(keep.sum())
+
+
 def observed_p99(trace: Trace, measure_from_s: float = 0.0, *,
                  confidence: float | None = None) -> tuple[float, float]:
     """(p99 TTFT, p99 inter-token latency) of the requests that arrived from `measure_from_s` on;
@@ -290,23 +307,28 @@ def observed_p99(trace: Trace, measure_from_s: float = 0.0, *,
     `confidence` (e.g. 0.95), upper confidence bounds of the two p99s: TTFTs are one observation
     per request, but every token gap of a step has that step's length, so the token gaps count as
     one independent observation per engine step."""
-    ends = np.asarray(trace.delivered, dtype=float)
-    reqs = [r for r in trace.done if r.arrival_time >= measure_from_s]
-    live = [r for r in trace.engine.scheduler.running if r.arrival_time >= measure_from_s and r.step_first_token]
-    firsts = np.fromiter((ends[r.step_first_token] - r.arrival_time for r in (*reqs, *live)), float)
+    firsts, itl, steps = observed_samples(trace, measure_from_s)
     ttft = np.inf if trace.ttft_missed else _p99(firsts, len(firsts), confidence)
     if trace.itl_missed:
         return ttft, np.inf
-    t0 = measure_from_s
-    step_itl = np.diff(ends, prepend=0.0)
-    keep = ends >= t0
-    parts = [np.repeat(step_itl[keep], np.asarray(trace.steadies, dtype=np.int64)[keep])]
-    if trace.gaps:
-        g = np.asarray(trace.gaps, dtype=np.int64)
-        gap_ends = ends[g[:, 1]]
-        parts.append((gap_ends - ends[g[:, 0]])[gap_ends >= t0])
-    itl = np.concatenate(parts)
-    return ttft, _p99(itl, int(keep.sum()), confidence)
+    return ttft, _p99(itl, steps, confidence)
+
+
+def read_p99(trace: Trace, measure_from_s: float = 0.0) -> tuple[float, float]:
+    """(p99 TTFT, p99 inter-token latency) as the live tuner reads them: `histogram_quantile(0.99,
+    ...)` over vLLM's bucket edges (`kvpilot.api.histogram`), not the samples' own p99.  Inside a
+    bucket the two differ by up to the bucket's width (a p99 ITL anywhere in 10-25 ms reads by how
+    the gaps split around the rank), and a prediction of the live objective must differ from it by
+    the engine, not by the reading.  A run stopped early reads inf on the axis it missed."""
+    firsts, itl, _ = observed_samples(trace, measure_from_s)
+    ttft = np.inf if trace.ttft_missed else _read99(firsts, vllm_facts.TTFT_BUCKETS)
+    if trace.itl_missed:
+        return ttft, np.inf
+    return ttft, _read99(itl, vllm_facts.ITL_BUCKETS)
+
+
+def _read99(x: np.ndarray, edges: tuple[float, ...]) -> float:
+    return read_quantile(0.99, x, edges) if len(x) else 0.0
 
 
 def simulate(
@@ -430,4 +452,4 @@ def _report(trace: Trace, config: EngineConfig, workload: Workload | RequestBatc
     )
 
 
-__all__ = ["SLO", "Report", "Trace", "drive", "observed_p99", "simulate"]
+__all__ = ["SLO", "Report", "Trace", "drive", "observed_p99", "observed_samples", "read_p99", "simulate"]

@@ -259,14 +259,15 @@ class TwinEvaluator:
     def latency(self, params: EngineParams, rate: float) -> Outcome:
         """The latency goal's outcome for one config at `rate` req/s (a live study's measured load):
         each path served to its last request (no early stop, so a config that misses the SLO is
-        graded by how far), p99 TTFT and p99 ITL of its requests after the warm-up, averaged over
-        the paths (a ranking wants the likeliest p99, not a bound on it)."""
+        graded by how far), p99 TTFT and p99 ITL of its requests after the warm-up as the live
+        tuner reads them (`histogram_quantile` over vLLM's buckets: `twin.offline.read_p99`),
+        averaged over the paths (a ranking wants the likeliest p99, not a bound on it)."""
         key = (params, round(rate, 6))
         if key in self._latency:
             return self._latency[key]
         from kvpilot.twin.engine import Engine
         from kvpilot.twin.memory import EngineStartupError
-        from kvpilot.twin.offline import drive, observed_p99
+        from kvpilot.twin.offline import drive, read_p99
 
         try:
             p99s = []
@@ -274,7 +275,7 @@ class TwinEvaluator:
                 engine = Engine(self.target.engine_config(params))
                 self.simulations += 1
                 trace = drive(engine, self.requests(rate, path), window_s=self.probe_s)
-                p99s.append(observed_p99(trace, self.warmup_s))
+                p99s.append(read_p99(trace, self.warmup_s))
         except EngineStartupError as exc:
             failed = StartupFailed.of(exc)
             out = infeasible(Goal.LATENCY, "StartupFailed", failed.message.splitlines()[0][:300], memory=failed.memory)

@@ -111,3 +111,36 @@ def test_the_twins_latency_at_a_live_load_for_a_warm_start(tiny: Path) -> None:
     assert not failed.feasible and failed.reason == "StartupFailed" and failed.memory is not None
     with pytest.raises(ValueError, match="rate > 0"):
         ev.evaluator(Goal.LATENCY, 0.0)
+
+
+def test_the_warm_starts_latency_is_read_as_prometheus_reads_vllms_histograms(tiny: Path) -> None:
+    """The live objective is `histogram_quantile(0.99, ...)` over vLLM's buckets, so the twin's prediction
+    of it reads its own samples the same way: counted into a prometheus_client Histogram with vLLM's edges,
+    as a /metrics endpoint would expose them, and interpolated inside the bucket that holds the rank."""
+    from bisect import bisect_left
+
+    import numpy as np
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from kvpilot.api import vllm
+    from kvpilot.api.histogram import histogram_quantile
+    from kvpilot.twin.engine import Engine
+    from kvpilot.twin.offline import drive, observed_samples
+
+    target = TwinTarget(model=str(tiny), max_model_len=2048, device_profile=DeviceProfile.load(PROFILE))
+    ev = TwinEvaluator(target, Workload.parse("prompt=512,output=32"), SLO(ttft_seconds=1.0, itl_seconds=0.05),
+                       probe_s=20.0, warmup_s=4.0, paths=1)
+    params, rate = EngineParams(512, 0.10, 8), 4.0
+    m = ev.latency(params, rate).measurement
+    assert m is not None
+    trace = drive(Engine(target.engine_config(params)), ev.requests(rate, 0), window_s=ev.probe_s)
+    firsts, gaps, _ = observed_samples(trace, ev.warmup_s)
+    for read, samples, edges in ((m.ttft_p99, firsts, vllm.TTFT_BUCKETS), (m.itl_p99, gaps, vllm.ITL_BUCKETS)):
+        h = Histogram("x_seconds", "x", buckets=edges, registry=CollectorRegistry())
+        for s in samples:
+            h.observe(float(s))
+        counts = [s.value for s in next(iter(h.collect())).samples if s.name.endswith("_bucket")]
+        assert read == pytest.approx(histogram_quantile(0.99, edges, counts), rel=1e-12)
+        exact = float(np.quantile(samples, 0.99))
+        assert read != pytest.approx(exact, rel=1e-3)  # another number than the samples' own p99 ...
+        assert bisect_left(edges, read) == bisect_left(edges, exact)  # ... in the same bucket of vLLM's
