@@ -5,6 +5,9 @@ measured grid.
     # or in two parts (the second reads the grid the first wrote):
     PYTHONPATH=. python benchmarks/live_tuning.py --only grid --out out/live_grid.json
     PYTHONPATH=. python benchmarks/live_tuning.py --only studies --grid out/live_grid.json
+    # a grid measured again hours later, pooled with the first; the studies valued on both (seconds):
+    PYTHONPATH=. python benchmarks/live_tuning.py --only rescore --studies out/live_tuning.json \
+        --grid out/live_grid.json --grid out/live_grid_later.json
 
 Needs the real-vLLM venv (`make vllm-env`) and quiet cores: every figure is a wall-clock latency of
 real vLLM, so nothing else should run beside it.
@@ -22,8 +25,9 @@ clients, each pausing --think s between an answer and its next request):
    applier, warmed up for --warmup s, then measured over --repeats consecutive windows of --window s
    with the tuner's own live reading (PrometheusSignals.measure: p99 TTFT and p99 ITL from vLLM's
    histograms) and scored with the tuner's live objective (Goal.LATENCY: the worse of p99 TTFT / SLO
-   and p99 ITL / SLO).  A config's grid value is the mean over its windows; the spread (max - min over
-   the mean) is printed.  The grid optimum is the lowest grid value.
+   and p99 ITL / SLO).  A config's grid value is the mean over its windows (over every run's, when
+   --grid names several); the spread (max - min over the mean) is printed.  The grid optimum is the
+   lowest grid value.
 2. the SLO: given (--slo ttft=S,itl=S, bucket edges of vLLM's histograms), or `auto` (the default):
    on each axis the smallest bucket edge at or above the grid's median p99, so neither p99 alone
    decides the objective and about half the grid misses the SLO on some axis.  Chosen from the grid's
@@ -202,27 +206,35 @@ def twin_against_grid(target: TwinTarget, slo: SLO, est: WorkloadEstimate, grid:
 
 def read_grid(args: argparse.Namespace, grid: list[EngineParams]) -> tuple[dict[EngineParams, list[Measurement]],
                                                                           dict[str, Any]]:
-    """The readings of a --only grid run's --out, checked against this run's grid and threads."""
-    saved: dict[str, Any] = json.loads(Path(args.grid).read_text())
-    readings: dict[EngineParams, list[Measurement]] = {}
-    for row in saved["grid"]:
-        readings[EngineParams.from_spec(row["engine"])] = [
-            Measurement(ttft_p99=t, itl_p99=i, request_rate=r)
-            for t, i, r in zip(row["ttftP99"], row["itlP99"], row["rate"], strict=True)]
-    if set(readings) != set(grid):
-        raise SystemExit(f"--grid {args.grid} holds another grid: run it with the same --tokens/--seqs/--util")
-    # A grid measured before --load existed ran the closed loop.
-    saved_args = {"load": "closed", **saved.get("args", {})}
-    saved_load = load_label(argparse.Namespace(**saved_args))
-    if saved_load != load_label(args):
-        raise SystemExit(f"--grid {args.grid} was measured under another load ({saved_load}): "
-                         "give the same --load and its --rate or --concurrency/--think")
-    grid_threads = saved.get("args", {}).get("engine_threads")
-    if grid_threads != args.engine_threads:
-        raise SystemExit(f"--grid {args.grid} was measured with --engine-threads {grid_threads or 'unset'}: "
-                         "give the same")
-    print(f"grid read from {args.grid} (measured {saved.get('measuredAt', '?')})")
-    return readings, saved
+    """The readings of --only grid runs' --out files, each checked against this run's grid, load and
+    threads; several files are pooled (each config's windows from every run), so a config's grid
+    value is its mean over the runs' hours, not one run's luck with the host.  The first file's
+    workload stands for the warm start."""
+    readings: dict[EngineParams, list[Measurement]] = {p: [] for p in grid}
+    first: dict[str, Any] = {}
+    stamps = []
+    for path in args.grid:
+        saved: dict[str, Any] = json.loads(Path(path).read_text())
+        rows = {EngineParams.from_spec(row["engine"]): row for row in saved["grid"]}
+        if set(rows) != set(grid):
+            raise SystemExit(f"--grid {path} holds another grid: run it with the same --tokens/--seqs/--util")
+        # A grid measured before --load existed ran the closed loop.
+        saved_args = {"load": "closed", **saved.get("args", {})}
+        saved_load = load_label(argparse.Namespace(**saved_args))
+        if saved_load != load_label(args):
+            raise SystemExit(f"--grid {path} was measured under another load ({saved_load}): "
+                             "give the same --load and its --rate or --concurrency/--think")
+        grid_threads = saved.get("args", {}).get("engine_threads")
+        if grid_threads != args.engine_threads:
+            raise SystemExit(f"--grid {path} was measured with --engine-threads {grid_threads or 'unset'}: "
+                             "give the same")
+        for p, row in rows.items():
+            readings[p] += [Measurement(ttft_p99=t, itl_p99=i, request_rate=r)
+                            for t, i, r in zip(row["ttftP99"], row["itlP99"], row["rate"], strict=True)]
+        first = first or saved
+        stamps.append(saved.get("measuredAt", "?"))
+        print(f"grid read from {path} (measured {stamps[-1]})")
+    return readings, {**first, "measuredAt": " + ".join(stamps)}
 
 
 def score_grid(args: argparse.Namespace, grid: list[EngineParams], readings: dict[EngineParams, list[Measurement]]
@@ -251,7 +263,7 @@ def score_grid(args: argparse.Namespace, grid: list[EngineParams], readings: dic
     return slo, values, mean, opt_p, opt, near
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--tokens", default="128:1024", help="maxNumBatchedTokens range (powers of two in it)")
@@ -280,29 +292,35 @@ def main() -> int:
                     help="no fast-burn pruning in the studies: on these shared cores each engine switch (a vLLM "
                          "start beside the engine serving) makes requests wait seconds, and the burn over the "
                          "first poll's 6 s window, which holds them, pruned every trial at its first poll")
-    ap.add_argument("--only", choices=("all", "grid", "studies", "warm-start"), default="all",
+    ap.add_argument("--only", choices=("all", "grid", "studies", "warm-start", "rescore"), default="all",
                     help="grid: measure the grid and stop; studies: read the grid from --grid and run the studies; "
+                         "rescore: the regrets of the studies in --studies against the grid from --grid (seconds, "
+                         "no vLLM started); "
                          "warm-start: read the grid from --grid and print what the twin's warm start would pick "
                          "and how the twin ranks the grid (seconds, no vLLM started)")
-    ap.add_argument("--grid", default=None, metavar="JSON", help="--only studies: the --out of a --only grid run")
+    ap.add_argument("--grid", action="append", default=None, metavar="JSON",
+                    help="--only studies, warm-start or rescore: the --out of a --only grid run; given again, the "
+                         "runs' windows are pooled (the same grid, load and threads)")
+    ap.add_argument("--studies", default=None, metavar="JSON",
+                    help="--only rescore: the --out of a run with studies (its SLO is used)")
     ap.add_argument("--out", default="out/live_tuning.json", help="the figures as JSON")
     ap.add_argument("--engine-threads", type=int, default=1,
                     help="OpenMP threads of each engine's worker (OMP_NUM_THREADS; default 1: on a small host "
                          "one per core stalls steps at barriers when the frontend and the load run beside it)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.load == "poisson" and args.rate <= 0:
         ap.error(f"--rate must be > 0 requests/s, not {args.rate:g}")
     if args.load == "closed" and (args.concurrency < 1 or args.think < 0):
         ap.error("--load closed needs --concurrency >= 1 and --think >= 0")
-    if args.only in ("studies", "warm-start") and not args.grid:
+    if args.only in ("studies", "warm-start", "rescore") and not args.grid:
         ap.error(f"--only {args.only} needs --grid JSON (the --out of a --only grid run)")
+    if args.only == "rescore" and not args.studies:
+        ap.error("--only rescore needs --studies JSON (the --out of a run with studies)")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("kvpilot").setLevel(logging.INFO)  # the loop's phases and trials, as the CLI logs them
     # SIGTERM ends the run through the `finally` below, so no engine or Prometheus outlives it.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
-    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the fraction sizes the KV cache (a live knob)
-    _, model = require_vllm_env()
     lo_t, hi_t = (int(x) for x in args.tokens.split(":"))
     lo_s, hi_s = (int(x) for x in args.seqs.split(":"))
     # The fraction's range holds one step: every draw is --util, and the grid is tokens x seqs.
@@ -315,6 +333,10 @@ def main() -> int:
           f"{args.max_tokens} output tokens; warm-up {args.warmup:g} s, window {args.window:g} s; "
           f"{args.engine_threads} engine thread(s)", flush=True)
 
+    if args.only == "rescore":  # recorded figures only: no vLLM, no twin
+        return rescore(args, grid)
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the fraction sizes the KV cache (a live knob)
+    _, model = require_vllm_env()
     profile = DeviceProfile.load(args.profile)
     target = TwinTarget(model=str(model), max_model_len=args.max_model_len, device_profile=profile)
     if args.only == "warm-start":
@@ -419,11 +441,7 @@ def main() -> int:
                            "source": t.user_attrs.get("source", "sampler"), "value": t.value,
                            "feasible": t.value is not None and all(c <= 0 for c in constraints_of(t)),
                            "reason": t.user_attrs.get("reason")} for t in st.study.trials]
-                regrets = {}
-                for n in CHECKPOINTS:
-                    pick = pick_after(trials, n)
-                    regrets[n] = None if pick is None or pick not in mean or len(trials) < n \
-                        else mean[pick] / opt - 1
+                regrets = study_regrets(trials, mean, opt)
                 studies.append({"seed": seed, "warmStart": warm, "trials": trials, "regret": regrets,
                                 "minutes": (time.monotonic() - t0) / 60})
                 print(f"  seed {seed} {'warm' if warm else 'cold'}: {(time.monotonic() - t0) / 60:.1f} min; trials:",
@@ -443,8 +461,25 @@ def main() -> int:
         applier.stop()
         prom.stop()
     # --- 4. the figures ---------------------------------------------------------------------------
+    summary, met = print_regrets(studies, opt, opt_p, args.seeds)
+    out.update(summary=summary, goalMet=met)
+    return finish(args, out, served, t_start)
+
+
+def study_regrets(trials: list[dict[str, Any]], mean: dict[EngineParams, float], opt: float
+                  ) -> dict[int, float | None]:
+    """Regret after n live trials: the study's pick then, valued on the grid, over the grid optimum."""
+    regrets: dict[int, float | None] = {}
+    for n in CHECKPOINTS:
+        pick = pick_after(trials, n)
+        regrets[n] = None if pick is None or pick not in mean or len(trials) < n else mean[pick] / opt - 1
+    return regrets
+
+
+def print_regrets(studies: list[dict[str, Any]], opt: float, opt_p: EngineParams, seeds: int
+                  ) -> tuple[dict[str, dict[int, float | None]], bool]:
     print(f"\nregret against the measured grid optimum ({opt:.3f}, {opt_p.label()}), "
-          f"{args.seeds} seed(s); the pick after n live trials, valued on the grid:")
+          f"{seeds} seed(s); the pick after n live trials, valued on the grid:")
     print(f"{'study':<12} " + " ".join(f"{'@' + str(n):>8}" for n in CHECKPOINTS))
     summary: dict[str, dict[int, float | None]] = {}
     for warm in (False, True):
@@ -458,8 +493,32 @@ def main() -> int:
     met = at5 is not None and at5 <= GOAL_REGRET
     print(f"goal (<= {GOAL_REGRET:.0%} after 5 live trials with warm start): "
           + (f"{'MET' if met else 'NOT MET'} ({at5:.1%})" if at5 is not None else "no figure"))
-    out.update(summary=summary, goalMet=met)
-    return finish(args, out, served, t_start)
+    return summary, met
+
+
+def rescore(args: argparse.Namespace, grid: list[EngineParams]) -> int:
+    """The recorded studies' picks valued on the grid from --grid (pooled when several), under the
+    SLO the studies ran with."""
+    ran: dict[str, Any] = json.loads(Path(args.studies).read_text())
+    if not ran.get("studies"):
+        raise SystemExit(f"--studies {args.studies} holds no studies (the --out of --only grid or warm-start?)")
+    args.slo = f"ttft={ran['slo']['ttftSeconds']:g},itl={ran['slo']['itlSeconds']:g}"
+    readings, saved = read_grid(args, grid)
+    _, _, mean, opt_p, opt, _ = score_grid(args, grid, readings)
+    print(f"\nstudies from {args.studies} (grid {ran.get('measuredAt', '?')}); their picks after 3 / 5 / 10 trials:")
+    studies = []
+    for s in ran["studies"]:
+        regrets = study_regrets(s["trials"], mean, opt)
+        picks = [pick_after(s["trials"], n) for n in CHECKPOINTS]
+        print(f"  seed {s['seed']} {'warm' if s['warmStart'] else 'cold'}: " + ", ".join(
+            f"{p.label() if p else '-'} ({mean[p]:.3f})" if p in mean else "-" for p in picks))
+        studies.append({**s, "regret": regrets})
+    summary, met = print_regrets(studies, opt, opt_p, len({s["seed"] for s in studies}))
+    out = {"args": vars(args), "grid": args.grid, "measuredAt": saved["measuredAt"], "studies": studies,
+           "optimum": opt_p.as_spec(), "optimumValue": opt, "summary": summary, "goalMet": met}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1, default=str) + "\n")
+    return 0
 
 
 def finish(args: argparse.Namespace, out: dict[str, Any], served: Any, t_start: float) -> int:
