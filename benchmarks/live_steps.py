@@ -14,8 +14,8 @@ live grid's open load (Poisson at --rate req/s, --prompt-words-word prompts, --m
 - vLLM's logged steps by kind (decode only; with a prefill chunk of <= 256, 257-512, > 512 tokens): how
   many, vLLM's median, and the twin's step model (--profile) for the same batches.  vLLM's logged
   iteration time leaves out its scheduler and the hand-off to the API server, which the twin's step
-  holds as its fixed CPU overhead (`cpu_overhead_s`, printed); a prefill chunk is taken to start
-  halfway into a prompt of the load's mean length.
+  holds as its fixed CPU overhead (`cpu_overhead_s`, printed); the batches' context lengths are
+  taken as twin_vs_vllm.py --iterations takes them (`logged_step_s`).
 
 Needs the real-vLLM venv (`make vllm-env`) and quiet cores.  Writes the printed figures to --out.
 """
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from benchmarks.twin_vs_vllm import read_iterations, tiny_model  # noqa: E402
+from benchmarks.twin_vs_vllm import logged_step_s, read_iterations, tiny_model  # noqa: E402
 from kvpilot.api import vllm as vllm_facts  # noqa: E402
 from kvpilot.api.histogram import histogram_quantile  # noqa: E402
 from kvpilot.twin.profiles import DeviceProfile  # noqa: E402
@@ -111,18 +111,13 @@ def report(row: dict[str, Any], sm: StepTimeModel, prompt: float, output: float)
     print(f"{row['config']:>8}: {n:.0f} token gaps, <= 10 ms {share.get(0.01, 0):.1%}, <= 25 ms "
           f"{share.get(0.025, 0):.2%}, <= 50 ms {share.get(0.05, 0):.2%}; p99 as read {p99 * 1e3:.1f} ms", flush=True)
 
-    def model(ctx_reqs: int, ctx_tokens: int, gen_reqs: int) -> float:
-        pairs = ctx_tokens * (prompt / 2 + (ctx_tokens / max(ctx_reqs, 1) + 1) / 2)
-        return sm.step_time(ctx_tokens + gen_reqs, ctx_reqs + gen_reqs, gen_reqs, pairs,
-                            gen_reqs * (prompt + output / 2))
-
     kinds = {}
     for kind, lo, hi in KINDS:
         sel = [s for s in row["steps"] if lo <= s[1] <= hi]
         if not sel:
             continue
         real = np.array([s[3] for s in sel])
-        twin = np.array([model(s[0], s[1], s[2]) for s in sel])
+        twin = np.array([logged_step_s(sm, prompt, output, s[0], s[1], s[2]) for s in sel])
         tokens = float(np.median([s[1] + s[2] for s in sel]))
         kinds[kind] = {"steps": len(sel), "tokens": tokens, "vllmMs": float(np.median(real)) * 1e3,
                        "twinMs": float(np.median(twin)) * 1e3}

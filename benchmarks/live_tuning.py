@@ -511,7 +511,7 @@ def rescore(args: argparse.Namespace, grid: list[EngineParams]) -> int:
         regrets = study_regrets(s["trials"], mean, opt)
         picks = [pick_after(s["trials"], n) for n in CHECKPOINTS]
         print(f"  seed {s['seed']} {'warm' if s['warmStart'] else 'cold'}: " + ", ".join(
-            f"{p.label() if p else '-'} ({mean[p]:.3f})" if p in mean else "-" for p in picks))
+            f"{p.label()} ({mean[p]:.3f})" if p in mean else "-" for p in picks))
         studies.append({**s, "regret": regrets})
     summary, met = print_regrets(studies, opt, opt_p, len({s["seed"] for s in studies}))
     out = {"args": vars(args), "grid": args.grid, "measuredAt": saved["measuredAt"], "studies": studies,

@@ -784,15 +784,20 @@ def read_iterations(log: Path, offset: int) -> tuple[list[tuple[int, int, int, f
     return steps, len(data)
 
 
-def model_step_s(sm: StepTimeModel, mix: str, ctx_reqs: int, ctx_tokens: int, gen_reqs: int) -> float:
-    """The twin's step time for a step of this batch.  The log gives no context lengths, so a prefill
-    chunk is taken to start halfway into a prompt of the mix's mean length and a decode to read a
-    prompt of that length plus half the mean output: attention is a small share of the tiny model's
+def logged_step_s(sm: StepTimeModel, prompt: float, output: float, ctx_reqs: int, ctx_tokens: int,
+                  gen_reqs: int) -> float:
+    """The twin's step time for a step vLLM logged with this batch.  The log gives no context lengths,
+    so a prefill chunk is taken to start halfway into a prompt of `prompt` tokens and a decode to read
+    a prompt of that length plus half of `output`: attention is a small share of the tiny model's
     step, so this moves the figure little."""
-    (plo, phi), (olo, ohi) = MIXES[mix]
-    prompt, output = (plo + phi) / 2, (olo + ohi) / 2
     pairs = ctx_tokens * (prompt / 2 + (ctx_tokens / max(ctx_reqs, 1) + 1) / 2)
     return sm.step_time(ctx_tokens + gen_reqs, ctx_reqs + gen_reqs, gen_reqs, pairs, gen_reqs * (prompt + output / 2))
+
+
+def model_step_s(sm: StepTimeModel, mix: str, ctx_reqs: int, ctx_tokens: int, gen_reqs: int) -> float:
+    """`logged_step_s` at the mix's mean prompt and output lengths."""
+    (plo, phi), (olo, ohi) = MIXES[mix]
+    return logged_step_s(sm, (plo + phi) / 2, (olo + ohi) / 2, ctx_reqs, ctx_tokens, gen_reqs)
 
 
 def iteration_row(profile: DeviceProfile, mix: str, steps: list[tuple[int, int, int, float]], wall_s: float

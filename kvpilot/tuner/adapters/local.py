@@ -101,10 +101,8 @@ class _Forwarder:
             raise
 
     def start(self) -> None:
-        """Accept connections (binding first if `bind()` was not called)."""
-        if not self._thread.is_alive():
-            self.bind()
-        assert self._server is not None
+        """Accept connections on the port `bind()` holds."""
+        assert self._server is not None, "bind() first"
         asyncio.run_coroutine_threadsafe(self._server.start_serving(), self._loop).result(timeout=10)
 
     async def _bind(self) -> None:
