@@ -89,7 +89,7 @@ from kvpilot.twin.conformance.reference import (  # noqa: E402
 from kvpilot.twin.engine import Engine, EngineConfig  # noqa: E402
 from kvpilot.twin.hardware import GiB, GpuSpec  # noqa: E402
 from kvpilot.twin.models import load_model_config  # noqa: E402
-from kvpilot.twin.offline import drive  # noqa: E402
+from kvpilot.twin.offline import drive, step_gaps  # noqa: E402
 from kvpilot.twin.profiles import DeviceProfile  # noqa: E402
 from kvpilot.twin.steptime import StepTimeModel, StepTimeParams  # noqa: E402
 from kvpilot.twin.workload import RequestBatch  # noqa: E402
@@ -388,9 +388,9 @@ def simulate(model: Any, device: GpuSpec, params: StepTimeParams, o: dict[str, A
 
 
 def predict(model: Any, device: GpuSpec, params: StepTimeParams, obs: list[dict[str, Any]]) -> np.ndarray:
-    """Each observation's seconds as the twin has them.  A decode gap: its step's time (the engine's
-    step_time, every scheduled request sampling), or the frontend's streaming of that step's tokens
-    where that is longer (one server: the clients see a step's tokens no faster).  A lone prompt's
+    """Each observation's seconds as the twin has them.  A decode gap (the mean over a batch's stream):
+    its step's time (the engine's step_time, every scheduled request sampling), or the frontend's
+    cost of a step where that is longer (its cost per token is paid once per round of steps).  A lone prompt's
     TTFT: its admission, its prefill steps, the streaming of its token, and the frontend's latency.
     A burst or a mixed step: served by the twin."""
     stm = StepTimeModel(model, device, 1, params)
@@ -401,8 +401,9 @@ def predict(model: Any, device: GpuSpec, params: StepTimeParams, obs: list[dict[
             continue
         steps = [stm.step_time(int(t), int(n), int(n), p, int(kv)) for t, n, p, kv in o["steps"]]
         if o["kind"] == "decode":
-            n = int(o["n"])
-            out.append(max(sum(steps), params.frontend_step_s + n * params.frontend_token_s))
+            # A frontend slower than the engine streams several steps' tokens at once (offline.drive's
+            # output rounds), so a long batch's mean gap is the step's unless a step's own cost is more.
+            out.append(max(sum(steps), params.frontend_step_s))
         else:
             out.append(sum(steps) + params.frontend_s + params.frontend_request_s + params.frontend_step_s
                        + params.frontend_token_s + params.frontend_prompt_token_s * int(o["prompt"]))
@@ -626,7 +627,7 @@ def replay_twin(profile: DeviceProfile, budget: int, batch: RequestBatch) -> Res
     trace = drive(engine, batch, max_sim_time_s=1e6)
     ends = np.asarray(trace.delivered)  # when each step's tokens reached the clients
     ttft = np.array([ends[r.step_first_token] - r.arrival_time for r in trace.done])
-    step_itl = np.diff(ends, prepend=0.0)
+    step_itl = step_gaps(trace)  # a round of several steps streamed at once: its gap spread, as _one reads it
     parts = [np.repeat(step_itl, np.asarray(trace.steadies, dtype=np.int64))]
     if trace.gaps:
         g = np.asarray(trace.gaps, dtype=np.int64)

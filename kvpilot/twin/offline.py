@@ -117,6 +117,7 @@ class Trace:
     steadies: list[int]
     gaps: list[tuple[int, int]]
     delivered: list[float] = field(default_factory=list)
+    seen_gaps: list[float] | None = None  # see step_gaps
     in_system: list[int] = field(default_factory=lambda: [0])  # requests running or waiting after each step
     usage_area: float = 0.0
     usage_max: float = 0.0
@@ -175,10 +176,26 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
     # time is known); `fe_free` is when the server is next idle.
     delivered = [0.0] if queues else ends
     trace.delivered = delivered
+    # The gap a client reads before each step's tokens (see Trace.step_gaps); with the frontend as a
+    # server, a round of several steps' outputs streamed at once spreads its gap over them.
+    seen_gaps = [0.0] if queues else None
+    trace.seen_gaps = seen_gaps
     c_req, c_step, c_tok = params.frontend_request_s, params.frontend_step_s, params.frontend_token_s
     c_prompt = params.frontend_prompt_token_s
     admitted = 0 if queues else n
     fe_free = 0.0
+    # Output rounds.  vLLM's API server takes each step's output from the engine core as it comes,
+    # but a request's stream merges the outputs it has not yet sent (RequestOutputCollector), and
+    # the client reads what has arrived in one go: a frontend behind the engine streams several
+    # steps' tokens in one event per request.  So a step that ends while the server is busy waits,
+    # with every later step that ends before the server frees (`round_start`), and the round costs
+    # `frontend_step_s` a step but `frontend_token_s` once per request with tokens in it.
+    pending: list[int] = []  # steps of the waiting round that sampled tokens
+    silent: list[int] = []  # steps in it that sampled none (they deliver nothing, but keep step order)
+    pending_reqs: set[int] = set()
+    pending_obs: list[tuple[int, list[Request], int, list[tuple[int, int]]]] = []
+    round_start = 0.0
+    last_round = 0.0  # when the frontend last delivered tokens
 
     def admit_until(t: float) -> None:
         nonlocal admitted, fe_free
@@ -187,6 +204,26 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
             fe_free = (a if a > fe_free else fe_free) + c_req + c_prompt * prompts[admitted]
             ready[admitted] = fe_free + delay
             admitted += 1
+
+    def close_round(start: float) -> None:
+        nonlocal fe_free, last_round
+        # frontend_s is counted once, on the way in (ready): it is a latency, not server time.
+        t = start + c_step * len(pending) + c_tok * len(pending_reqs)
+        share = (t - last_round) / len(pending)
+        for k in pending:
+            delivered[k] = t
+            seen_gaps[k] = share
+        for k in silent:
+            delivered[k] = t
+        fe_free = last_round = t
+        pending.clear()
+        silent.clear()
+        pending_reqs.clear()
+        if pending_obs:
+            for ob in pending_obs:
+                observe(*ob)
+            pending_obs.clear()
+
     in_system = trace.in_system
     # The early stop's tallies: more misses than 1% of what will be observed and the p99 is over.
     watch = stop_on_miss is not None
@@ -197,13 +234,30 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
     first_measured = bisect_left(arrivals, measure_from_s)
     itl_budget = int(0.01 * sum(max(outputs[i] - 1, 0) for i in measured))
     ttft_miss = itl_miss = 0
+
+    def observe(k: int, scheduled: list[Request], steady: int, g: list[tuple[int, int]]) -> None:
+        """Count step k's misses, once the time its tokens reached the clients is known."""
+        nonlocal ttft_miss, itl_miss
+        seen = delivered[k]
+        for req in scheduled:
+            if req.step_first_token == k and req.arrival_time >= measure_from_s and seen - req.arrival_time > slo_ttft:
+                ttft_miss += 1
+        if (seen_gaps[k] if seen_gaps is not None else seen - delivered[k - 1]) > slo_itl:
+            itl_miss += steady
+        for a, b in g:
+            if delivered[b] - delivered[a] > slo_itl:
+                itl_miss += 1
+
     usage_area = usage_max = 0.0
     tokens_total = 0
     now = 0.0
     i = 0
     while True:
         if queues:
-            admit_until(now)
+            if pending and round_start <= now:
+                close_round(round_start)
+            if not pending:  # requests sent after a waiting round's first output queue behind it
+                admit_until(now)
         while i < admitted and ready[i] <= now:
             if keys is not None and keys[i] and ptoks is not None:
                 pk = keys[i]
@@ -213,6 +267,9 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
                 add(Request(str(i), prompts[i], outputs[i], arrivals[i]))
             i += 1
         if not (sched.running or sched.waiting):
+            if pending:  # no step will join the waiting round: it is streamed when the server frees
+                close_round(round_start)
+                continue
             if i >= n:
                 break
             # Idle: on to the next request's readiness (its send, where the frontend has not seen it yet).
@@ -224,15 +281,29 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
         starts.append(now)
         now += duration
         ends.append(now)
+        k = len(ends) - 1
         if queues:
-            # Requests sent during the step are admitted before its output is streamed.
-            admit_until(now)
+            if pending and round_start <= now:
+                close_round(round_start)
+            if not pending:
+                # Requests sent during the step are admitted before its output is streamed.
+                admit_until(now)
+            delivered.append(math.nan)
+            seen_gaps.append(0.0)
             if sampled:
-                # frontend_s is counted once, on the way in (ready): it is a latency, not server time.
-                fe_free = (now if now > fe_free else fe_free) + c_step + sampled * c_tok
-                delivered.append(fe_free)
+                pending.append(k)
+                if pending_reqs or fe_free > now:
+                    pending_reqs.update(id(r) for r in scheduled if r.sched < 0)
+                else:  # a round of one step (the common case): every sampled request is distinct
+                    pending_reqs.update(range(-sampled, 0))
+                if not fe_free > now:
+                    close_round(now)
+                elif len(pending) == 1:
+                    round_start = fe_free
+            elif pending:
+                silent.append(k)
             else:
-                delivered.append(delivered[-1])
+                delivered[k] = delivered[k - 1]
         steadies.append(steady)
         in_system.append(len(sched.running) + len(sched.waiting))
         tokens_total += tokens
@@ -245,16 +316,10 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
         if finished:
             done.extend(finished)
         if watch and now >= measure_from_s:
-            k = len(ends) - 1
-            seen = delivered[k]
-            for req in scheduled:
-                if req.step_first_token == k and req.arrival_time >= measure_from_s and seen - req.arrival_time > slo_ttft:
-                    ttft_miss += 1
-            if seen - delivered[k - 1] > slo_itl:
-                itl_miss += steady
-            for a, b in g:
-                if delivered[b] - delivered[a] > slo_itl:
-                    itl_miss += 1
+            if pending and (k in pending or k in silent):
+                pending_obs.append((k, scheduled, steady, g))
+            else:
+                observe(k, scheduled, steady, g)
             if not k % 32:
                 # Requests still waiting for their first token longer than the SLO are misses already.
                 late = sum(1 for r in sched.waiting if r.arrival_time >= measure_from_s and now - r.arrival_time > slo_ttft)
@@ -266,8 +331,20 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
                 trace.stopped = True
                 trace.ttft_missed, trace.itl_missed = ttft_miss > ttft_budget, itl_miss > itl_budget
                 break
+    if pending:
+        close_round(round_start)
     trace.usage_area, trace.usage_max, trace.tokens_total = usage_area, usage_max, tokens_total
     return trace
+
+
+def step_gaps(trace: Trace) -> np.ndarray:
+    """The gap a client reads before each step's tokens, by step: the time since the previous
+    delivery of tokens, or, where the frontend streamed several steps' tokens in one round, that
+    round's gap spread over its steps (a client reading k tokens in one event counts k gaps of a
+    k-th of its wait, as vLLM's benchmark clients do)."""
+    if trace.seen_gaps is not None:
+        return np.asarray(trace.seen_gaps, dtype=float)
+    return np.diff(np.asarray(trace.delivered, dtype=float), prepend=0.0)
 
 
 def _p99(x: np.ndarray, independent: int, confidence: float | None) -> float:
@@ -290,7 +367,7 @@ def observed_samples(trace: Trace, measure_from_s: float = 0.0) -> tuple[np.ndar
     reqs = [r for r in trace.done if r.arrival_time >= measure_from_s]
     live = [r for r in trace.engine.scheduler.running if r.arrival_time >= measure_from_s and r.step_first_token]
     firsts = np.fromiter((ends[r.step_first_token] - r.arrival_time for r in (*reqs, *live)), float)
-    step_itl = np.diff(ends, prepend=0.0)
+    step_itl = step_gaps(trace)
     keep = ends >= measure_from_s
     parts = [np.repeat(step_itl[keep], np.asarray(trace.steadies, dtype=np.int64)[keep])]
     if trace.gaps:
@@ -384,7 +461,7 @@ def _report(trace: Trace, config: EngineConfig, workload: Workload | RequestBatc
     tpot = decode[multi] / (n_out[multi] - 1)
 
     steady = np.asarray(trace.steadies, dtype=np.int64)
-    step_itl = np.diff(seen, prepend=0.0)
+    step_itl = step_gaps(trace)
     itl_parts = [np.repeat(step_itl, steady)]
     if trace.gaps:
         g = np.asarray(trace.gaps, dtype=np.int64)

@@ -6,11 +6,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvpilot.twin.engine import Engine, EngineConfig
 from kvpilot.twin.hardware import GiB
 from kvpilot.twin.models import resolve_model
+from kvpilot.twin.offline import step_gaps
 from kvpilot.twin.profiles import DeviceProfile, DeviceProfileError
 from kvpilot.twin.steptime import StepTimeModel
 
@@ -125,16 +127,46 @@ def test_a_longer_prompt_takes_the_frontend_longer_to_admit() -> None:
 
 
 def test_streaming_delays_what_clients_see_not_the_engines_steps() -> None:
-    """frontend_token_s: a step's tokens reach the clients once the frontend has streamed each of
-    them; the engine core does not wait for it, so the steps are those of a run without the cost."""
+    """frontend_token_s: a step's tokens reach the clients once the frontend has streamed them; the
+    engine core does not wait for it, so the steps are those of a run without the cost."""
     args = ([0.0] * 8, [40] * 8, [6] * 8)
     plain = _served_trace({}, *args)
     slow = _served_trace({"frontend_token_s": 1.0}, *args)  # 1 s a token: far above a step here
     assert slow.ends == pytest.approx(plain.ends)
-    steps = [k for k in range(1, len(slow.ends)) if slow.delivered[k] != slow.delivered[k - 1]]
-    # Eight tokens a step, one second each: the clients see one step's tokens every 8 s.
-    assert [slow.delivered[b] - slow.delivered[a] for a, b in zip(steps, steps[1:], strict=False)] == \
-        pytest.approx([8.0] * (len(steps) - 1))
+    assert all(d >= e for d, e in zip(slow.delivered[1:], slow.ends[1:], strict=True))
+    # The first step samples the eight first tokens: the clients see them eight seconds after it.
+    assert slow.delivered[1] == pytest.approx(plain.ends[1] + 8.0)
+
+
+def test_a_frontend_behind_the_engine_streams_the_steps_that_waited_in_one_round() -> None:
+    """Steps that end while the frontend is busy wait and go out together, one event per request
+    (vLLM's RequestOutputCollector merges what a stream has not sent yet): the round costs
+    frontend_token_s once per request in it, not once per token, plus frontend_step_s per step, and a
+    client reading k tokens at once counts k gaps of a k-th of its wait."""
+    args = ([0.0] * 8, [40] * 8, [6] * 8)
+    plain = _served_trace({}, *args)
+    slow = _served_trace({"frontend_token_s": 1.0, "frontend_step_s": 0.25}, *args)
+    decodes = list(range(2, len(plain.ends)))
+    assert len(decodes) == 5 and plain.ends[-1] < plain.ends[1] + 8.25  # all end while the first streams
+    first = plain.ends[1] + 0.25 + 8.0
+    assert slow.delivered[1] == pytest.approx(first)
+    # One round for the five decode steps: 5 x 0.25 s of steps and 8 requests' tokens, not 5 x 8.
+    assert [slow.delivered[k] for k in decodes] == pytest.approx([first + 1.25 + 8.0] * 5)
+    gaps = step_gaps(slow)
+    assert gaps[decodes] == pytest.approx([(1.25 + 8.0) / 5] * 5)
+    # Each request's stream: its first token, then five gaps that add up to the round's wait.
+    steady = np.repeat(gaps, np.asarray(slow.steadies, dtype=np.int64))
+    assert len(steady) == 8 * 5 and steady.sum() == pytest.approx(8 * (1.25 + 8.0))
+
+
+def test_a_frontend_that_keeps_up_streams_every_step_on_its_own() -> None:
+    """Costs below the step time: no step waits, each is delivered alone at its end plus its cost."""
+    args = ([0.0] * 8, [40] * 8, [6] * 8)
+    plain = _served_trace({}, *args)
+    cost = 1e-4
+    fast = _served_trace({"frontend_token_s": cost}, *args)
+    assert fast.delivered[1:] == pytest.approx([e + 8 * cost for e in plain.ends[1:]])
+    assert step_gaps(fast)[2:] == pytest.approx(np.diff(plain.ends[1:]))
 
 
 def test_an_arrival_holds_up_the_tokens_streaming_behind_it() -> None:
