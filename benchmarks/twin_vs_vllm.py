@@ -129,7 +129,7 @@ MIXED_AT = 0.15
 MIXED_DECODE_TOKENS = 160
 # The constants the fit moves (the shape constants of the GEMM roofline keep their calibrated values).
 FITTED = ("gemm_compute_eff", "gemm_memory_eff", "gemm_floor_s", "elementwise_floor_s", "attn_prefill_eff",
-          "attn_decode_eff", "attn_floor_s", "cpu_overhead_s", "cpu_per_request_s", "frontend_s",
+          "attn_decode_eff", "attn_floor_s", "cpu_overhead_s", "cpu_per_request_s", "engine_request_s", "frontend_s",
           "frontend_request_s", "frontend_step_s", "frontend_token_s")
 
 
@@ -392,7 +392,8 @@ def predict(model: Any, device: GpuSpec, params: StepTimeParams, obs: list[dict[
     """Each observation's seconds as the twin has them.  A decode gap (the mean over a batch's stream):
     its step's time (the engine's step_time, every scheduled request sampling), or the frontend's
     cost of a step where that is longer (its cost per token is paid once per round of steps).  A lone prompt's
-    TTFT: its admission, its prefill steps, the streaming of its token, and the frontend's latency.
+    TTFT: its admission, the engine's intake of it, its prefill steps, the streaming of its token, and
+    the frontend's latency.
     A burst or a mixed step: served by the twin."""
     stm = StepTimeModel(model, device, 1, params)
     out = []
@@ -406,8 +407,9 @@ def predict(model: Any, device: GpuSpec, params: StepTimeParams, obs: list[dict[
             # output rounds), so a long batch's mean gap is the step's unless a step's own cost is more.
             out.append(max(sum(steps), params.frontend_step_s))
         else:
-            out.append(sum(steps) + params.frontend_s + params.frontend_request_s + params.frontend_step_s
-                       + params.frontend_token_s + params.frontend_prompt_token_s * int(o["prompt"]))
+            out.append(sum(steps) + params.engine_request_s + params.frontend_s + params.frontend_request_s
+                       + params.frontend_step_s + params.frontend_token_s
+                       + params.frontend_prompt_token_s * int(o["prompt"]))
     return np.array(out)
 
 
@@ -452,7 +454,8 @@ def fit_params(model: Any, device: GpuSpec, obs: list[dict[str, Any]],
     sized for a CPU.  With `measured_costs` (frontend_costs), the frontend server's costs are those
     and the fit moves the rest."""
     start = StepTimeParams(cpu_overhead_s=2e-3, gemm_floor_s=2e-5, elementwise_floor_s=1e-5, attn_floor_s=2e-5,
-                           frontend_s=5e-3, frontend_request_s=3e-3, frontend_step_s=2e-4, frontend_token_s=5e-5)
+                           engine_request_s=2e-4, frontend_s=5e-3, frontend_request_s=3e-3, frontend_step_s=2e-4,
+                           frontend_token_s=5e-5)
     fitted = FITTED
     if measured_costs:
         start = replace(start, **{k: measured_costs[k] for k in COST_OF.values()})

@@ -232,6 +232,9 @@ class Engine:
         # stream seeded alike in every engine, so two configs see the same draws step for step.
         sigma = self.step_model.params.step_jitter
         self._jitter = (random.Random(JITTER_SEED), -sigma * sigma / 2, sigma) if sigma > 0 else None
+        # StepTimeParams.engine_request_s: requests added since the last step are taken in before it.
+        self._intake_s = self.step_model.params.engine_request_s
+        self._taken_in = 0
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_tokens: int, max_tokens: int, arrival_time: float = 0.0, *,
@@ -288,6 +291,10 @@ class Engine:
         if self._jitter is not None:
             rng, mu, sigma = self._jitter
             duration *= rng.lognormvariate(mu, sigma)
+        if self._intake_s:
+            added = self.scheduler.num_added
+            duration += (added - self._taken_in) * self._intake_s
+            self._taken_in = added
         return duration, scheduled, finished, preempted, tokens, steady, gaps, sampled
 
     def step(self) -> StepOutput:

@@ -150,6 +150,7 @@ class Scheduler:
         self.queue: OrderedDict[tuple | int, int] = OrderedDict()
         self._run_ids = count()
         self._own_ids = count()
+        self.num_added = 0  # requests ever added (the engine charges their intake to the next step)
         self.num_free = 0  # blocks in the queue
         self._free_run(self.usable_blocks)
         # Cached blocks -> reference count (0: unreferenced, in the queue, evictable).
@@ -338,6 +339,7 @@ class Scheduler:
         # Unique even when an id comes back after an abort: a new request must never hit the
         # blocks an earlier one with the same id left cached.
         req.own_key = f"\x00{next(self._own_ids)}"
+        self.num_added += 1
         self.requests[req.request_id] = req
         self.waiting.append(req)
 

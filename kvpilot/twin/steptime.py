@@ -56,6 +56,13 @@ class StepTimeParams:
     allreduce_eff: float = 0.70
     cpu_overhead_s: float = 1.2e-3
     cpu_per_request_s: float = 8e-6
+    # The engine core's cost of taking a request in (decoding it from the frontend's message, hashing
+    # its prompt's blocks for prefix caching, queueing it), on the engine's clock between steps: the
+    # step after requests reach the engine ends this much later per new request.  Lone prompts fold
+    # it into their TTFT, but under load it lands on the steps of every running request.  0 for the
+    # GPU presets (fitted on steps, not on arrivals); a device profile fitted through vLLM's HTTP API
+    # (benchmarks/twin_vs_vllm.py --calibrate) sets it.
+    engine_request_s: float = 0.0
     # The serving frontend's latency, not a step's: from a request's send to the first token's arrival
     # at the client, what vLLM's API server (HTTP, the engine-core IPC, SSE) adds to the engine's
     # steps without occupying it.  The offline twin (offline.drive) holds a request back this long

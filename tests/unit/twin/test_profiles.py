@@ -169,6 +169,26 @@ def test_a_frontend_that_keeps_up_streams_every_step_on_its_own() -> None:
     assert step_gaps(fast)[2:] == pytest.approx(np.diff(plain.ends[1:]))
 
 
+def test_the_engine_takes_each_new_request_in_before_its_next_step() -> None:
+    """engine_request_s: requests that reached the engine since the last step make the next step
+    that much longer each (vLLM's engine core decodes and hashes them between steps), and a step
+    after no arrival is not charged."""
+    cost = 0.05
+    args = ([0.0] * 4 + [30.0], [40] * 5, [6] * 5)
+
+    def durations(trace: Any) -> tuple[np.ndarray, int]:
+        late = next(r for r in trace.done if r.arrival_time == 30.0)
+        return np.asarray(trace.ends) - np.asarray(trace.starts), late.step_scheduled
+
+    plain, k = durations(_served_trace({}, *args))
+    taken, k_taken = durations(_served_trace({"engine_request_s": cost}, *args))
+    assert k_taken == k and k > 6  # the first four had finished: the late one starts a step of its own
+    extra = taken - plain
+    assert extra[1] == pytest.approx(4 * cost)  # the four sent together, taken in before the first step
+    assert extra[k] == pytest.approx(cost)
+    assert np.allclose(np.delete(extra, [1, k]), 0.0)
+
+
 def test_an_arrival_holds_up_the_tokens_streaming_behind_it() -> None:
     """One server: a request the frontend admits while another streams delays that stream's next
     token by the admission, which is how a lone arrival shows in p99 ITL."""
