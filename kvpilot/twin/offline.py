@@ -178,8 +178,8 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
     trace.delivered = delivered
     # The gap a client reads before each step's tokens (see Trace.step_gaps); with the frontend as a
     # server, a round of several steps' outputs streamed at once spreads its gap over them.
-    seen_gaps = [0.0] if queues else None
-    trace.seen_gaps = seen_gaps
+    seen_gaps: list[float] = [0.0]
+    trace.seen_gaps = seen_gaps if queues else None
     c_req, c_step, c_tok = params.frontend_request_s, params.frontend_step_s, params.frontend_token_s
     c_prompt = params.frontend_prompt_token_s
     admitted = 0 if queues else n
@@ -242,7 +242,7 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
         for req in scheduled:
             if req.step_first_token == k and req.arrival_time >= measure_from_s and seen - req.arrival_time > slo_ttft:
                 ttft_miss += 1
-        if (seen_gaps[k] if seen_gaps is not None else seen - delivered[k - 1]) > slo_itl:
+        if (seen_gaps[k] if queues else seen - delivered[k - 1]) > slo_itl:
             itl_miss += steady
         for a, b in g:
             if delivered[b] - delivered[a] > slo_itl:
