@@ -468,15 +468,6 @@ def fit_params(model: Any, device: GpuSpec, obs: list[dict[str, Any]],
     return replace(params, **{k: float(f"{getattr(params, k):.4g}") for k in fitted})
 
 
-def observation_errors(model: Any, profile: DeviceProfile, obs: list[dict[str, Any]]) -> np.ndarray:
-    """Each observation's |relative error| as fitted: without the step jitter, since the observations
-    are medians and a burst or mixed step served once with it is one draw (a mixed step's longest gap
-    read 8.1 and 4.2 ms with it, 5.7 and 6.3 without, against vLLM's 6.9 and 6.9)."""
-    measured = np.array([o["seconds"] for o in obs])
-    fitted = replace(profile.step_time, step_jitter=0.0)
-    return np.abs(predict(model, profile.device, fitted, obs) / measured - 1.0)
-
-
 def calibrate(args: argparse.Namespace) -> int:
     DATA.mkdir(parents=True, exist_ok=True)
     served_path = DATA / "served.json"
@@ -509,8 +500,11 @@ def calibrate(args: argparse.Namespace) -> int:
     print("fitted:", {k: getattr(params, k) for k in FITTED})
     print(f"step jitter (vLLM's own log of {jitter.get('steps', 0):.0f} decode steps): sigma {params.step_jitter:g}"
           + (f", p99 / median {jitter['p50_to_p99']:.2f}" if "p50_to_p99" in jitter else ""))
-    errs = observation_errors(model, profile, obs)
+    # Errors as fitted, without the step jitter: the observations are medians, and a burst or mixed step
+    # served once with it is one draw (a mixed step's longest gap read 8.1 and 4.2 ms with it, 5.7 and
+    # 6.3 without, against vLLM's 6.9 and 6.9).
     pred = predict(model, device, replace(params, step_jitter=0.0), obs)
+    errs = np.abs(pred / np.array([o["seconds"] for o in obs]) - 1.0)
     for o, e, p in zip(obs, errs, pred, strict=True):
         what = (f"decode {o['n']:>2} x {o['prompt']:>4}" if o["kind"] == "decode" else
                 f"burst {o['n']:>2} x {o['tokens']:>2} {o['stat']}" if o["kind"] == "burst" else

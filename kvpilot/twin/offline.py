@@ -205,10 +205,11 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
             ready[admitted] = fe_free + delay
             admitted += 1
 
-    def close_round(start: float) -> None:
+    def close_round(start: float, tokens: int | None = None) -> None:
+        """Stream the waiting round from `start`: `tokens` events (default: one per request in it)."""
         nonlocal fe_free, last_round
         # frontend_s is counted once, on the way in (ready): it is a latency, not server time.
-        t = start + c_step * len(pending) + c_tok * len(pending_reqs)
+        t = start + c_step * len(pending) + c_tok * (len(pending_reqs) if tokens is None else tokens)
         share = (t - last_round) / len(pending)
         for k in pending:
             delivered[k] = t
@@ -292,14 +293,12 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
             seen_gaps.append(0.0)
             if sampled:
                 pending.append(k)
-                if pending_reqs or fe_free > now:
+                if fe_free > now:  # the server is busy: the output waits, in a round that starts when it frees
                     pending_reqs.update(id(r) for r in scheduled if r.sched < 0)
-                else:  # a round of one step (the common case): every sampled request is distinct
-                    pending_reqs.update(range(-sampled, 0))
-                if not fe_free > now:
-                    close_round(now)
-                elif len(pending) == 1:
-                    round_start = fe_free
+                    if len(pending) == 1:
+                        round_start = fe_free
+                else:  # a round of this step alone (the common case)
+                    close_round(now, sampled)
             elif pending:
                 silent.append(k)
             else:
@@ -316,7 +315,7 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
         if finished:
             done.extend(finished)
         if watch and now >= measure_from_s:
-            if pending and (k in pending or k in silent):
+            if pending:  # this step waits in the round: its misses are known once it is streamed
                 pending_obs.append((k, scheduled, steady, g))
             else:
                 observe(k, scheduled, steady, g)

@@ -149,8 +149,8 @@ class Scheduler:
         # whose content nobody can hit; the value is how many blocks the entry stands for.
         self.queue: OrderedDict[tuple | int, int] = OrderedDict()
         self._run_ids = count()
-        self._own_ids = count()
-        self.num_added = 0  # requests ever added (the engine charges their intake to the next step)
+        # Requests ever added: each one's own-block key, and the engine charges their intake to its next step.
+        self.num_added = 0
         self.num_free = 0  # blocks in the queue
         self._free_run(self.usable_blocks)
         # Cached blocks -> reference count (0: unreferenced, in the queue, evictable).
@@ -338,7 +338,7 @@ class Scheduler:
     def add(self, req: Request) -> None:
         # Unique even when an id comes back after an abort: a new request must never hit the
         # blocks an earlier one with the same id left cached.
-        req.own_key = f"\x00{next(self._own_ids)}"
+        req.own_key = f"\x00{self.num_added}"
         self.num_added += 1
         self.requests[req.request_id] = req
         self.waiting.append(req)
