@@ -95,6 +95,7 @@ from kvpilot.twin.conformance.reference import require_vllm_env, vllm_env  # noq
 from kvpilot.twin.hardware import serve_defaults  # noqa: E402
 from kvpilot.twin.profiles import DeviceProfile  # noqa: E402
 from tests.support.live_tuning import BackgroundLoad  # noqa: E402
+from tests.support.loadgen import percentile  # noqa: E402
 from tests.support.prometheus import VLLM_METRIC_RELABEL_CONFIGS, PrometheusServer  # noqa: E402
 
 PROFILE = Path(__file__).resolve().parent / "data" / "vllm-cpu" / "profile.json"
@@ -370,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         prom.start()
         applier.start()
         load.start()
+        load_t0 = time.monotonic()  # the load's clock: its records' `start` counts from here
         # The reading needs an SLO only for the burn rate; the grid keeps the raw p99s and is scored
         # once the SLO is chosen.  A loose one here (vLLM's largest useful edges) reads the same p99s.
         reader = PrometheusSignals(prom.url, selector='job="vllm"', slo=SLO(ttft_seconds=10.0, itl_seconds=2.5),
@@ -378,15 +380,18 @@ def main(argv: list[str] | None = None) -> int:
 
         # --- 1. the grid --------------------------------------------------------------------------
         readings, saved = read_grid(args, grid) if args.only == "studies" else ({}, {})
+        spans: dict[EngineParams, list[tuple[float, float]]] = {}
         for i, p in enumerate(grid if args.only != "studies" else []):
             t0 = time.monotonic()
             applier.apply(p, None)
             started = time.monotonic() - t0
             time.sleep(args.warmup)
-            readings[p] = []
+            readings[p], spans[p] = [], []
             for _ in range(args.repeats):
+                w0 = time.monotonic() - load_t0
                 time.sleep(args.window)
                 readings[p].append(reader.measure(args.window))
+                spans[p].append((w0, w0 + args.window))
             ms = readings[p]
             print(f"  grid {i + 1:>2}/{len(grid)} {p.label():<34} start {started:5.1f}s  p99 TTFT "
                   + " ".join(f"{m.ttft_p99:.3f}" for m in ms) + "  p99 ITL "
@@ -402,7 +407,9 @@ def main(argv: list[str] | None = None) -> int:
                    optimumValue=opt, near=near, grid=[{"engine": p.as_spec(), "values": values[p],
                                                        "ttftP99": [m.ttft_p99 for m in readings[p]],
                                                        "itlP99": [m.itl_p99 for m in readings[p]],
-                                                       "rate": [m.request_rate for m in readings[p]]} for p in grid],
+                                                       "rate": [m.request_rate for m in readings[p]],
+                                                       **({"spans": spans[p]} if p in spans else {})}
+                                                      for p in grid],
                    workload=saved.get("workload"),
                    measuredAt=saved["measuredAt"] if args.only == "studies"
                    else time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
@@ -521,11 +528,37 @@ def rescore(args: argparse.Namespace, grid: list[EngineParams]) -> int:
     return 0
 
 
+def client_figures(rows: list[dict[str, Any]], served: Any) -> None:
+    """The load's own p50 and p99 TTFT and token gap of each grid window (the requests it sent in
+    the window), beside the reading from vLLM's histograms: exact samples where the reading is
+    interpolated inside a bucket, so a p99 that reads 0.0099 (vLLM's first ITL bucket) shows what
+    the gaps were.  Printed and added to the grid's rows."""
+    rows = [r for r in rows if r.get("spans")]
+    if not rows:
+        return
+    print("\nthe load's own figures per grid window (TTFT p50/p99 s, token gap p50/p99 ms; "
+          "vLLM's histograms read p99 TTFT / ITL):")
+    for row in rows:
+        client = []
+        for a, b in row["spans"]:
+            ttft, itl = served.ttfts(a, b), served.itls(a, b)
+            client.append({"requests": len(served.window(a, b)), "ttftP50": percentile(ttft, 50),
+                           "ttftP99": percentile(ttft, 99), "itlP50": percentile(itl, 50),
+                           "itlP99": percentile(itl, 99)})
+        row["client"] = client
+        e = EngineParams.from_spec(row["engine"])
+        print(f"  {e.max_num_batched_tokens:>5}/{e.max_num_seqs:<2} " + "  ".join(
+            f"{c['ttftP50'] or 0:.3f}/{c['ttftP99'] or 0:.3f} {1e3 * (c['itlP50'] or 0):.1f}/"
+            f"{1e3 * (c['itlP99'] or 0):.1f} (reads {t:.3f}/{1e3 * i:.1f})"
+            for c, t, i in zip(client, row["ttftP99"], row["itlP99"], strict=True)))
+
+
 def finish(args: argparse.Namespace, out: dict[str, Any], served: Any, t_start: float) -> int:
     if served is not None:
         s = served.summary()
         print(f"load: {s['requests']} requests, {s['failed']} failed")
         out["load"] = {"requests": s["requests"], "failed": s["failed"]}
+        client_figures(out.get("grid") or [], served)
     out["minutes"] = (time.monotonic() - t_start) / 60
     print(f"run: {out['minutes']:.1f} min")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
