@@ -368,6 +368,15 @@ def token_quantile(kind: TokenCount, q: float, selector: Selector, window: str =
     return f"histogram_quantile({q:g}, sum by (le) (rate({series(name + '_bucket', selector)}[{window}])))"
 
 
+def token_mean(kind: TokenCount, selector: Selector, window: str = "5m") -> str:
+    """The mean tokens per request (prompt or generated) over `window`: the histogram's sum over its
+    count, exact where a quantile is interpolated inside a bucket."""
+    validate_duration(window)
+    name = _TOKEN_HISTOGRAMS[kind]
+    return (f"sum(rate({series(name + '_sum', selector)}[{window}])) / "
+            f"sum(rate({series(name + '_count', selector)}[{window}]))")
+
+
 def prompt_token_rate(selector: Selector, window: str = "5m") -> str:
     validate_duration(window)
     return f"sum(rate({series(vllm.METRIC_PROMPT_TOKENS, selector)}[{window}]))"

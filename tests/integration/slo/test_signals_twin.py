@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import math
+import statistics
 import time
 
 import pytest
@@ -30,6 +31,8 @@ from kvpilot.slo import promql
 from kvpilot.slo.objectives import SloTarget
 from kvpilot.slo.promql import Selector
 from kvpilot.slo.signals import NoData, read_signals
+from kvpilot.tuner.adapters.prometheus import PrometheusSignals, estimate_workload
+from kvpilot.tuner.core.objective import SLO
 from tests.support.loadgen import LoadResult, run_load
 from tests.support.prometheus import PrometheusServer
 from tests.support.twin_process import twin_server
@@ -131,6 +134,9 @@ def test_reader_matches_what_the_load_generator_measured(tmp_path) -> None:  # t
                         objective=OBJECTIVE, selector=sel)
 
         snap = read_signals(sel, window, slo=slo, prometheus_url=prom.url, at=at)
+        # The warm start's estimate of the same load (its window ends now, after the last scrape).
+        est = estimate_workload(PrometheusSignals(prom.url, selector=sel, slo=SLO()),
+                                window_s=math.ceil(time.time() - started) + 5)
 
     # The sample count: every request, once (the window's end is a scrape, so no extrapolation past it).
     assert snap.samples == pytest.approx(len(ok), rel=0.03)
@@ -152,6 +158,15 @@ def test_reader_matches_what_the_load_generator_measured(tmp_path) -> None:  # t
     exact_itl_ratio = sum(g > itl_edge for g in client_itls) / len(client_itls)
     assert snap.ttft_burn_rate == pytest.approx(exact_ttft_ratio / budget, rel=0.05)
     assert snap.itl_burn_rate == pytest.approx(exact_itl_ratio / budget, rel=0.05)
+
+    # The estimate's lengths have the mean the load sent (its usage counts), not the one of the
+    # bucket midpoints the quantiles are interpolated from (~400-token prompts read a median of 350).
+    sent = [r.prompt_tokens for r in ok]
+    assert all(n is not None for n in sent)
+    sent_outputs = [r.completion_tokens or r.output_chunks for r in ok]
+    for median, sigma, mean in ((est.prompt_median, est.prompt_sigma, statistics.fmean(sent)),  # type: ignore[arg-type]
+                                (est.output_median, est.output_sigma, statistics.fmean(sent_outputs))):
+        assert median * math.exp(sigma * sigma / 2) == pytest.approx(mean, rel=0.03), (median, sigma, mean)
 
     # The rest of the snapshot is present and plausible.
     assert snap.time == at and snap.window == window
