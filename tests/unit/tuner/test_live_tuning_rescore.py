@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "benchmarks" / "live_tuning.py"
 GRID_ARGS = ["--tokens", "128:256", "--seqs", "2:4"]
@@ -72,3 +74,25 @@ def test_a_grid_of_other_configs_is_refused_by_name(tmp_path: Path) -> None:
     studies.write_text(json.dumps({"slo": SLO, "studies": [{"seed": 0, "warmStart": True, "trials": []}]}))
     res = _run("--studies", studies, "--grid", a, "--grid", other, "--out", tmp_path / "o.json")
     assert res.returncode != 0 and f"--grid {other} holds another grid" in res.stderr
+
+
+def test_each_grid_window_gets_the_loads_own_percentiles_of_the_requests_it_sent() -> None:
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import live_tuning
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    from tests.support.loadgen import LoadResult, RequestRecord
+
+    # 40 requests a second for 2 s: the first window's TTFTs 0.10-0.139 s, the second's 0.50-0.539 s.
+    records = [RequestRecord(index=i, start=i / 40, ok=True, ttft=(0.1 if i < 40 else 0.5) + (i % 40) / 1000,
+                             itls=[0.005, 0.010 if i < 40 else 0.050]) for i in range(80)]
+    records.append(RequestRecord(index=80, start=0.5, ok=False, error="reset"))  # counted, not measured
+    row = {"engine": _engine(256, 8), "ttftP99": [0.2, 0.6], "itlP99": [0.0099, 0.049], "spans": [(0.0, 1.0), (1.0, 2.0)]}
+    live_tuning.client_figures([row, {"engine": _engine(128, 2), "ttftP99": [1.0], "itlP99": [0.02]}],
+                               LoadResult(records=records, duration_s=2.0))
+    first, second = row["client"]
+    assert first["requests"] == 41 and second["requests"] == 40
+    assert first["ttftP50"] == pytest.approx(0.1195) and first["ttftP99"] == pytest.approx(0.13861)
+    assert second["ttftP99"] == pytest.approx(0.53861)
+    assert first["itlP50"] == pytest.approx(0.0075) and second["itlP99"] == pytest.approx(0.05)
