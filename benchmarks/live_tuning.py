@@ -38,8 +38,10 @@ clients, each pausing --think s between an answer and its next request):
    then Optuna's draws) runs LiveTuner for --trials live trials, without and with the warm start.  The
    study searches the grid's resolution (powers of two, the one fraction) so every trial is a grid
    point.  The warm start searches the twin of the tiny model (its config.json) on the CPU device
-   profile fitted on this host (benchmarks/data/vllm-cpu/profile.json) under the workload estimated
-   from Prometheus.
+   profile (--profile; the default, benchmarks/data/vllm-cpu/profile.json, was fitted on an AMX Xeon
+   host: on another kind of host run `benchmarks/twin_vs_vllm.py --calibrate` there and pass its
+   profile, as the Ice Lake run did with profile_icelake.json) under the workload estimated from
+   Prometheus.
 4. regret after n live trials (n = 3, 5, 10): the study's pick after its first n trials (as the tuner
    picks: the best feasible live value, else the best live value) looked up on the grid, over the grid
    optimum, minus 1.  A pick's live value is one window; the grid's is the mean of --repeats, so the
@@ -288,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=10, help="live trials per study")
     ap.add_argument("--seeds", type=int, default=1, help="study seeds 0..N-1 (each runs both studies)")
     ap.add_argument("--warm-start-trials", type=int, default=20, help="twin trials of the warm start")
-    ap.add_argument("--profile", default=str(PROFILE), help="the twin's device profile")
+    ap.add_argument("--profile", default=str(PROFILE),
+                    help="the twin's device profile: one fitted on this kind of host (twin_vs_vllm.py --calibrate)")
     ap.add_argument("--fast-burn-off", action=argparse.BooleanOptionalAction, default=True,
                     help="no fast-burn pruning in the studies: on these shared cores each engine switch (a vLLM "
                          "start beside the engine serving) makes requests wait seconds, and the burn over the "
