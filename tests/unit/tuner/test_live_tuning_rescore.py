@@ -1,7 +1,8 @@
 """benchmarks/live_tuning.py --only rescore: recorded studies valued on grids pooled over several runs.
 
 Real subprocesses of the script on recorded JSON (no vLLM): two grid runs of the same four configs,
-where the host favoured another config in each, and one run's studies."""
+where the host favoured another config in each, and one run's studies; and, in-process, the load's
+own percentiles it adds to each grid window."""
 
 from __future__ import annotations
 
