@@ -52,13 +52,7 @@ _BLOCKS = (16, 16, 16, 32, 8, 128)
 
 def hf_config(model: ModelSpec) -> dict[str, Any]:
     """A Hugging Face config.json with a preset's shapes."""
-    return {
-        "hidden_size": model.hidden_size, "intermediate_size": model.intermediate_size,
-        "num_hidden_layers": model.num_hidden_layers, "num_attention_heads": model.num_attention_heads,
-        "num_key_value_heads": model.num_key_value_heads, "head_dim": model.head_dim,
-        "vocab_size": model.vocab_size, "max_position_embeddings": model.max_position_embeddings,
-        "tie_word_embeddings": model.tie_word_embeddings, "torch_dtype": model.dtype,
-    }
+    return model.as_hf_config()
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ def test_unknown_model_lists_presets() -> None:
     with pytest.raises(ModelSpecError) as err:
         resolve_model("google/gemma-2-9b")
     msg = str(err.value)
-    assert "gemma-2-9b" in msg and "--model-config" in msg
+    assert "gemma-2-9b" in msg and "config.json" in msg
     for name in MODEL_PRESETS:
         assert name in msg
 
