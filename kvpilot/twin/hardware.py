@@ -34,6 +34,9 @@ class GpuSpec:
     # The value NVIDIA's GPU feature discovery gives the node label nvidia.com/gpu.product for this
     # board (what spec.resources.gpuType renders to as a node selector).
     product_label: str = ""
+    # Dense FP8 tensor-core FLOP/s (Hopper, Ada); 0 where the GPU has no FP8 tensor cores (Ampere:
+    # vLLM runs FP8 checkpoints there as weight-only FP8, Marlin kernels computing in 16 bits).
+    fp8_flops: float = 0.0
 
     @property
     def total_memory_gib(self) -> float:
@@ -54,11 +57,16 @@ GPU_PRESETS: dict[str, GpuSpec] = {
         GpuSpec("A100-80GB", _gib(79.15), 312e12, 2.039e12, 300e9, architecture="ampere",
                 product_label="NVIDIA-A100-SXM4-80GB"),
         GpuSpec("H100-80GB", _gib(79.19), 989e12, 3.35e12, 450e9, 64e9, architecture="hopper",
-                product_label="NVIDIA-H100-80GB-HBM3"),
+                product_label="NVIDIA-H100-80GB-HBM3", fp8_flops=1979e12),
         GpuSpec("H200", _gib(139.80), 989e12, 4.8e12, 450e9, 64e9, architecture="hopper",
-                product_label="NVIDIA-H200"),
-        GpuSpec("L40S", _gib(44.39), 362e12, 0.864e12, 0.0, architecture="ada", product_label="NVIDIA-L40S"),
-        GpuSpec("L4", _gib(22.03), 121e12, 0.300e12, 0.0, architecture="ada", product_label="NVIDIA-L4"),
+                product_label="NVIDIA-H200", fp8_flops=1979e12),
+        GpuSpec("L40S", _gib(44.39), 362e12, 0.864e12, 0.0, architecture="ada", product_label="NVIDIA-L40S",
+                fp8_flops=733e12),
+        GpuSpec("L4", _gib(22.03), 121e12, 0.300e12, 0.0, architecture="ada", product_label="NVIDIA-L4",
+                fp8_flops=242e12),
+        # A workstation board (dense bf16 with fp32 accumulation, as cuBLAS runs vLLM's GEMMs).
+        GpuSpec("RTX4090", 25250627584, 165.2e12, 1.008e12, 0.0, architecture="ada",
+                product_label="NVIDIA-GeForce-RTX-4090", fp8_flops=330.3e12),
         GpuSpec("A10G", _gib(22.19), 70e12, 0.600e12, 0.0, architecture="ampere", product_label="NVIDIA-A10G"),
     )
 }
@@ -83,6 +91,9 @@ _ALIASES: dict[str, str] = {
     "nvidia-l4": "L4",
     "a10g-24gb": "A10G",
     "nvidia-a10g": "A10G",
+    "rtx-4090": "RTX4090",
+    "geforce-rtx-4090": "RTX4090",
+    "nvidia-geforce-rtx-4090": "RTX4090",
 }
 
 
