@@ -178,15 +178,24 @@ def _padded_vocab(vocab: int, tp: int) -> int:
 
 
 def weight_bytes_per_rank(model: ModelSpec, tp: int) -> int:
-    h, b = model.hidden_size, model.dtype_bytes
+    """Weights on one rank: the decoder layers' linear weights at the model's weight bytes (FP8: 1,
+    plus a 4-byte scale per output channel), every expert of an MoE layer sharded by tensor
+    parallelism, the embeddings, LM head and norms at 16 bits."""
+    h, b, wb = model.hidden_size, model.dtype_bytes, model.weight_bytes
     kv_heads = model.kv_heads_per_rank(tp)
-    qkv = h * (model.q_size // tp + 2 * kv_heads * model.head_dim)
-    o = (model.q_size // tp) * h
-    mlp = (3 if model.gated_mlp else 2) * h * (model.intermediate_size // tp)
-    per_layer = qkv + o + mlp + 2 * h
+    qkv_n = model.q_size // tp + 2 * kv_heads * model.head_dim
+    attn = h * qkv_n + (model.q_size // tp) * h
+    m = 3 if model.gated_mlp else 2
+    dense = m * h * (model.intermediate_size // tp)
+    experts = m * h * (model.num_experts * (model.moe_intermediate_size // tp)
+                       + model.shared_expert_intermediate_size // tp)
+    linear = (model.num_hidden_layers * attn + model.num_dense_layers * dense + model.num_moe_layers * experts) * wb
+    if model.weight_bytes < model.dtype_bytes:  # per-channel scales of the quantized weights
+        linear += 4 * model.num_hidden_layers * (qkv_n + h + m * h)
+    router = model.num_moe_layers * h * model.num_experts * b
     emb = _padded_vocab(model.vocab_size, tp) // tp * h
     head = 0 if model.tie_word_embeddings else emb
-    return b * (model.num_hidden_layers * per_layer + emb + head + h)
+    return linear + router + b * (2 * h * model.num_hidden_layers + emb + head + h)
 
 
 def sampler_peak_bytes(model: ModelSpec, num_tokens: int, num_seqs: int,
@@ -199,9 +208,13 @@ def sampler_peak_bytes(model: ModelSpec, num_tokens: int, num_seqs: int,
 
 
 def forward_peak_bytes(model: ModelSpec, tp: int, num_tokens: int) -> int:
-    """The profiling forward pass of `num_tokens` tokens; the MLP intermediate dominates."""
+    """The profiling forward pass of `num_tokens` tokens; the MLP intermediate dominates (for an MoE
+    layer, its top-k experts' rows of it)."""
     # gate_up output (2i), activation output (i), residual + hidden + qkv/attention scratch.
-    return num_tokens * model.dtype_bytes * (3 * (model.intermediate_size // tp) + 4 * model.hidden_size)
+    inter = model.intermediate_size // tp if model.num_dense_layers else 0
+    if model.is_moe:
+        inter = max(inter, model.num_experts_per_tok * (model.moe_intermediate_size // tp))
+    return num_tokens * model.dtype_bytes * (3 * inter + 4 * model.hidden_size)
 
 
 def activation_peak_bytes(model: ModelSpec, tp: int, num_tokens: int, num_seqs: int,
