@@ -164,6 +164,7 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
     limit = max_sim_time_s if max_sim_time_s is not None else 3.0 * window + 300.0
 
     sched = engine.scheduler
+    lag = engine.config.async_scheduling
     add = sched.add
     bs = engine.config.block_size
     run = engine._run_step
@@ -259,7 +260,11 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
                 close_round(round_start)
             if not pending:  # requests sent after a waiting round's first output queue behind it
                 admit_until(now)
-        while i < admitted and ready[i] <= now:
+        # Async scheduling: the step about to run was scheduled when the previous one started, so it
+        # takes in only the requests that had reached the engine by then (vLLM's engine core reads its
+        # input queue between schedule() calls); an idle engine schedules what arrives at once.
+        cutoff = starts[-1] if lag and ends[-1] == now and (sched.running or sched.waiting) else now
+        while i < admitted and ready[i] <= cutoff:
             if keys is not None and keys[i] and ptoks is not None:
                 pk = keys[i]
                 pb = min(ptoks[i], prompts[i]) // bs
@@ -403,6 +408,33 @@ def read_p99(trace: Trace, measure_from_s: float = 0.0) -> tuple[float, float]:
     return ttft, _read99(itl, vllm_facts.ITL_BUCKETS)
 
 
+@dataclass(frozen=True)
+class Latencies:
+    """Each finished request's send time, TTFT and end-to-end latency (seconds, at the clients),
+    output tokens, and its index in the batch."""
+
+    index: np.ndarray
+    arrival: np.ndarray
+    ttft: np.ndarray
+    e2e: np.ndarray
+    num_output: np.ndarray
+
+
+def request_latencies(trace: Trace) -> Latencies:
+    done, m = trace.done, len(trace.done)
+    seen = np.asarray(trace.delivered, dtype=float)
+    arrival = np.fromiter((r.arrival_time for r in done), float, m)
+    s_first = np.fromiter((r.step_first_token for r in done), np.int64, m)
+    s_last = np.fromiter((r.step_last_token for r in done), np.int64, m)
+    return Latencies(
+        index=np.fromiter((int(r.request_id) for r in done), np.int64, m),
+        arrival=arrival,
+        ttft=seen[s_first] - arrival if m else np.zeros(0),
+        e2e=seen[s_last] - arrival if m else np.zeros(0),
+        num_output=np.fromiter((r.num_output for r in done), np.int64, m),
+    )
+
+
 def _read99(x: np.ndarray, edges: tuple[float, ...]) -> float:
     return read_quantile(0.99, x, edges) if len(x) else 0.0
 
@@ -445,14 +477,11 @@ def _report(trace: Trace, config: EngineConfig, workload: Workload | RequestBatc
     makespan = float(seen[-1])
     busy = float((ends - starts).sum())
     m = len(done)
-    arrival = np.fromiter((r.arrival_time for r in done), float, m)
+    lat = request_latencies(trace)
+    arrival, ttft, e2e, n_out = lat.arrival, lat.ttft, lat.e2e, lat.num_output
     s_sched = np.fromiter((r.step_scheduled for r in done), np.int64, m)
     s_first = np.fromiter((r.step_first_token for r in done), np.int64, m)
-    s_last = np.fromiter((r.step_last_token for r in done), np.int64, m)
-    n_out = np.fromiter((r.num_output for r in done), np.int64, m)
     n_prompt = np.fromiter((r.prompt_tokens for r in done), np.int64, m)
-    ttft = seen[s_first] - arrival if m else np.zeros(0)
-    e2e = seen[s_last] - arrival if m else np.zeros(0)
     queue = starts[s_sched] - arrival if m else np.zeros(0)
     prefill = ends[s_first] - starts[s_sched] if m else np.zeros(0)
     decode = e2e - ttft
@@ -528,4 +557,4 @@ def _report(trace: Trace, config: EngineConfig, workload: Workload | RequestBatc
     )
 
 
-__all__ = ["SLO", "Report", "Trace", "drive", "observed_p99", "observed_samples", "read_p99", "simulate"]
+__all__ = ["SLO", "Latencies", "Report", "Trace", "drive", "request_latencies", "observed_p99", "observed_samples", "read_p99", "simulate"]
