@@ -25,7 +25,7 @@ from kvpilot.twin.workload import SHAREGPT_OUTPUT, SHAREGPT_PROMPT
 
 __all__ = ["AVERAGE_SEQUENCE_TOKENS", "HIGH_UTILIZATION", "Prediction", "predict"]
 
-# Above this gpuMemoryUtilization a prediction warns (the threshold).
+# Above this gpuMemoryUtilization a prediction warns.
 HIGH_UTILIZATION = 0.95
 # The average sequence (prompt + output) the KV-cache warning counts in: the twin's default workload.
 AVERAGE_SEQUENCE_TOKENS = round(SHAREGPT_PROMPT.mean() + SHAREGPT_OUTPUT.mean())
