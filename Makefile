@@ -5,14 +5,25 @@ PYTHON  ?= python3
 PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip -q --disable-pip-version-check
 
-.PHONY: setup tools vllm-env control-plane test-prereqs tune test test-unit test-lowest test-vllm test-cluster lint crd image clean
+.PHONY: setup tune-setup tools vllm-env control-plane test-prereqs tune test test-unit test-lowest test-vllm test-cluster lint crd image clean
 
+## Everything development and CI need: the test, dev, report, postgresql and tracing extras.
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install -e '.[test,dev,report,postgresql,tracing]'
+	touch $@ $(VENV)/.installed-tune
+
+## Only what `make tune` runs: kvpilot and the `report` extra (its plots), in the same venv.  A venv
+## `make setup` made already has both.
+tune-setup: $(VENV)/.installed-tune
+
+$(VENV)/.installed-tune: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install -e '.[report]'
 	touch $@
 
 tools:
@@ -33,7 +44,7 @@ test-prereqs:
 	./scripts/build-test-prereqs.sh
 
 ## The main job: tune the engine offline on the twin (SQLite study, report, recommended engine block).
-tune: setup
+tune: tune-setup
 	$(VENV)/bin/kvpilot tune --offline
 	@echo "kvpilot is in $(VENV)/bin: run '. $(VENV)/bin/activate' to put it on your PATH" >&2
 

@@ -1,23 +1,8 @@
 """Which `vllm serve` flag each argument of a command line lands on, read the way vLLM reads it.
 
-A check that compares flag names misses most ways of writing a flag: vLLM's FlexibleArgumentParser
-(an argparse.ArgumentParser) first rewrites the command line, then argparse reads it.
-
-- the rewrite: `_` becomes `-` in a long option's name (up to its first `.`), so `--max_num_seqs` is
-  `--max-num-seqs`; `--help=X` becomes `--help`; `-O3` / `-O 3` become `--optimization-level 3`;
-  `--name.key V` (a field of a JSON flag, `=` or space form) is taken out and appended as
-  `--name '{"key": V}'`, taking its value along even when that value looks like a flag;
-- argparse: an argument is a flag if it is an option string, or its part before `=` is, or else if it
-  is a prefix of option strings (allow_abbrev): of exactly one, it is that flag (`--max-num-s=512` is
-  `--max-num-seqs 512`); of several, vLLM exits with "ambiguous option: ... could match ...".
-  An argument that matches nothing is positional if it looks like a negative number or holds a
-  space, else an unknown flag.  Everything after a bare `--` is positional.
-
-A prefix is unambiguous only relative to every flag `vllm serve` has, so the resolution runs against
-the full list of its option strings (`vllm_serve_options.json`, generated from vLLM's own parser by
-`tests/support/vllm_argparse_worker.py`; a `vllm`-marked test fails when it no longer matches).
-Single-dash prefixes are read both as Python 3.11's argparse reads them (the whole argument is the
-prefix) and as 3.12+ does (the part before `=`), so either reading of a flag is caught.
+`vllm_resolver()` gives a `Resolver`; it resolves against the full list of `vllm serve` option strings
+(`vllm_serve_options.json`). vLLM's rewrite and argparse's prefixes: docs/architecture.md, "Reading `vllm
+serve` arguments".
 """
 
 from __future__ import annotations

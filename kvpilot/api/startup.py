@@ -1,32 +1,8 @@
 """vLLM's start-up failures, read from its own words: the one parser of vLLM's start-up error text.
 
-The operator reads a pod's termination message (or the dead container's log) with it to decide that
-an engine could not start and to say why; the tuner reads the same text (from a local engine's
-log, or from the InferenceService's status.lastFailure in a cluster) to grade the failed config by
-how much memory it missed.  The twin raises the same wording (`kvpilot.twin.memory`).
-
-vLLM V1 logs the root cause in the process that raised it (a worker's or the engine core's
-`ValueError: ...`), then the engine core's and the API server's own tracebacks, ending with
-"RuntimeError: Engine core initialization failed. See root cause above."  Those tracebacks are
-several KiB: in real vLLM 0.32 (CPU) the root-cause line starts 10,541 bytes and 120 lines before the
-end of the log (tests/support/vllm-0.32.0-cpu-start-up-failure.log), so the 2048 bytes a kubelet keeps
-as a FallbackToLogsOnError termination message hold only the latter.  `startup_failure` still
-recognises that as a start-up failure, with `cause_above` set and no `memory`.
-
-The memory failures (what `StartupMemory.kind` names):
-    kv_short   the KV cache cannot hold one `max_model_len` sequence
-               "... X GiB KV cache is needed, which is larger than the available KV cache memory (Y GiB)"
-               (cut short, in tokens: "max seq len (L) is larger than the maximum number of tokens that
-               can be stored in KV cache (T)")
-    no_cache   nothing left for the KV cache at all
-               "No available memory for the cache blocks ... (requested R GiB; model weights take W GiB;
-               PyTorch activation peak memory takes A GiB; non-torch memory takes N GiB)"
-               (vLLM's own message has no numbers; the twin's does); on the CPU backend "Available
-               memory on node 0 (A/T GiB) on kv cache allocation is less than requested memory for kv
-               (K/R GiB)" with K <= 0: the worker holds R - K, more than the fraction asks for
-    gpu_short  the GPU itself is short: weights or an allocation do not fit (CUDA out of memory), or
-               less memory is free than gpuMemoryUtilization asks for (on the CPU backend: than the
-               fraction of the NUMA node's memory it asks for)
+`startup_failure(text)` and `memory_report(text)`, used by the operator (a pod's termination message or
+log) and the tuner (to grade a failed config).  The shapes of vLLM's messages: docs/architecture.md,
+"vLLM's start-up failures".
 """
 
 from __future__ import annotations

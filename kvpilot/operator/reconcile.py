@@ -1,37 +1,8 @@
 """What the handlers do, kept out of kopf's decorators so each step reads (and tests) plainly.
 
-`reconcile_service` runs for a created, changed or resumed InferenceService: validate, render,
-create-or-patch the children, and write the status.  `track_rollout` runs for every event of a
-Deployment kvpilot manages: it maps the Deployment back to its InferenceService, rolls back a
-rollout that passed its progress deadline, and writes the parent's status.  `track_pod` runs for
-every event of an engine pod that shows its engine failed (builders.pods): a pod of the revision
-being rolled out whose vLLM could not start, or that crash-loops, rolls back at once.
-
-All three hold the InferenceService's lock (`Runtime.lock_for`) from their first read to their status
-write, and write the status themselves, inside the lock (not through kopf's patch, which kopf
-applies after the handler has returned).  So a Deployment event that arrives while a reconcile is
-running (its rollout finished the moment the reconcile created it) waits, and is then judged
-against the status the reconcile wrote; nothing can overwrite it with an older view.
-
-Transient API failures: the client retries each call (kube.py).  When a reconcile still fails, kopf
-runs it again (`RetryLater` becomes kopf's TemporaryError, with the server's Retry-After as the least
-delay).  kopf never runs a Deployment event handler again, so when handling a Deployment event fails
-(the rollback's patch, a status write), `track_rollout` schedules the same handling again itself,
-from a fresh read, with a growing delay, until it succeeds or a newer event supersedes it: a
-rollback is never dropped, and Degraded (reason RollbackFailed) and an Event say it is pending.
-
-A rollback at the progress deadline writes its decision (Degraded RolledBack for the generation)
-before it patches the Deployment: an operator stopped between the two would otherwise, restarted,
-render the failed engine again, since nothing in the status would say that generation failed.  The
-fast rollback of `track_pod` does the same (with lastFailure in the decision); a patch that fails
-after the decision is completed at the failed pod's next status change (its next restart), and at
-worst by the progress deadline.  An engine refused by the image allowlist is never put back by either, and their events
-leave a reconcile's Degraded/ImageNotAllowed standing.
-
-Status writes are read-modify-write (`update_status`): the operator owns the conditions Ready,
-Progressing and Degraded and keeps every other type (the tuner's Tuning, SLOBurning) as it finds
-it; the write carries the resourceVersion it was computed from, and a conflict (someone else
-wrote meanwhile) reads again and recomputes.
+`reconcile_service` (a created, changed or resumed InferenceService), `track_rollout` (each event of a
+managed Deployment) and `track_pod` (each engine pod whose engine failed).  Locks, retries and
+status writes: docs/architecture.md, "The reconcile and its status writes".
 """
 
 from __future__ import annotations
@@ -147,7 +118,7 @@ class Runtime:
     # InferenceService uids already told that monitoring objects are skipped (the Event is sent once).
     skip_noted: set[str] = field(default_factory=set)
     # One lock per InferenceService (namespace/name): a reconcile and a Deployment event of the
-    # same object never interleave (see the module docstring).
+    # same object never interleave (docs/architecture.md, "The reconcile and its status writes").
     locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     # namespace/name -> resourceVersion of the Deployment its status was last computed from: an
     # event for that same version (our own create or patch coming back) has nothing new to say.
@@ -230,7 +201,7 @@ def _degraded_only(reason: str, message: str, generation: int | None) -> Compute
 
 def _decision(reason: str, message: str, generation: int | None, last_failure: dict[str, Any] | None) -> ComputeStatus:
     """A rollback's decision alone (Degraded with its reason for the generation, and lastFailure), written
-    before the rollback's patch: see the module docstring."""
+    before the rollback's patch (docs/architecture.md, "The reconcile and its status writes")."""
     def compute(previous: dict[str, Any]) -> dict[str, Any]:
         status: dict[str, Any] = {"conditions": set_condition(previous.get("conditions"), DEGRADED, "True", reason,
                                                               message, generation, now_rfc3339())}
@@ -648,8 +619,8 @@ async def _track_canary_pod(rt: Runtime, namespace: str, name: str, pod: dict[st
 async def track_rollout(rt: Runtime, deployment: dict[str, Any], emit_on: Callable[[dict[str, Any], str, str, str], None],
                         logger: Logger) -> None:
     """Map a Deployment event to its InferenceService: status, lastGoodEngine, rollback.  When the
-    API fails it through the client's retries, the same handling runs again later (see the module
-    docstring), from the Deployment as it is then."""
+    API fails it through the client's retries, the same handling runs again later (kopf never runs a
+    Deployment event handler again), from the Deployment as it is then."""
     meta = deployment.get("metadata", {})
     name = (meta.get("labels") or {}).get(LABEL_ISVC)
     namespace = meta.get("namespace")
@@ -738,7 +709,9 @@ async def _track_rollout(rt: Runtime, namespace: str, name: str, deployment: dic
             last_failure = _last_failure(REASON_DEADLINE, rollout.message or REASON_DEADLINE, rollout.config_hash,
                                          generation)
             if not rolled_back_at(previous, generation):
-                # The decision first (see the module docstring); the write after the patch completes it.
+                # NOTE: the decision first, then the patch: an operator stopped between the two would
+                # otherwise, restarted, render the failed engine again, since nothing in the status would
+                # say this generation failed.  The write after the patch completes it.
                 await update_status(rt, namespace, name,
                                     _decision(REASON_ROLLED_BACK, message, generation, last_failure), parent=parent)
                 parent = await rt.client.get_or_none(isvc_path(namespace, name))

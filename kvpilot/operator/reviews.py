@@ -1,24 +1,8 @@
 """AdmissionReview (admission.k8s.io/v1) for InferenceServices: bytes in, an HTTP status and bytes out.
 
-No HTTP server here (kvpilot.operator.webhook serves this), so every answer is testable as a
-plain function call, and the server's hot path is one call.
-
-Two kinds of "no", as Kubernetes draws the line:
-
-* The review itself is wrong (not JSON, not an admission.k8s.io/v1 AdmissionReview, no request
-  or uid, an object that is not a mapping, another resource than InferenceServices): the request
-  to the webhook was made improperly, so the webhook answers HTTP 400 with a metav1.Status body
-  saying what is wrong.  The API server then applies the webhook's failurePolicy.
-* The InferenceService is wrong: HTTP 200 with `response.allowed: false` and a metav1.Status the
-  API server hands to the user: 422 Invalid, as the API server's own validation and a
-  ValidatingAdmissionPolicy answer, each field in `details.causes` (which is what kubectl prints
-  for an Invalid answer).  An engine vLLM is predicted to refuse at start-up is 422 too, its cause
-  on `spec.engine` in vLLM's own words: the values cannot work together on that GPU, and every
-  client that writes engines (the tuner's trials included) already reads 422 as "this config is
-  refused", not as a permission problem (403) to retry or escalate.
-
-Risky but legal settings are allowed with AdmissionReview `warnings`, which kubectl prints as
-`Warning: ...` lines.
+`Reviewer` answers a review; no HTTP server here (kvpilot.operator.webhook serves it), so every
+answer is a plain function call.
+The two kinds of "no": docs/architecture.md, "The admission webhook".
 """
 
 from __future__ import annotations

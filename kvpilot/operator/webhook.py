@@ -1,22 +1,8 @@
 """The validating admission webhook's HTTPS server: aiohttp's low-level server on its own port, in the
 operator process (the review itself is kvpilot.operator.reviews).
 
-Why not kopf's own webhook server (kopf/_kits/webhooks.py with @kopf.on.validate)?  Read against
-kopf's code (1.45 and its main branch), it would cost more than the ~150 lines here:
-
-* A review without `request`, or whose body is a JSON array, raises KeyError/TypeError inside
-  kopf's serve function and comes back as an HTTP 500; apiVersion and kind are never checked.
-  Here every malformed review gets a 400-class answer (a metav1.Status) that says what is wrong.
-* It starts only after kopf has scanned the cluster's resources, and lives and dies with kopf's
-  reactor; this server is up before kopf touches the cluster and answers while kopf reconnects.
-* Each review builds a kopf cause (body wrappers, a diff of old and new, a per-object logger, a
-  memo, a handler run through kopf's execution engine) on top of the ~150 microseconds the review
-  itself takes (benchmarks/webhook.py), and the status it answers with has no `reason` or `details`
-  (the causes kubectl prints for an Invalid answer).
-* Its certificate reload restarts the whole listening server; here new certificates go into the
-  live SSL context, so established keep-alive connections from the API server are never dropped.
-
-kopf's warnings support (cause.warnings) would have sufficed; nothing else here is kopf's.
+`WebhookServer`, with `server_ssl_context`. Why not kopf's webhook server: docs/architecture.md, "The
+admission webhook".
 """
 
 from __future__ import annotations

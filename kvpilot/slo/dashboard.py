@@ -1,25 +1,8 @@
 """The Grafana dashboard for InferenceServices, generated (never hand-edited).
 
-`dashboard_for(isvc)` is one service's dashboard: its namespace and name preselected, its SLO
-lines drawn from its spec.  `dashboard_all()` serves every service: pick namespace and
-InferenceService from the variables; SLO lines and budgets come from the series the SLO rules
-record (`kvpilot:slo_objective`, `kvpilot:slo_<sli>_threshold_seconds`), so it needs the
-PrometheusRule the operator emits.
-
-Both are templated by a Prometheus datasource variable, `namespace` and `inferenceservice`.
-Besides vLLM's metrics the dashboard reads these kvpilot series (the operator and the tuner
-export them with labels `namespace` and `name`):
-
-* `kvpilot_engine_info{namespace,name,max_num_batched_tokens,gpu_memory_utilization,max_num_seqs,config_hash}` 1
-  (operator: the engine config in force);
-* `kvpilot_tuning_trials_total{namespace,name,state}` (tuner: finished trials by state);
-* `kvpilot_tuning_best_value{namespace,name}` and `kvpilot_tuning_current_trial{namespace,name}` (tuner);
-* `kvpilot_tuning_paused{namespace,name,reason}` (tuner: 1 while the budget gate holds trials back);
-* `kvpilot_tuning_{trials_started,promotions,pruned,rollbacks}_total{namespace,name,strategy}` (tuner:
-  trials by strategy, rolling or canary).
-
-Canary trials: the engine series carry `kvpilot_dev_track` (stable|canary); the "Canary against stable"
-panels draw each track's p99s (and, with the service's SLO known, each track's 5m burn rate).
+`dashboard_for(isvc)` is one service's dashboard, `dashboard_all()` every service's (it needs the
+PrometheusRule the operator emits).  The kvpilot series it reads: docs/architecture.md, "The Grafana
+dashboard".
 """
 
 from __future__ import annotations

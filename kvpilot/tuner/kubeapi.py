@@ -1,22 +1,7 @@
 """A small synchronous Kubernetes client for the tuner, on kopf's credentials and the standard library.
 
-Why not the official `kubernetes` client: the tuner makes five kinds of call (list, get, server-side
-apply and status merge-patch of InferenceServices, create Events), and that client is about 126 MB
-installed (a sync and an async copy of every generated model), more than half of the image's
-virtual environment.  Credentials come from kopf's own pure-Python logins, as the operator's do:
-the pod's service account first, then $KUBECONFIG / ~/.kube/config (tokens, client certificates,
-basic auth; not exec plugins).
-
-Errors are `kvpilot.api.rest.ApiError`, as the operator's: HTTP status, Status reason and message.
-
-Transient failures are retried (`RetryPolicy`): 429 Too Many Requests, 500/502/503/504, a timeout
-or a dropped connection, and a 409 Conflict on a PATCH.  Every tuner write is a server-side
-apply or a merge patch with no resourceVersion precondition, so a 409 there means the server lost
-a race of its own, and sending the same body again is the re-read and re-apply.  A 409 on a POST
-is AlreadyExists (not retried), and 422 Invalid, 403, 404 are answers, never retried.  Between
-tries the wait doubles from `base_s` to `max_s`, and is never shorter than the Retry-After the
-server sent (API Priority and Fairness sends one with every 429); a server that asks for more than
-`max_retry_after_s` is not waited on: the error goes to the caller.
+`KubeAPI`; errors are `kvpilot.api.rest.ApiError`; transient failures are retried (`RetryPolicy`). Why not
+the official client, and what is retried: docs/architecture.md, "The tuner in a cluster".
 """
 
 from __future__ import annotations
@@ -50,7 +35,8 @@ TRANSIENT_STATUSES = frozenset({429, 500, 502, 503, 504})
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How often and how long the tuner's client tries a call again (see the module docstring).
+    """How often and how long the tuner's client tries a call again (docs/architecture.md, "The tuner in
+    a cluster").
     The defaults ride out about a minute of API-server trouble: 0.5+1+2+4+8+16+30+30 s."""
 
     attempts: int = 9  # tries in all, the first one included

@@ -1,31 +1,8 @@
 """Admission-time prediction: would vLLM start with this InferenceService, and with how much KV cache?
 
-`predict(service)` answers from numbers known at apply time, by starting the twin's engine exactly as
-an engine.kind twin pod would: the spec's typed flags rendered by the same function the operator's
-pod builder uses (`kvpilot.api.serving.typed_flags`), read by the twin's own `vllm serve` flag parser
-(`kvpilot.twin.flags`), resolved into an `EngineConfig` with vLLM's defaults for the GPU
-(`engine_config_from_args`), and sized by `EngineConfig.memory_plan`, the first thing `Engine(config)`
-does (and the only part of it that can refuse).  So the prediction and the twin's start-up cannot
-disagree: a config the twin refuses is refused here with the same `EngineStartupError` text, which is
-vLLM's wording; a config it starts gets the same memory plan.
-
-What the prediction needs and may lack (`Prediction.missing`; nothing is guessed):
-  the model   a twin preset (`kvpilot.twin.models.resolve_model`: `meta-llama/Llama-3.1-8B-Instruct`
-              and friends), or its Hugging Face config.json (`model_config`: from spec.modelConfig's
-              ConfigMap, or `kvpilot validate --predict --model-config PATH`)
-  the GPU     spec.resources.gpuType for engine.kind vllm (a twin GPU name or an nvidia.com/gpu.product
-              value the twin models); engine.twin.gpu for engine.kind twin (what its pods simulate)
-
-Warnings (risky but legal):
-  gpuMemoryUtilization above 0.95 (HIGH_UTILIZATION): the little left outside vLLM's budget is what
-      other processes, the allocator's fragmentation and anything vLLM's estimates miss must fit in.
-  a KV cache that holds fewer than maxNumSeqs sequences of average length: the average is
-      AVERAGE_SEQUENCE_TOKENS, the mean prompt + output length of the twin's default workload (vLLM's
-      benchmark ShareGPT fits, `kvpilot.twin.workload`), or maxModelLen when that is shorter.  Past that
-      many running sequences the scheduler preempts instead of admitting up to maxNumSeqs.
-
-engine.extraArgs are not read: they cannot set a typed flag (validation refuses that), and the vLLM flags
-they may carry are ones the twin does not model.
+`predict(service)` starts the twin's engine as an engine.kind twin pod would, so the prediction and
+the twin's start-up cannot disagree.  What it needs and when it warns: docs/architecture.md,
+"Admission-time prediction".
 """
 
 from __future__ import annotations
@@ -48,7 +25,7 @@ from kvpilot.twin.workload import SHAREGPT_OUTPUT, SHAREGPT_PROMPT
 
 __all__ = ["AVERAGE_SEQUENCE_TOKENS", "HIGH_UTILIZATION", "Prediction", "predict"]
 
-# Above this gpuMemoryUtilization a prediction warns (the issue's threshold).
+# Above this gpuMemoryUtilization a prediction warns.
 HIGH_UTILIZATION = 0.95
 # The average sequence (prompt + output) the KV-cache warning counts in: the twin's default workload.
 AVERAGE_SEQUENCE_TOKENS = round(SHAREGPT_PROMPT.mean() + SHAREGPT_OUTPUT.mean())

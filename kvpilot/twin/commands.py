@@ -8,14 +8,7 @@ import sys
 from typing import Any
 
 from kvpilot.twin.flags import add_engine_arguments
-from kvpilot.twin.workload import __doc__ as _WORKLOAD_DOC
-
-
-def _workload_help() -> str:
-    doc = _WORKLOAD_DOC or ""
-    start = doc.find("One language")
-    end = doc.find("Everything random")
-    return doc[start:end].strip() if start >= 0 and end > start else doc
+from kvpilot.twin.workload import SPEC_HELP
 
 
 def register(subparsers: Any) -> None:
@@ -33,7 +26,7 @@ def register(subparsers: Any) -> None:
         description="Simulate a workload through the twin in virtual time and print a JSON report: TTFT, ITL, "
                     "e2e and queue-time percentiles, throughput, goodput under the SLO, preemptions, KV-cache "
                     "usage, and histograms with vLLM's bucket edges.  Takes the same engine flags as `vllm serve`.",
-        epilog="Workload specs:\n\n" + _workload_help(),
+        epilog="Workload specs:\n\n" + SPEC_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run.add_argument("--workload", required=True, metavar="SPEC",

@@ -1,29 +1,8 @@
 """The engine twin: vLLM's scheduler, paged KV cache and a step-time model, one step at a time.
 
-Interface (stable; the HTTP server and the offline runner both drive it):
-
-    config = EngineConfig.resolve(resolve_model("meta-llama/Llama-3.1-8B-Instruct"), resolve_gpu("H100-80GB"),
-                                  max_num_batched_tokens=2048)   # knobs left out resolve as `vllm serve` does
-    engine = Engine(config)            # sizes the KV cache; raises EngineStartupError like vLLM
-    engine.num_gpu_blocks              # int, as vLLM logs it
-    engine.add_request(request_id, prompt_tokens, max_tokens, arrival_time)   # ValueError if invalid
-    engine.abort_request(request_id)   # unknown or finished ids are ignored
-    engine.has_unfinished_requests()
-    out = engine.step()                # StepOutput:
-        out.duration_s                 #   simulated time of this step, seconds
-        out.outputs                    #   list[RequestOutput], one per request scheduled this step
-        out.num_running, out.num_waiting, out.kv_cache_usage (0..1),
-        out.num_preemptions            #   in this step
-        out.num_scheduled_tokens
-        out.num_prefix_queries, out.num_prefix_hits   # prompt tokens looked up / found in the
-                                                     # prefix cache this step (vLLM's counters)
-    RequestOutput: request_id, new_token_count (0 or 1), finished, finish_reason ('length' or None),
-                   num_prompt_tokens, num_computed_prompt_tokens
-
-The engine holds no clock: the server sleeps `duration_s` between steps (real time) and the
-offline runner adds it to a virtual clock.  Tokens of a step exist at the step's end.
-`add_request` also takes optional `prefix_key`/`prefix_tokens` to model a shared prompt prefix
-for prefix caching.
+`EngineConfig.resolve(...)`, then `Engine(config)` with `add_request`, `abort_request` and `step()`
+(a `StepOutput`); the engine holds no clock.  The interface in full: docs/architecture.md, "The twin's
+engine interface".
 """
 
 from __future__ import annotations

@@ -1,49 +1,9 @@
 """vLLM 0.33's V1 scheduler and its KV block pool, for the engine twin.
 
-One `schedule()` per engine step, as vLLM does it (vllm/v1/core/sched/scheduler.py):
-
-1. RUNNING requests first, in order.  Each wants `num_tokens - num_computed` tokens (1 for a
-   decode, the rest of the prompt for a prefill in progress), capped by
-   `long_prefill_token_threshold` when it is > 0 and more than one request is eligible (with
-   `long_prefill_token_threshold_adaptive`, never below budget // eligible requests), and by
-   what is left of the step's token budget (`max_num_batched_tokens`).  Blocks are allocated for
-   the tokens scheduled; when none are left the LAST running request is preempted (its blocks
-   freed, its progress dropped: it recomputes later) and the allocation retried.  If the victim
-   is the request itself it is not scheduled this step.
-2. Only if nothing was preempted this step: WAITING requests, first come first served, while
-   budget remains and fewer than `max_num_seqs` run.  A prompt is chunked into what is left of
-   the budget; with `reserve_full_isl` (vLLM's default) a request is admitted only if its whole
-   prompt fits in the free blocks; `watermark` keeps a fraction of the blocks free, but only
-   while some request runs (vLLM's `has_scheduled_reqs`).  A preempted request goes back to
-   the FRONT of the queue.
-
-Every request whose tokens are all computed after the step samples one token.  A partial
-prefill samples nothing.  The pool keeps one block back (vLLM's null block).
-
-Asynchronous scheduling (vLLM's `AsyncScheduler`, its default on GPUs): step N+1 is scheduled
-while step N runs, and N's output is processed only after that.  A request whose last token
-comes out of step N therefore keeps its slot and blocks through the next `schedule()` (which
-skips it) and is freed after it.  Synchronous scheduling (the CPU build, `--no-async-scheduling`)
-frees it before the next step.
-
-`prefill_schedule_interval` N > 1 is applied as vLLM's data-parallel engine core (MoE models)
-applies it; vLLM's plain engine core ignores the flag.  Steps count from when the engine last
-went busy; off the N-step cadence, while some running request decodes and the last admitting
-step left nobody waiting, prefills are held back: running prefill chunks are skipped and
-waiting requests that need more than one token are not admitted.
-
-Free blocks wait in one queue, as vLLM's free block queue: a request's blocks are freed tail
-first, those with a hash (full blocks of computed tokens, prefix caching on) to the back and the
-others (a partial last block, blocks allocated ahead; every block with prefix caching off) to
-the front, and new blocks are taken from the head, evicting what a cached block held.  Prefix caching: a request may name a shared prefix (`prefix_key`,
-`prefix_tokens`); the full blocks of that prefix are cached once computed and reused by later
-requests with the same key while they have not been evicted.  As in vLLM, a preempted request's
-computed full blocks stay cached too, so when it is admitted again it recomputes only what was
-evicted meanwhile.  Blocks nobody can hit again (a finished request's own blocks) sit in the
-queue as anonymous runs: their position in the queue still decides when cached blocks behind
-them are evicted.
-
-This module holds no time: the engine prices each step with the step-time model.
+`Scheduler.step()` schedules one engine step as vLLM does (vllm/v1/core/sched/scheduler.py): running
+requests first, then waiting ones, preempting the last running request when blocks run out. It holds no
+time: the engine prices each step. How it follows vLLM: docs/architecture.md, "The twin's scheduler and KV
+block pool".
 """
 
 from __future__ import annotations

@@ -1,6 +1,25 @@
 """Workloads for the engine twin: when requests arrive and how long they are.
 
-One language for every command that takes a workload (`kvpilot twin run`, `kvpilot tune`, the
+`Workload.parse(spec)` reads the one workload language every command uses (`SPEC_HELP`, printed by
+`kvpilot twin run --help`) and `Workload.generate(...)` draws the requests: everything random from one
+numpy Generator seeded by the caller, so the same spec and seed give the same requests, and arrivals
+scale exactly with 1/rate (a capacity search compares rates on the same requests).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+# The workload language, as `kvpilot twin run --help` prints it.  Examples: `poisson:rate=10`,
+# `chat:rate=12`, `gamma:rate=5,cv=3,prompt=lognormal/1000/0.6,output=200`, `rag`,
+# `poisson:rate=2,prompt=4096,output=64..512`, `traces/prod.jsonl`.
+SPEC_HELP = """One language for every command that takes a workload (`kvpilot twin run`, `kvpilot tune`, the
 benchmarks), written as one string a person can type:
 
     [BASE][:key=value,key=value,...]      or      PATH.jsonl      (trace replay)
@@ -29,23 +48,7 @@ sharegpt (vLLM's benchmark lengths).
 
 A trace is JSON lines `{"arrival_s": 0.12, "prompt_tokens": 512, "output_tokens": 128}`
 (optional `"prefix": "key"` and `"prefix_tokens": N`), replayed as recorded; `trace:PATH`
-works too.  Everything random draws from one numpy Generator seeded by the caller, so the same
-spec and seed give the same requests, and arrivals scale exactly with 1/rate (a capacity search
-compares rates on the same requests).
-
-Examples: `poisson:rate=10`, `chat:rate=12`, `gamma:rate=5,cv=3,prompt=lognormal/1000/0.6,output=200`,
-`rag`, `poisson:rate=2,prompt=4096,output=64..512`, `traces/prod.jsonl`.
-"""
-
-from __future__ import annotations
-
-import json
-import math
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from pathlib import Path
-
-import numpy as np
+works too."""
 
 
 class WorkloadError(ValueError):

@@ -105,7 +105,7 @@ def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Loc
     require_prometheus()
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     slots = (free_port(), free_port())
-    # vLLM's /metrics, negotiated by Prometheus 2.x, names the series vllm_*: the relabelling the README
+    # vLLM's /metrics, negotiated by Prometheus 2.x, names the series vllm_*: the relabelling docs/resource.md
     # gives a scrape config of one's own brings back the vllm: names kvpilot reads.
     prom = PrometheusServer(scrape_configs=[{
         "job_name": "vllm", "static_configs": [{"targets": [f"127.0.0.1:{p}" for p in slots]}],

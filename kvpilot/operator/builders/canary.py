@@ -1,33 +1,9 @@
 """The canary track: a trial engine on a one-replica Deployment beside the stable one.
 
-The tuner asks for a canary by setting the InferenceService annotation `kvpilot.dev/canary` to compact
-JSON `{"trial": <int>, "engine": {"maxNumBatchedTokens": int, "gpuMemoryUtilization": float,
-"maxNumSeqs": int}}` (the tuned fields only; every other engine field comes from spec.engine) and
-removes it to end the trial.  The operator then runs `<name>-canary`, rendered by the same pod
-template builder as the stable Deployment (deployment.pod_template) with the canary engine.
-
-Selectors, and why the two tracks never adopt each other's pods:
-- The stable Deployment's selector is `{kvpilot.dev/inferenceservice: <name>}` and stays so: a
-  Deployment's selector is immutable (apps/v1), so it cannot learn to exclude the canary.  It therefore
-  *matches* the canary's pods and ReplicaSet, and the Service (same selector, on purpose) sends them
-  about 1/(replicas+1) of the requests.
-- Matching is not owning.  Since Kubernetes 1.6 a Deployment claims only ReplicaSets that match its
-  selector AND are orphans (no controller ownerReference) or already its own; a ReplicaSet claims pods
-  the same way, and its selector also carries `pod-template-hash`, which differs between the tracks'
-  templates.  The canary's ReplicaSet is created with the canary Deployment as its controller, and its
-  pods with that ReplicaSet as theirs, so the stable Deployment neither counts nor scales them.
-- The one way the canary's ReplicaSet could become an orphan is a delete of the canary Deployment with
-  `propagationPolicy: Orphan`; the operator deletes it with `Background`, so the garbage collector
-  takes the ReplicaSet and pods with it.  (Were it orphaned anyway, the stable Deployment would adopt
-  it as an old ReplicaSet and scale it to zero: the canary would still go away.)
-- The canary's own selector is `{kvpilot.dev/inferenceservice: <name>, kvpilot.dev/track: canary}`:
-  it matches no stable pod (they carry `kvpilot.dev/track: stable`, and pods made before the track
-  label existed carry none).
-
-The canary uses `Recreate`: a new trial's engine replaces the old canary pod rather than surging a
-second one, so the canary never needs more than one replica's resources beyond the stable replicas.
-
-Pure: no client, no I/O (an import-linter contract keeps builders so).
+`parse_canary` reads the InferenceService annotation `kvpilot.dev/canary`; `build_canary_deployment`
+renders the Deployment with the stable pod template.
+Pure: no client, no I/O.  Why the two tracks never adopt each other's pods: docs/architecture.md,
+"The canary track".
 """
 
 from __future__ import annotations

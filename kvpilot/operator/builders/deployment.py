@@ -1,39 +1,7 @@
 """The engine Deployment: zero-downtime rollouts of vLLM (or the twin) pods.
 
-Why each setting is what it is:
-- RollingUpdate with maxUnavailable 0: the ready count never drops during a change; maxSurge from
-  spec says how many extra pods (GPUs) a rollout may borrow.  maxSurge 0 leaves no way forward but
-  taking one pod down first, so then maxUnavailable is 1.
-- startupProbe sized to rollout.startupTimeoutSeconds: vLLM only opens its port after the model is
-  loaded, which can take many minutes.  Liveness and readiness only start after it has succeeded,
-  so a loading model is never killed; liveness is generous (a busy engine answers /health late).
-- preStop sleep: endpoints drop the pod before it gets SIGTERM; then `--shutdown-timeout` lets vLLM
-  drain in-flight requests; the grace period covers both, plus a margin for the process to exit.
-- The config-hash annotation on the pod template is a hash of the template itself, so it changes
-  exactly when what the pods run changes; slo/tuning are not inputs of the template at all.
-- spec.resources.gpuType becomes the node selector nvidia.com/gpu.product=<value> (a twin GPU name
-  becomes its board's product label, `kvpilot.twin.hardware.product_label`), on every engine kind.
-- engine.kind twin pods mount spec.modelConfig's ConfigMap key as config.json and pass it to the twin
-  (`--model-config`), so the twin simulates a model it has no preset of; vLLM pods do not need it.
-- No service-account token (automountServiceAccountToken false): an engine never calls the API
-  server, and a token in a pod that runs tenant-chosen images and serves the network is a credential
-  to lose.
-
-Security contexts, as tight as each engine allows:
-- twin pods fit the "restricted" Pod Security Standard: the kvpilot image's non-root USER,
-  read-only root, no capabilities, RuntimeDefault seccomp.
-- vLLM pods, by default: no privilege escalation, ALL capabilities dropped, RuntimeDefault seccomp
-  (the "baseline" standard and then some), but the image's own user.  vllm/vllm-openai has no USER
-  (it runs as root) and writes its caches under $HOME/.cache (Hugging Face downloads, vLLM's
-  torch.compile cache, Triton's) and /tmp (TorchInductor).  Dropping the capabilities costs vLLM
-  nothing (root still owns what it writes): benchmarks/vllm_pod_security.py serves real vLLM that way.
-- vLLM pods with RenderOptions.engine_run_as_user (an operator setting, for clusters that enforce
-  "restricted"): that uid, runAsNonRoot, a read-only root, HOME on an emptyDir (so every cache above
-  lands there), /tmp on another, and USER set: torch names its cache directory with getpass.getuser(),
-  which older torch releases let fail for a uid without a passwd entry (torch 2.13 falls back to the
-  uid).  The same script measured real vLLM writing nowhere but HOME, /tmp and /dev/shm under such a uid.  Not the default:
-  the model files an image carries must then be readable by that uid (a weights file written through
-  a temporary file is mode 0600, as the tiny test model's is), and the GPU image was not measured.
+`build_deployment` renders it and `pod_template` its pods (the canary track uses the same template).  Why
+each setting and security context is what it is: docs/architecture.md, "The engine Deployment".
 """
 
 from __future__ import annotations
@@ -104,7 +72,8 @@ def twin_security_contexts() -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def vllm_security_contexts(run_as_user: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(pod, container) security contexts for vLLM pods (see the module docstring for why)."""
+    """(pod, container) security contexts for vLLM pods (why: docs/architecture.md, "The engine
+    Deployment")."""
     if run_as_user is not None:
         return _non_root(run_as_user)
     pod = {"seccompProfile": dict(_SECCOMP)}
@@ -117,6 +86,7 @@ def rolling_update(isvc: InferenceService) -> dict[str, Any]:
     surge = isvc.spec.rollout.max_surge
     return {
         "type": "RollingUpdate",
+        # NOTE: maxSurge 0 leaves no way forward but taking one pod down first.
         "rollingUpdate": {"maxSurge": surge, "maxUnavailable": 0 if surge > 0 else 1},
     }
 

@@ -1,23 +1,8 @@
 """The kubernetes applier: change an InferenceService's tuned engine fields, wait on the operator.
 
-The tuner writes with server-side apply under its own field manager `kvpilot-tuner`, and the body
-holds only the three tuned `spec.engine` fields and the `kvpilot.dev/tuning-trial` annotation,
-so the API server records exactly those as the tuner's (managedFields): a GitOps tool can be
-told to ignore precisely them (Argo CD `managedFieldsManagers: [kvpilot-tuner]`, Flux's
-`kustomize.toolkit.fluxcd.io/ssa: IfNotPresent` or field-level ignore rules).
-
-"Rollout complete" is the operator's word, read from the InferenceService's status:
-observedGeneration has caught up with the generation the patch produced, and Progressing is
-False with reason RolloutComplete (every replica updated and ready).  Degraded with reason
-RolledBack for that generation means the operator gave the config up (crash loop, OOM, progress
-deadline): the trial is infeasible; so is Degraded with EngineStartupFailed or CrashLoopBackOff
-(a service with no lastGoodEngine to go back to).
-
-Why, in the engine's own words: the operator keeps the failed rollout in status.lastFailure
-({reason, message, observedGeneration}); for a pod whose vLLM could not start its message holds
-vLLM's start-up error line, so the trial is graded by the memory it missed (`core.objective.infeasible`
-reads the numbers) and its memory floor rules out the configs that cannot start either, in a
-cluster as on a local engine.
+`KubernetesApplier` (and `KubernetesCanaryApplier`): server-side apply under the field manager
+`kvpilot-tuner`, then the operator's status says the rollout is complete or gave the config up. Details:
+docs/architecture.md, "The tuner in a cluster".
 """
 
 from __future__ import annotations

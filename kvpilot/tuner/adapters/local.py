@@ -1,25 +1,7 @@
 """The local applier: restart a local engine process with a trial's flags, draining like a pod.
 
-Clients talk to one stable port; behind it, a small TCP forwarder (a Service, in Kubernetes
-terms) sends each new connection to the engine in force.  The engine runs in one of two slots
-(two backend ports, blue/green).  A change starts the new engine in the idle slot, waits until
-its /health answers 200, points new connections at it, and only then sends SIGTERM to the old
-one, whose in-flight requests finish on their own connections (vLLM's `--shutdown-timeout`, the
-twin's drain) - never below one ready engine, like a RollingUpdate with maxUnavailable 0.
-
-A new engine that exits or never gets healthy is a failed rollout: it is killed, the old one
-keeps serving untouched, and the trial is told as infeasible.
-
-Canary trials (`start_canary`/`stop_canary`): the trial engine runs as a second process on a port of
-its own beside the stable one, and the forwarder splits new connections between them by weight
-(`canary_weight`, 0.25 by default: stable 3 : canary 1, like one canary pod beside three stable ones
-in a Service), deterministically (smooth weighted round-robin), so the canary's share is exact.  A
-Service splits connections, not requests, and so does the forwarder: a client that keeps a
-connection alive stays on its track.  Stopping the canary takes it out of the split first, waits
-(up to the shutdown timeout) for the connections already on it to finish, then sends SIGTERM; so no
-request is cut, and none is sent to an engine that is going away.  Each track's /metrics is scraped
-on its own ports (`scrape_configs`), with the `kvpilot_dev_track` label the operator's monitor
-puts on the in-cluster series.
+`LocalApplier`: blue/green engine slots behind a TCP forwarder on one stable port; canary trials as a
+second process on a weighted share of connections. How: docs/architecture.md, "The local applier".
 """
 
 from __future__ import annotations

@@ -1,24 +1,8 @@
 """The offline applier: the engine twin in virtual time (no HTTP, no Prometheus).
 
-A trial's config becomes a twin `Engine`; its capacity is the highest request rate it sustains
-in steady state with both p99s (TTFT and ITL) within the SLO, found by
-`core.capacity.find_capacity`.  Workloads are the twin's (`kvpilot.twin.workload`).
-
-Capacity, as a user reads it: the highest arrival rate at which the engine keeps up indefinitely
-and the SLO holds.  Each probe of a rate is one run of the twin's virtual-time driver
-(`kvpilot.twin.offline.drive`) over `probe_s` seconds of arrivals (150 by default) served to the
-last token; the first `warmup_s` (30) are warm-up from an empty engine and not measured; the
-TTFTs of the requests that arrive after it, and every token gap after it, make the p99s.  The
-window is what makes this a steady-state figure: above the saturation throughput the queue grows
-without bound, and over two minutes the wait of the last arrivals passes any TTFT target once
-the overload is more than a fraction of a percent, so a rate the engine cannot sustain never
-passes (a burst on an idle engine would: an empty engine absorbs a few seconds of far more than
-it sustains).
-
-Arrivals are drawn once per seed at unit rate and divided by the probed rate, so every rate (and
-every config) sees the same requests (common random numbers: differences come from the config,
-not from the dice).  The driver stops a run as soon as more than 1% of its measured requests (or
-token gaps) already missed the SLO; over-capacity runs are the slow ones.
+`TwinEvaluator`: a trial's config becomes a twin `Engine` and its value the capacity
+`core.capacity.find_capacity` finds. What capacity means and how it is measured: docs/architecture.md,
+"Capacity, offline".
 """
 
 from __future__ import annotations

@@ -1,48 +1,8 @@
 """The live trial loop: apply -> rollout -> warm-up -> measure -> tell, with the safety rules.
 
-Safety, always:
-- one engine change at a time: the loop is sequential and `Applier.apply` returns only when the
-  rollout is complete (or has failed);
-- the burn rate is polled through warm-up and window; a fast burn (>= 14.4x on 5m, the SRE
-  workbook's page threshold) prunes the trial at once and puts back the best engine known so far
-  (or the starting one);
-- signals unreachable or no traffic: pause; the engine is never changed blind, and the window
-  starts again once signals are back (a window with a hole in it is not a measurement);
-- the budget gate (spec.tuning.budgetGate): a trial starts only while enough error budget is left
-  and inside the maintenance windows; while the gate is closed the best engine is in force and
-  the loop reports Paused with the gate's reason (no trial is cut short by the gate);
-- load drift: every measurement records the offered load; when load has moved more than 25%
-  since the incumbent was measured, the incumbent is measured again before comparing;
-- the loop breaking on anything but the config (the API server down past its retries, the study's
-  storage failing): the best engine known is put back before the error goes up, so a trial's
-  engine is never left in force by a loop that gave up.  The trial stays RUNNING in the study;
-  the study's next opening fails it and queues its config again (`TunerStudy.recover`).
-
-The loop talks to the world through three small protocols (Applier, SignalSource, Clock), so
-the same code drives Kubernetes, a local process, or a fake clock in unit tests.
-
-Two trial strategies (spec.tuning.trialStrategy):
-- rolling: the whole fleet rolls to the trial engine, is measured alone, and is compared with the
-  incumbent measured earlier (re-measured when the load drifted), as above; a trial whose first
-  window would make it the incumbent is measured for `confirm_windows` more and judged (and told)
-  on their mean, so one lucky window does not set the mark the later trials must beat; a trial
-  that draws the incumbent's own config adds its window to the incumbent's mean (the trial is told
-  its own window);
-- canary: the trial engine runs beside the stable track (CanaryApplier.start_canary) and takes a
-  share of the requests; both tracks are measured in the same window (TrackSignals.measure_tracks)
-  and compared paired, poll by poll, by a sequential test (`sequential.PairedSPRT`) that stops
-  early once the canary is clearly worse or clearly better; undecided at the window's end, the
-  whole window decides (canary score against stable score, as the objective ranks them), unless
-  the test has already ruled "better" out (`canary_guard`).  A fast
-  burn on the canary track stops the canary at once and prunes the trial; the stable track is
-  never touched, so nothing is put back and no cool-down is needed (the canary's burn is read over
-  no more than its own lifetime, so a pruned predecessor's errors never count against the next).
-  A winner is promoted: `apply(params)` on the stable track (a rolling update, as for a rolling
-  trial), then the canary is stopped.  The paired comparison also refreshes the incumbent's value
-  (the stable track is the incumbent, measured under the same load), so canary trials never
-  re-measure for drift.  A trial whose engine is the stable one is measured in place.  The canary
-  never outlives a trial: stopped on every path out of it (stop, error, prune, verdict), and once
-  more when the loop starts (a leftover of a tuner that died mid-trial).
+`LiveTuner` runs it (rolling or canary trials, spec.tuning.trialStrategy); it talks to the world
+through the `Applier`, `SignalSource` and `Clock` protocols.  The safety rules and the two strategies:
+docs/architecture.md, "The live trial loop".
 """
 
 from __future__ import annotations

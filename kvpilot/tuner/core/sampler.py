@@ -1,27 +1,7 @@
 """The tuner's sampler: a stratified (Latin hypercube) start, then multivariate TPE.
 
-TPE needs a few measured configs before its model means anything; Optuna fills them with
-independent uniform draws.  With a budget of 20-30 trials those draws are a large share of the
-study, and uniform draws clump: five of them leave whole stretches of a knob untried about as
-often as not.  vLLM's knobs are far from equally important (the token budget sets the longest
-step, so it alone moves the ITL p99 and the capacity by several times), so a start-up that
-leaves part of the token-budget range untried is the costly kind of unlucky.
-
-A Latin hypercube start cuts every knob's range into `n` equal strata (on the knob's own scale:
-log for a log-scale integer, exponent for a power of two) and gives each start-up trial a
-different stratum of every knob, in a seeded random pairing.  After `n` start-up trials every
-stratum of every knob has been tried once; the pairing across knobs stays random, as TPE's
-start-up would be.  A drawn trial the caller says to `redo` (the tuner: one that could not start
-for lack of memory) gives its strata back: the next draw tries the same strata again, where the
-tuner raises the KV-cache fraction past what the failure ruled out, so a memory-bound model
-still gets every token-budget stratum measured once.  Enqueued trials (the current engine, vLLM's defaults, a warm start) count
-towards the start-up, as in TPE; with `claim` they also take the strata their values lie in, so
-the draws fill the strata trial 0 left unmeasured instead of measuring its stratum again.  With
-`bounds` a knob drawn on its own is kept within another already drawn (the sequence cap within
-the token budget): the tuner would otherwise raise the budget to the cap, undoing its stratum.
-
-The strata come from the study's storage (how many earlier trials were drawn, not enqueued), so
-a resumed tuner continues the same hypercube.
+`make_sampler` builds it; `LatinHypercubeStart` is the start. Why a Latin hypercube, and how `redo`,
+`claim` and `bounds` keep its strata: docs/architecture.md, "The tuner's sampler".
 """
 
 from __future__ import annotations

@@ -1,33 +1,8 @@
 """The sequential test a canary trial runs on its paired per-poll comparisons.
 
-Each poll measures both tracks over the same interval (same time, same load) and yields one paired
-difference: d = ln(score_canary / score_stable), the log-ratio of the two tracks' latency scores
-(`objective.latency_score`: the worse p99 relative to its SLO).  Pairing removes the load: a drift
-moves both scores together and cancels in d.
-
-Two one-sided Wald SPRTs on the mean of d, run side by side (Lorden's 2-SPRT shape):
-
-- "worse":  H0: mean d = 0   against  H1: mean d = +delta   (the canary is delta worse)
-- "better": H0: mean d = 0   against  H1: mean d = -delta   (the canary is delta better)
-
-with Gaussian increments and the variance estimated from the samples so far (plug-in, floored at
-`sigma_floor` so that a run of identical polls does not decide on nothing).  The log-likelihood
-ratio of H1 to H0 after n samples is, for the worse side, sum(delta*d_i - delta^2/2) / sigma^2, and
-the same with -delta for the better side.  A side decides when its ratio reaches ln((1-beta)/alpha)
-(Wald's upper boundary); when it falls to ln(beta/(1-alpha)) that side is dropped (H0 accepted: the
-canary is not delta worse, or not delta better) and the other side carries on.  Neither side stops
-before `min_samples` polls (the plug-in variance needs a few).  No decision by the end of the window:
-the trial is judged on the whole window as a rolling trial is, canary against stable.
-
-Defaults: alpha = 0.05 (a false "worse"/"better" call when the tracks are equal), beta = 0.10 (a missed
-call when they differ by delta), delta = ln(1.05) (a 5% difference in latency score), min_samples 5,
-sigma_floor 0.02 (2% in score).  Wald's boundaries keep the error rates at about alpha and beta
-(slightly below, as the overshoot is ignored); the plug-in variance makes them approximate for small
-n, which `min_samples` bounds: with 3, the variance of so few samples made false calls at about
-twice alpha; with 5, at about alpha.  `benchmarks/canary.py` chose delta: at 10%, the end-of-window
-call on configs 2-8% worse than the stable one (a quarter of the requests, so a noisier p99)
-promoted more wrong engines than rolling trials did; at 5%, none, with as few trials to a good
-engine.
+`PairedSPRT`: two one-sided Wald SPRTs on d = ln(score_canary / score_stable), "worse" and "better",
+each deciding at Wald's boundaries.  The test and its defaults: docs/architecture.md, "The canary's
+sequential test".
 """
 
 from __future__ import annotations

@@ -1,24 +1,8 @@
 """How far a config that could not start was from starting: read from vLLM's start-up error.
 
-A start-up failure told to the sampler as one flat constant says "infeasible" and nothing more,
-so TPE cannot tell a config that missed by a few hundred MiB from a hopeless one, and on a
-memory-bound model (most of the grid cannot start) it has no gradient toward the configs that
-can.  vLLM's start-up errors carry the numbers; the twin raises the same wording
-(`kvpilot.twin.memory`).  Read them and grade the failure:
-
-    tier 0  the KV cache cannot hold one `max_model_len` sequence
-            "... X GiB KV cache is needed, which is larger than the available KV cache memory (Y GiB)"
-            shortfall = (X - Y) / X, in units of that one sequence
-    tier 1  nothing left for the KV cache at all
-            "No available memory for the cache blocks ... (requested R GiB; model weights take W GiB;
-            PyTorch activation peak memory takes A GiB; non-torch memory takes N GiB)"
-            shortfall = (W + A + N - R) / (W + A + N); vLLM's own message has no numbers: 0
-    tier 2  the GPU itself is short (weights or an allocation do not fit, or less memory is free
-            than gpuMemoryUtilization asks for): shortfall = (asked - free) / asked
-
-A lower tier is always nearer to starting (one more block of memory away from the next tier
-down), and within a tier the shortfall orders configs by how much memory is missing.  A message
-with none of these shapes (a crash, a failed rollout) gives None: the caller keeps its constant.
+`memory_shortfall` grades a start-up failure by tier and shortfall so the sampler sees how near it was
+(None for a message of no known shape); `memory_floor` rules out configs below a failed one. The tiers:
+docs/architecture.md, "Grading a config that could not start".
 """
 
 from __future__ import annotations

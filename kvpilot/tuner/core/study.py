@@ -1,31 +1,7 @@
 """The Optuna study: naming, storage, ask-and-tell, and resuming after a restart.
 
-Ask-and-tell keeps Optuna apart from transport (as Katib does): the loop asks for a config,
-applies and measures it however it likes, and tells the result.  Telling a trial twice is
-harmless (`skip_if_finished`), so a retry after a crash between "told" and "recorded
-elsewhere" does not corrupt the study.
-
-Resume: every trial lives in the storage (SQLite by default, any Optuna URL).  On open, a trial
-still RUNNING was cut off mid-window by a crash or restart: it is marked FAIL (so it counts for
-nothing and teaches the sampler nothing) and its params are enqueued again, so that config is
-measured again rather than lost.  The trial budget counts only COMPLETE and PRUNED trials of
-kind "trial", so nothing is counted twice.  This assumes one tuner per study at a time (the
-in-cluster tuner runs one replica per InferenceService).
-
-Several workers on one study (`kvpilot tune --offline --workers N`): one process opens the study
-(recovering it as above) and then starts the workers, which open it with `recover=False` -- a
-RUNNING trial is then a sibling's, not a dead run's -- and `workers=N`: TPE's constant liar, and a
-drawn config another trial already has is failed (reason Duplicate) and drawn again.
-
-Independent workers on one study (`kvpilot tune --offline --join`, e.g. the pods of a Kubernetes Job
-with `parallelism: N`): no process is the opener, so none may fail a RUNNING trial on sight -- it may
-be a live sibling's.  `joined=True`: each trial's worker records a heartbeat in the storage while it
-measures (`heartbeat`, Optuna's RDB heartbeat), and only a trial whose heartbeat is older than the
-storage's grace period is failed and its config queued again (`fail_stale`, Optuna's
-`fail_stale_trials` with `requeue_stale` as its callback; exactly one process wins the row lock
-that fails it, so the config is queued once).  The budget is the study's: a worker asks only while
-the finished and running trials of kind trial are fewer than it (`budget_left`), and a trial asked
-in a race is given back when as many trials as the budget precede it (`over_budget`).
+`TunerStudy` (open, ask, tell, recover; `workers` and `joined` for several processes on one study).
+Resume, workers and heartbeats: docs/architecture.md, "The Optuna study".
 """
 
 from __future__ import annotations

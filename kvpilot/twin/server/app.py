@@ -1,26 +1,8 @@
 """The engine twin's HTTP server: vLLM's OpenAI-compatible API, paced by the simulated engine.
 
-Shape (as vLLM's frontend + engine core, in one process):
-
-* `EngineLoop` is one asyncio task that drives the engine: `step()`, sleep the step's simulated
-  duration in real time, then hand each request the tokens it produced.  Request timestamps
-  (arrival, first scheduled, first and last token) are taken from that real clock, and the
-  Prometheus histograms are observed from them, the way vLLM's output processor does.
-* `TwinServer` is the aiohttp application: /v1/completions, /v1/chat/completions (streaming and
-  not), /v1/models, /health, /metrics, /version.  Each generation request gets a queue that the
-  engine loop fills; a client that disconnects aborts its request in the engine.
-* `serve()` is the process lifecycle: the port opens only once the engine is "loaded" (after the
-  start-up delay, and after the engine was built without a start-up error); SIGTERM stops new
-  work (503 with an OpenAI-style error body, /health 503), lets in-flight requests finish for up
-  to the shutdown timeout (0 aborts them at once, like vLLM's default; a second signal cuts the
-  drain short), then returns 0.
-* Twin-only metrics `kvpilot_twin_engine_steps_total`, `kvpilot_twin_simulated_seconds_total` and
-  `kvpilot_twin_behind_seconds_total` tell whether the loop kept the simulated pace (a starved
-  CPU makes the twin slower than the GPU it simulates; "behind" then grows);
-  `kvpilot_twin_aborted_requests_total` counts aborts, which vLLM's own metrics do not.
-
-The engine is injected (anything with the `EngineLike` methods), so this module imports no
-engine code and tests can drive it with any engine.
+`EngineLoop` drives the engine in real time, `TwinServer` is the aiohttp application and `serve()` the
+process lifecycle.  The engine is injected (`EngineLike`).  Details: docs/architecture.md, "The twin's
+HTTP server".
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ def test_prometheus_relabels_the_twin_as_the_monitor_says(monitor_kind: str, tmp
 
 def own_scrape_config(address: str) -> dict[str, Any]:
     """`observability.monitor: None`: a scrape config of one's own, with the labels kvpilot selects on
-    and the metric relabelling the README gives."""
+    and the metric relabelling docs/resource.md gives."""
     return {"job_name": "own", "scrape_interval": "1s", "scrape_timeout": "1s",
             "static_configs": [{"targets": [address],
                                 "labels": {"namespace": NS, "kvpilot_dev_inferenceservice": NAME}}],

@@ -46,7 +46,7 @@ def restricted_violations(pod: dict[str, Any]) -> list[str]:
         seccomp = sc.get("seccompProfile", pod_sc.get("seccompProfile", {})).get("type")
         if seccomp not in ("RuntimeDefault", "Localhost"):
             problems.append(f"{name}: seccompProfile {seccomp!r}")
-        # Not part of the standard, but the issue asks for it: nothing writes outside volumes.
+        # Not part of the standard, but kvpilot holds its pods to it: nothing writes outside volumes.
         if sc.get("readOnlyRootFilesystem") is not True:
             problems.append(f"{name}: readOnlyRootFilesystem is not true")
         for port in c.get("ports", []):

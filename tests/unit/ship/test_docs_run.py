@@ -195,3 +195,52 @@ def test_kvpilot_is_on_path_before_the_readme_uses_it_bare() -> None:
     assert activate is not None and activate < first_bare, "README uses bare `kvpilot` before activating .venv"
     tune = (ROOT / "Makefile").read_text().split("\ntune:", 1)[1].split("\n\n", 1)[0]
     assert ".venv" in tune.replace("$(VENV)", ".venv") and "activate" in tune
+
+
+def readme_commands() -> list[str]:
+    """The README's commands: its untagged code blocks (```text and ```yaml blocks are outputs and files)."""
+    out: list[str] = []
+    tag = None  # the open fence's tag ("" untagged); None outside a fence
+    for line in (ROOT / "README.md").read_text().replace("\\\n", " ").splitlines():
+        if line.startswith("```"):
+            tag = line[3:].strip() if tag is None else None
+        elif tag == "":
+            line = re.sub(r"\s+#\s.*$", "", line.strip())
+            if line and not line.startswith("#"):
+                out.append(line)
+    return out
+
+
+def test_every_kvpilot_command_the_readme_prints_parses() -> None:
+    """Those the first test does not run (tune, twin, slo) take their arguments as printed."""
+    from kvpilot.cli import build_parser
+
+    cmds = [c for c in readme_commands() if c.startswith("kvpilot ")]
+    assert any(c.startswith("kvpilot tune ") for c in cmds), cmds
+    for cmd in cmds:
+        try:
+            build_parser().parse_args(shlex.split(cmd)[1:])
+        except SystemExit as exc:
+            pytest.fail(f"README.md: `{cmd}` does not parse (exit {exc.code})")
+
+
+def test_the_readmes_tune_output_names_the_study_report_and_storage_the_tuner_uses() -> None:
+    """The sample output's study, its report `out/<study>.html`, and the storage `optuna-dashboard` opens."""
+    from kvpilot.tuner.commands import DEFAULT_TUNE_STORAGE
+    from kvpilot.tuner.jobs import report_path
+
+    text = (ROOT / "README.md").read_text()
+    study, storage = re.search(r"^study '([^']+)' in (\S+)$", text, flags=re.M).groups()
+    assert storage == DEFAULT_TUNE_STORAGE
+    report = re.search(r"^report: (\S+)$", text, flags=re.M).group(1)
+    assert Path(report) == report_path(None, study)
+    assert f"optuna-dashboard {DEFAULT_TUNE_STORAGE}" in readme_commands()
+    assert "make tune" in readme_commands()
+
+
+def test_the_tuned_example_holds_the_block_the_readmes_tune_output_recommends() -> None:
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"^(spec:\n  engine:\n(?:    .*\n)+)", text, flags=re.M).group(1)
+    tuned = yaml.safe_load((ROOT / "docs" / "examples" / "tuned.yaml").read_text())
+    assert tuned["spec"]["engine"] == yaml.safe_load(block)["spec"]["engine"]
+    assert tuned["spec"]["resources"]["gpuType"]

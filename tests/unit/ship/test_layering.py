@@ -1,4 +1,4 @@
-"""The import-linter contracts hold the layering the README describes: each import that would break
+"""The import-linter contracts hold the layering docs/development.md describes: each import that would break
 it, added to a copy of the package, makes `lint-imports` fail on the contract that forbids it."""
 
 from __future__ import annotations

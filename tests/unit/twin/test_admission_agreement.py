@@ -1,4 +1,4 @@
-"""Issue 18's done-when check: `predict` refuses exactly the configs the twin's start-up refuses, with the
+"""The admission prediction's promise: `predict` refuses exactly the configs the twin's start-up refuses, with the
 same words, and refuses none that it starts.
 
 The twin's side is its real start-up entry, not the prediction: the operator renders an engine.kind twin
