@@ -37,7 +37,7 @@ def main() -> int:
 
     config = EngineConfig.resolve(resolve_model(args.model), resolve_gpu(args.gpu))
     workload = Workload.parse(f"poisson:rate={args.rate:g},prompt=sharegpt,output=sharegpt")
-    print(f"twin speed: {config.model.name} on {config.gpu.name}, {workload.spec}, {args.duration:g} s simulated, "
+    print(f"twin speed: {config.model.name} on {config.gpu.name}, {workload.name}, {args.duration:g} s simulated, "
           f"max_num_batched_tokens={config.max_num_batched_tokens}, max_num_seqs={config.max_num_seqs}")
     best_wall = best_cpu = float("inf")
     for i in range(args.repeat):
