@@ -152,7 +152,15 @@ def live() -> dict[str, str]:
     return {"tuner.live.icelake": regret_table(out), "tuner.live.xeon": regret_table(out_xeon)}
 
 
-SOURCES: tuple[Callable[[], dict[str, str]], ...] = (replay_xeon, replay_epyc, replay_probe, memory, h200, live)
+def speed() -> dict[str, str]:
+    """twin_speed.py's one deterministic figure, the work it times (its timings are the machine's)."""
+    out = run("twin_speed.py", "--repeat", "1")
+    requests, steps = re.search(r"run 1: .*?, (\d+) requests, (\d+) steps", out).groups()
+    return {"twin.speed.work": f"{int(steps):,} engine steps for {int(requests):,} requests"}
+
+
+SOURCES: tuple[Callable[[], dict[str, str]], ...] = (replay_xeon, replay_epyc, replay_probe, memory, h200, live,
+                                                     speed)
 
 
 def figures() -> dict[str, str]:
