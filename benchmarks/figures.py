@@ -149,7 +149,17 @@ def live() -> dict[str, str]:
     xeon = f"{CPU}/live_xeon_w20.json"
     out_xeon = run("live_tuning.py", "--only", "rescore", "--rate", "10", "--prompt-words", "300", "--window", "20",
                    "--repeats", "2", "--studies", xeon, "--grid", xeon, "--out", os.devnull)
-    return {"tuner.live.icelake": regret_table(out), "tuner.live.xeon": regret_table(out_xeon)}
+    figures = {"tuner.live.icelake": regret_table(out), "tuner.live.xeon": regret_table(out_xeon)}
+    # The EPYC host's 14:05 studies valued on the 13:25 grid, the 17:13 grid, and both pooled.
+    first, second = f"{CPU}/live_poisson_w40.json", f"{CPU}/live_poisson_w40_1713.json"
+    for name, grids in (("first", [first]), ("second", [second]), ("pooled", [first, second])):
+        out = run("live_tuning.py", "--only", "rescore", "--window", "40", "--repeats", "3", "--studies", first,
+                  *(a for g in grids for a in ("--grid", g)), "--out", os.devnull)
+        tokens, seqs, value = re.search(r"grid optimum tokens=(\d+) util=\S+ seqs=(\d+) = ([\d.]+)", out).groups()
+        cold, warm = (re.search(rf"(?m)^{s} start\s+\S+\s+(\S+)", out).group(1) for s in ("cold", "warm"))
+        figures[f"tuner.live.epyc.{name}"] = f"{tokens}/{seqs} {value}"
+        figures[f"tuner.live.epyc.{name}.regret5"] = f"{cold} / {warm}"
+    return figures
 
 
 def speed() -> dict[str, str]:
