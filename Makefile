@@ -5,7 +5,7 @@ PYTHON  ?= python3
 PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip -q --disable-pip-version-check
 
-.PHONY: setup tune-setup tools vllm-env control-plane test-prereqs tune test test-unit test-lowest test-vllm test-cluster lint crd image clean
+.PHONY: setup tune-setup tools vllm-env control-plane test-prereqs tune test test-unit test-lowest test-vllm test-cluster lint figures smoke crd image clean
 
 ## Everything development and CI need: the test, dev, report, postgresql and tracing extras.
 setup: $(VENV)/.installed
@@ -71,6 +71,15 @@ lint: setup
 	$(VENV)/bin/ruff check kvpilot tests benchmarks
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
+
+## The figures the benchmark READMEs quote, printed from committed data (benchmarks/data; nothing measured);
+## tests/benchmarks/test_figures.py fails where a README and this disagree.
+figures: setup
+	$(PY) benchmarks/figures.py
+
+## Every benchmark's --smoke run (seconds each; also part of `make test`).
+smoke: setup
+	$(PY) -m pytest tests/benchmarks/test_smoke.py
 
 ## The image, built with podman on a debootstrap base (no registry needed); prints its and its venv's size.
 image:

@@ -3,7 +3,7 @@ prediction was checked on against the twin's start-up, how many the twin refused
 long the check takes on one core.  The check itself is tests/unit/twin/test_admission_agreement.py;
 this prints what it covers.
 
-    python benchmarks/admission_agreement.py [--combinations 2400] [--seed 18]
+    python benchmarks/admission_agreement.py [--combinations 2400] [--seed 18] [--smoke]
 """
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--combinations", type=int, default=COMBINATIONS)
     parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument("--smoke", action="store_true", help="40 combinations: the same path in seconds (CI)")
     args = parser.parse_args()
+    if args.smoke:
+        args.combinations = 40
     start = time.perf_counter()
     all_cases, invalid = cases(args.combinations, args.seed)
     drawn = time.perf_counter()

@@ -2,6 +2,7 @@
 
     python benchmarks/canary.py            # prints the table (about 2-4 minutes on one core, first run;
                                            # the twin calibration is cached in out/canary-cache/)
+    python benchmarks/canary.py --smoke    # the same table in seconds (CI)
 
 What runs, honestly:
 - The trial LOOP is kvpilot's own (`kvpilot.tuner.core.loop.LiveTuner`, Optuna study and all), once
@@ -41,6 +42,7 @@ Figures, per strategy and load (over 10 study seeds, seeds fixed):
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import itertools
 import json
@@ -105,16 +107,19 @@ def _fingerprint() -> str:
     return h.hexdigest()[:16]
 
 
-def calibrate() -> Table:
+def calibrate(probe_s: float = 40.0) -> Table:
+    """The twin's p99s per config and rate, cached (40-s probes only: --smoke's shorter ones are not kept)."""
     path = CACHE / f"{_fingerprint()}.json"
-    if path.exists():
+    keep = probe_s == 40.0
+    if keep and path.exists():
         raw = json.loads(path.read_text())
         return {EngineParams.from_spec(json.loads(k)): (None if v is None else [tuple(x) for x in v])
                 for k, v in raw.items()}
     from kvpilot.twin.memory import EngineStartupError
 
     loose = SLO(ttft_seconds=1e6, itl_seconds=1e6)  # never stop a run early: the p99 itself is wanted
-    ev = TwinEvaluator(TARGET, Workload.parse(WORKLOAD), loose, seed=0, probe_s=40.0, warmup_s=8.0, paths=1)
+    ev = TwinEvaluator(TARGET, Workload.parse(WORKLOAD), loose, seed=0, probe_s=probe_s, warmup_s=probe_s / 5,
+                       paths=1)
     table: Table = {}
     configs = [EngineParams(t, u, s) for t, u, s in itertools.product(TOKENS, UTILS, SEQS)]
     t0 = time.monotonic()
@@ -126,6 +131,8 @@ def calibrate() -> Table:
         print(f"\rcalibrating on the twin: {i + 1}/{len(configs)} configs, {time.monotonic() - t0:.0f}s",
               end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
+    if not keep:
+        return table
     CACHE.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({json.dumps(p.as_spec(), sort_keys=True): v for p, v in table.items()}))
     return table
@@ -326,11 +333,16 @@ def run_one(model: Model, load_name: str, strategy: TrialStrategy, seed: int, be
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true",
+                    help="the twin calibrated on 5-s probes (not cached), one study seed: the table in seconds (CI)")
+    args = ap.parse_args(argv)
+    seeds = range(1) if args.smoke else SEEDS
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     logging.disable(logging.WARNING)
     t0 = time.monotonic()
-    model = Model(calibrate())
+    model = Model(calibrate(5.0 if args.smoke else 40.0))
     usable = [p for p, rows in model.table.items() if rows is not None]
     print(f"twin calibration: {TARGET.model} on {TARGET.gpu}, {WORKLOAD}; {len(usable)}/{len(model.table)} configs "
           f"start; SLO p99 TTFT {SLO_.ttft_seconds:g} s, ITL {SLO_.itl_seconds:g} s; start {START.label()}")
@@ -342,7 +354,7 @@ def main() -> int:
         scores = {p: model.mean_score(p, load) for p in usable}
         best = min(scores, key=lambda p: scores[p])
         for strategy in (TrialStrategy.ROLLING, TrialStrategy.CANARY):
-            runs = [run_one(model, load_name, strategy, seed, scores[best]) for seed in SEEDS]
+            runs = [run_one(model, load_name, strategy, seed, scores[best]) for seed in seeds]
             print(f"{load_name:8} {strategy.value:8} {sum(r['wrong'] for r in runs):>17.0f} "
                   f"{sum(r['promotions'] for r in runs):>11.0f} "
                   f"{statistics.fmean(r['reached'] for r in runs):>13.1f} "
@@ -351,7 +363,7 @@ def main() -> int:
                   f"{statistics.fmean(r['hours'] for r in runs):>6.1f}")
         print(f"{'':8} best on the grid: {best.label()} (mean score {scores[best]:.3f}; start "
               f"{scores[START]:.3f})")
-    print(f"wrong promotions and promotions: totals over {len(SEEDS)} seeds; trials to 5%, exposed, hours: means "
+    print(f"wrong promotions and promotions: totals over {len(seeds)} seeds; trials to 5%, exposed, hours: means "
           f"(a study that never got within 5% counts {TRIALS + 1}); {time.monotonic() - t0:.0f}s")
     return 0
 

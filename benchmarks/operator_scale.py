@@ -4,7 +4,7 @@ Prints reconcile latency (create -> first status write, both as KMock received t
 the time until every object has its status, and the operator process's peak RSS (VmHWM from
 /proc/<pid>/status).  Goal: peak RSS <= 150 MB at 1,000 objects.
 
-    python benchmarks/operator_scale.py [--count 1000] [--concurrency 8] [--real]
+    python benchmarks/operator_scale.py [--count 1000] [--concurrency 8] [--real] [--smoke]
 
 --real runs the same burst against a real control plane instead (make control-plane; see
 benchmarks/operator_scale_real.py), counting the operator's API calls from kube-apiserver's audit log.
@@ -79,7 +79,10 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=1200, help="seconds to wait for all statuses")
     parser.add_argument("--real", action="store_true",
                         help="against a real kube-apiserver, controllers and kwok nodes instead of KMock")
+    parser.add_argument("--smoke", action="store_true", help="20 InferenceServices: the same path in seconds (CI)")
     args = parser.parse_args()
+    if args.smoke:
+        args.count, args.concurrency, args.timeout = 20, 4, 120.0
     if args.real:
         from benchmarks.operator_scale_real import run
 

@@ -2,6 +2,7 @@
 
     python benchmarks/tuner_quality.py                 # all scenarios in benchmarks/scenarios/
     python benchmarks/tuner_quality.py --only llama8b-h100-chat --workers 2
+    python benchmarks/tuner_quality.py --smoke         # one scenario on a small grid: the tables in seconds
 
 For each scenario (a model on a GPU, a workload, an SLO; `benchmarks/scenarios/*.yaml`):
 1. the capacity of every config on the grid maxNumBatchedTokens 256..16384 (powers of two) x
@@ -61,6 +62,7 @@ SCENARIO_KEY = "_scenario"  # in a cache file: the scenario its capacities belon
 GRID_SPACE = SearchSpace(scale="pow2", util_step=0.05)
 TRIALS = 20
 SEEDS = range(5)
+PROBE_S = 150.0  # seconds of arrivals per probed rate (`kvpilot tune --offline`'s); --smoke: 10
 
 
 def load_scenarios(only: list[str] | None) -> list[dict[str, Any]]:
@@ -112,7 +114,8 @@ def _cache_path(sc: dict[str, Any], perturb_seed: int | None) -> Path:
 def _evaluate_chunk(job: tuple[dict[str, Any], int | None, list[tuple[int, float, int]]]) -> dict[str, Any]:
     """Worker: capacities of a list of configs (neighbours, so each search hints the next)."""
     sc, perturb_seed, configs = job
-    ev = TwinEvaluator(target_of(sc, perturb_seed), parse_workload(sc["workload"]), slo_of(sc), seed=0)
+    ev = TwinEvaluator(target_of(sc, perturb_seed), parse_workload(sc["workload"]), slo_of(sc), seed=0,
+                       probe_s=PROBE_S, warmup_s=PROBE_S / 5)
     out: dict[str, Any] = {}
     for t, u, s in configs:
         p = EngineParams(t, u, s)
@@ -357,8 +360,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--without", default="", metavar="PART[,PART]",
                     help=f"run the tuner without these parts of its guidance ({', '.join(parts)}; "
                          "'all' for plain TPE after the Latin hypercube start)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="one scenario on a 2x2x2 grid, 10-s probes (cached apart), 1 seed, no warm start: the "
+                         "tables in seconds (CI)")
     args = ap.parse_args(argv)
-    global GUIDANCE
+    global GUIDANCE, GRID_SPACE, PROBE_S, CACHE
+    if args.smoke:
+        GRID_SPACE = SearchSpace(max_num_batched_tokens=(512, 1024), gpu_memory_utilization=(0.90, 0.95),
+                                 max_num_seqs=(128, 256), scale="pow2", util_step=0.05)
+        PROBE_S, CACHE = 10.0, CACHE / "smoke"
+        args.only, args.seeds, args.no_warm_start, args.json = ["llama8b-h100-chat"], 1, True, None
     off = parts if args.without == "all" else [p for p in args.without.split(",") if p]
     unknown = sorted(set(off) - set(parts))
     if unknown:

@@ -1,6 +1,6 @@
 """How well the twin's step-time model predicts measured per-layer times (Vidur profiles).
 
-    python benchmarks/twin_calibration.py [--profiles DIR]
+    python benchmarks/twin_calibration.py [--profiles DIR] [--smoke]
 
 For every CSV in benchmarks/data/vidur-profiles (or --profiles, or $KVPILOT_VIDUR_PROFILES) it
 prints the median and maximum relative error of `per_layer_linear_time` (what `kvpilot twin
@@ -60,7 +60,11 @@ def _constants(p: StepTimeParams, names: tuple[str, ...]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profiles", default=os.environ.get("KVPILOT_VIDUR_PROFILES", str(DEFAULT_DIR)))
+    ap.add_argument("--smoke", action="store_true",
+                    help="every fit stopped after 40 Nelder-Mead iterations (800 otherwise): every table in "
+                         "seconds, the refits' figures not meant to be read (CI)")
     args = ap.parse_args()
+    iters = 40 if args.smoke else 800
     directory = Path(args.profiles)
     if not directory.is_dir():
         print(f"no profiles at {directory}; pass --profiles DIR")
@@ -73,7 +77,7 @@ def main() -> int:
 
     print("\n2. re-derived fit (all files)")
     t0 = time.perf_counter()
-    generic, by_class = fit_by_class(profiles)
+    generic, by_class = fit_by_class(profiles, iters=iters)
     print(f"  fitted in {time.perf_counter() - t0:.1f} s")
     print(f"  generic: {_constants(generic, FIT_FIELDS)}")
     for arch, p in by_class.items():
@@ -84,7 +88,7 @@ def main() -> int:
     class_ok, generic_ok = [], []
     for i, held in enumerate(profiles):
         rest = [p for j, p in enumerate(profiles) if j != i]
-        g, bc = fit_by_class(rest)
+        g, bc = fit_by_class(rest, iters=iters)
         arch = held.gpu.architecture
         if arch in bc:
             class_ok.append(_line(f"unseen model, {arch} fitted on the rest", held, bc[arch]))

@@ -1,6 +1,6 @@
 """Does the twin stay responsive while clients flood it with oversized requests?
 
-    python benchmarks/twin_flood.py [--clients 8] [--prompt-mb 10] [--seconds 15]
+    python benchmarks/twin_flood.py [--clients 8] [--prompt-mb 10] [--seconds 15] [--smoke]
 
 Starts a real `kvpilot twin serve` process on 127.0.0.1 (Llama-3.1-8B on an L4: ~15 tokens/s per
 stream, so one stream stays in flight for the whole run), opens one streaming completion, then
@@ -136,11 +136,17 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--prompt-mb", type=float, default=10.0)
     ap.add_argument("--seconds", type=float, default=15.0)
+    ap.add_argument("--smoke", action="store_true",
+                    help="2 clients, 1 MB prompts, 2 s: the same path in seconds (CI); the goals' verdict is "
+                         "printed, not the exit status (a busy CI machine is not the figure)")
     args = ap.parse_args()
+    if args.smoke:
+        args.clients, args.prompt_mb, args.seconds = 2, 1.0, 2.0
     if not (1 <= args.clients <= 64 and 0 < args.prompt_mb <= 30 and 0 < args.seconds <= 120):
         ap.error("keep the flood bounded: 1-64 clients, prompts up to 30 MB, up to 120 s")
     with twin_server(*SLOW_TWIN_ARGS) as twin:
-        return asyncio.run(run(twin.base_url, twin.port, args.clients, args.prompt_mb, args.seconds))
+        code = asyncio.run(run(twin.base_url, twin.port, args.clients, args.prompt_mb, args.seconds))
+    return 0 if args.smoke else code
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The twin's memory plan against what vLLM logs at start-up.
 
-    python benchmarks/twin_memory.py
+    python benchmarks/twin_memory.py [--smoke]
 
 Reads `benchmarks/data/vllm_startup_logs.jsonl`: published vLLM start-up logs, each with its
 source, the engine settings it ran with and the figures it printed (weights, activation peak,
@@ -340,6 +340,8 @@ def _summary(errors: Sequence[float]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=DATA)
+    ap.add_argument("--smoke", action="store_true",
+                    help="the same run: it reads committed data only and takes about a second (CI)")
     args = ap.parse_args(argv)
     logs = load_logs(args.data)
     fitted = fit(logs)

@@ -1,6 +1,6 @@
 """What request tracing costs the engine twin, per request: tracing off vs on.
 
-    .venv/bin/python benchmarks/twin_tracing.py [--requests 400] [--rounds 5]
+    .venv/bin/python benchmarks/twin_tracing.py [--requests 400] [--rounds 5] [--smoke]
     PYTHONPATH=<a checkout without tracing> .venv/bin/python benchmarks/twin_tracing.py --off-only   # a baseline
 
 One TwinServer in this process (the real engine, Qwen2.5-0.5B on an H100 preset), driven over real HTTP
@@ -106,5 +106,8 @@ if __name__ == "__main__":
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--off-only", action="store_true", help="only the tracing-off figure (runs on older checkouts)")
+    parser.add_argument("--smoke", action="store_true", help="40 requests x 1 round: the same lines in seconds (CI)")
     args = parser.parse_args()
+    if args.smoke:
+        args.requests, args.rounds = 40, 1
     asyncio.run(main(args.requests, args.rounds, args.off_only))

@@ -1,6 +1,7 @@
 """The engine twin's step-time model against what benchmarks/gpu_probe.py measured on a real GPU.
 
     python benchmarks/twin_vs_gpu.py PROBE_DIR [--gpu H200] [--no-refit]
+    python benchmarks/twin_vs_gpu.py --smoke     # on the committed H200 probe
 
 PROBE_DIR holds the probe's probe.json.  For every model and tensor-parallel size it prints the
 relative error |twin - measured| / measured of the per-layer linear time (`linear_layer_breakdown`
@@ -197,7 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu", help="twin GPU preset to compare against (default: from the probe's device name)")
     ap.add_argument("--no-refit", action="store_true")
     ap.add_argument("--brief", action="store_true", help="no per-op and per-shape lines")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the committed H200 probe (benchmarks/data/h200), the whole report in seconds (CI)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.probe_dir = str(Path(__file__).resolve().parent / "data" / "h200")
     if not args.probe_dir:
         ap.error("no probe folder given")
     path = Path(args.probe_dir) / "probe.json"

@@ -3,6 +3,7 @@
     python benchmarks/twin_vs_vllm.py --calibrate     # fit the CPU device profile (~3 min)
     python benchmarks/twin_vs_vllm.py                 # replay the traces on both, print the errors (~30 min)
     python benchmarks/twin_vs_vllm.py --budgets 256 --mixes short --loads 0.5 --repeats 1   # one case
+    python benchmarks/twin_vs_vllm.py --smoke         # the twin's side of a committed replay, no vLLM (seconds)
 
 Needs the real-vLLM venv (`make vllm-env`) and quiet cores: real vLLM's latencies on two shared cores
 move with whatever else runs.
@@ -360,7 +361,13 @@ def cpu_device(peaks: dict[str, float]) -> GpuSpec:
 
 
 def tiny_model() -> Any:
-    return load_model_config(require_vllm_env()[1] / "config.json", name="tiny-llama")
+    """The tiny model's shapes: the real-vLLM venv's config.json, or without that venv the shapes
+    `make vllm-env` gives it, committed beside the recorded data (--twin-only, --refit, --smoke)."""
+    try:
+        path = require_vllm_env()[1] / "config.json"
+    except VllmEnvMissing:
+        path = DATA / "tiny-llama.config.json"
+    return load_model_config(path, name="tiny-llama")
 
 
 def simulate(model: Any, device: GpuSpec, params: StepTimeParams, o: dict[str, Any]) -> float:
@@ -1006,6 +1013,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write every case's figures here")
     ap.add_argument("--twin-only", metavar="JSON", help="replay only the twin, against vLLM's figures recorded "
                                                          "by an earlier --json (no vLLM needed)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="--twin-only on the committed replay_xeon.json: the analysis and its table in seconds, "
+                         "no vLLM (CI)")
     ap.add_argument("--iterations", action="store_true",
                     help="also log vLLM's every engine step (--enable-logging-iteration-details) and print, per "
                          "case, its step times against the twin's step model for the same batches")
@@ -1026,6 +1036,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = os.environ["KVPILOT_ENGINE_CPUS"] = args.engine_cpus
     if any(m not in MIXES for m in args.mixes):
         ap.error(f"--mixes: allowed {', '.join(MIXES)}")
+    if args.smoke:
+        args.twin_only = str(DATA / "replay_xeon.json")
     try:
         if args.twin_only:
             return run_twin_only(args)

@@ -19,6 +19,7 @@ Needs root, util-linux's unshare and setpriv; the start-up includes a CPU torch.
 2 shared cores) unless --eager.
 
     python benchmarks/vllm_pod_security.py [--modes root,uid,uid-nouser] [--eager]
+    python benchmarks/vllm_pod_security.py --smoke   # each mode's rendered command, no vLLM, no root
 """
 
 from __future__ import annotations
@@ -73,7 +74,10 @@ def namespace_script(venv: Path, command: list[str]) -> str:
     return " && ".join([*steps, "exec " + shlex.join(command)])
 
 
-def run_mode(mode: str, eager: bool, venv: Path, model: Path, work: Path) -> dict[str, Any]:
+def prepare(mode: str, eager: bool, venv: Path, model: Path, work: Path, port: int
+            ) -> tuple[list[str], dict[str, str], Path]:
+    """The mode's rendered container as a runtime would run it: (command, environment, HOME), its HOME
+    and /tmp stand-ins made."""
     options = RenderOptions() if mode == "root" else RenderOptions(engine_run_as_user=UID)
     container = pod_template(InferenceService.model_validate(ISVC), options)["spec"]["containers"][0]
     rendered_env = {e["name"]: e.get("value") for e in container.get("env", [])}
@@ -82,7 +86,6 @@ def run_mode(mode: str, eager: bool, venv: Path, model: Path, work: Path) -> dic
     for d in (home, tmp):
         d.mkdir(parents=True)
         d.chmod(0o777)  # as an emptyDir
-    port = free_port()
     args = list(container["args"])
     args[0] = str(model)
     args[args.index("--port") + 1] = str(port)
@@ -96,12 +99,17 @@ def run_mode(mode: str, eager: bool, venv: Path, model: Path, work: Path) -> dic
     who = [] if mode == "root" else ["--reuid", str(UID), "--regid", str(UID), "--clear-groups"]
     command = ["setpriv", *who, "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all",
                str(MOUNT / "bin" / "python"), "-m", "vllm.entrypoints.cli.main", "serve", *args]
+    return ["unshare", "-m", "--propagation", "private", "bash", "-c", namespace_script(venv, command)], env, home
+
+
+def run_mode(mode: str, eager: bool, venv: Path, model: Path, work: Path) -> dict[str, Any]:
+    port = free_port()
+    command, env, home = prepare(mode, eager, venv, model, work, port)
     log_path = work / mode / "vllm.log"
     started = time.monotonic()
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(["unshare", "-m", "--propagation", "private", "bash", "-c",
-                                 namespace_script(venv, command)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                cwd="/", start_new_session=True)
+        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd="/",
+                                start_new_session=True)
     result: dict[str, Any] = {"mode": mode, "eager": eager, "healthy": False}
     try:
         while time.monotonic() - started < 1200 and proc.poll() is None:
@@ -149,11 +157,27 @@ def run_mode(mode: str, eager: bool, venv: Path, model: Path, work: Path) -> dic
     return result
 
 
+def smoke(modes: list[str], eager: bool) -> int:
+    """What each mode would run, from the operator's rendering, on stand-in venv and model paths."""
+    with tempfile.TemporaryDirectory(prefix="kvpilot-podsec-") as tmp:
+        work = Path(tmp)
+        for mode in modes:
+            command, env, _ = prepare(mode, eager, work / "venv", work / "model", work, 8000)
+            print(json.dumps({"mode": mode, "eager": eager, "user": env.get("USER"),
+                              "command": command[-1].rsplit("exec ", 1)[1].replace(tmp, "$WORK")}), flush=True)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--modes", default="root,uid,uid-nouser")
     parser.add_argument("--eager", action="store_true", help="--enforce-eager: no torch.compile (faster)")
+    parser.add_argument("--smoke", action="store_true",
+                    help="no vLLM, no root: each mode's rendered container and the command it would run, checked "
+                         "and printed (seconds; CI)")
     opts = parser.parse_args()
+    if opts.smoke:
+        return smoke(opts.modes.split(","), opts.eager)
     if os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("setpriv")):
         print("needs root, unshare and setpriv (util-linux)", file=sys.stderr)
         return 2
