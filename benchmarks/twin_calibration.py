@@ -37,7 +37,7 @@ from benchmarks.calibration import (  # noqa: E402
     load_profiles,
     relative_errors,
 )
-from kvpilot.twin.steptime import StepTimeParams, params_for  # noqa: E402
+from kvpilot.twin.steptime import StepTimeParams, kernel_params_for  # noqa: E402
 
 DEFAULT_DIR = Path(__file__).resolve().parent / "data" / "vidur-profiles"
 MEDIAN_GOAL, MAX_GOAL = 0.07, 0.30
@@ -73,7 +73,7 @@ def main() -> int:
     print(f"{len(profiles)} profiles in {directory}; goal: median <= {MEDIAN_GOAL:.0%}, max <= {MAX_GOAL:.0%}\n")
 
     print("1. stored constants (kvpilot/twin/steptime.py)")
-    stored_ok = all([_line(f"{p.gpu.architecture} constants", p, params_for(p.gpu)) for p in profiles])
+    stored_ok = all([_line(f"{p.gpu.architecture} constants", p, kernel_params_for(p.gpu)) for p in profiles])
 
     print("\n2. re-derived fit (all files)")
     t0 = time.perf_counter()

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: b
 from benchmarks.calibration import CLASS_FIELDS, FIT_FIELDS, Profile, fit, fit_loss, log_error_loss  # noqa: E402
 from kvpilot.twin.hardware import GPU_PRESETS, GpuSpec, UnknownGpuError, resolve_gpu  # noqa: E402
 from kvpilot.twin.models import ModelSpec  # noqa: E402
-from kvpilot.twin.steptime import StepTimeModel, StepTimeParams, linear_layer_breakdown, params_for  # noqa: E402
+from kvpilot.twin.steptime import StepTimeModel, StepTimeParams, kernel_params_for, linear_layer_breakdown  # noqa: E402
 
 GEMMS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
 EAGER = ("input_layernorm", "attn_rope", "post_attention_layernorm", "mlp_act")
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     probe = json.loads(path.read_text())
     dev = probe.get("device", {})
     gpu, how = pick_gpu(args.gpu, str(dev.get("name", "")))
-    base = params_for(gpu)
+    base = kernel_params_for(gpu)
     st = probe.get("settings", {})
     print(f"probe: {path}  device {dev.get('name')}  torch {dev.get('torch')}  "
           f"{'complete' if probe.get('complete') else 'INCOMPLETE'}  ({probe.get('elapsed_s', '?')} s; "

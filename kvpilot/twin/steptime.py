@@ -91,6 +91,11 @@ class StepTimeParams:
     # not the median step, is the p99 token gap.  0 for the GPU presets; a device profile fitted by
     # benchmarks/twin_vs_vllm.py --calibrate sets it from vLLM's own per-step log.
     step_jitter: float = 0.0
+    # Mixture of experts (vLLM's fused_moe grouped GEMM): its efficiency relative to a dense GEMM's,
+    # in compute and in streaming weights, and the rows each expert's tile pads its tokens to.
+    moe_compute_eff: float = 0.6
+    moe_memory_eff: float = 0.85
+    moe_tile_rows: float = 16.0
 
     @property
     def frontend_queues(self) -> bool:
@@ -156,17 +161,89 @@ CALIBRATED_BY_GPU: dict[str, StepTimeParams] = {
 }
 
 
-def params_for(gpu: GpuSpec) -> StepTimeParams:
-    """The calibrated constants for a GPU: its own if it was measured, else its architecture's,
-    else the generic ones."""
+def kernel_params_for(gpu: GpuSpec) -> StepTimeParams:
+    """The constants fitted on per-kernel profiles for a GPU: its own if it was measured, else its
+    architecture's, else the generic ones."""
     return CALIBRATED_BY_GPU.get(gpu.name) or CALIBRATED_BY_ARCH.get(gpu.architecture, CALIBRATED)
 
 
-def _gemm_time(p: StepTimeParams, gpu: GpuSpec, tokens: Any, k: Any, n: Any, b: int) -> Any:
-    compute = 2.0 * tokens * k * n / (p.gemm_compute_eff * gpu.bf16_flops)
-    memory = ((k * n + tokens * (k + n)) * b + p.gemm_ramp_bytes) / (p.gemm_memory_eff * gpu.hbm_bandwidth)
+# What real `vllm serve` on a GPU adds to (or takes from) the kernel profiles: fitted by
+# `benchmarks/twin_vs_gpu_serving.py --fit` (kvpilot.twin.serving_runs.fit_serving: a grid over
+# SERVING_GRID, frontend_s in closed form) on the 13 shared H100 experiments of vLLM 0.15
+# (inference-perf shared-prefix loads; ../shared/data/gpu-serving/blis_train13_by_stage.csv).
+# cpu_overhead_s: the engine's per-step host time left once async scheduling overlaps it with the
+# GPU; elementwise_floor_s: a small fused kernel inside a CUDA graph (the profiles timed eager,
+# unfused kernels); attn_decode_eff and moe_memory_eff: paged decode attention's and the fused-MoE
+# kernel's share of HBM bandwidth (moe_memory_eff fitted on Llama 4 Scout alone); frontend_s: vLLM's
+# API server and the load client (HTTP, tokenizing, streaming), a latency on every request.
+# gemm_memory_scale multiplies each GPU's kernel-fitted gemm_memory_eff: weight streaming in a
+# CUDA-graph decode step beats the profiles' one GEMM at a time.
+SERVING: dict[str, float] = {
+    "cpu_overhead_s": 1e-4,
+    "elementwise_floor_s": 2.5e-6,
+    "attn_decode_eff": 0.7,
+    "moe_memory_eff": 0.85,
+    "gemm_memory_scale": 1.0,
+    "frontend_s": 0.006,
+}
+_SERVING_CACHE: dict[StepTimeParams, StepTimeParams] = {}
+
+
+def with_serving(kernel: StepTimeParams, serving: dict[str, float]) -> StepTimeParams:
+    """Kernel constants with serving constants over them (see SERVING)."""
+    fields = {k: v for k, v in serving.items() if k != "gemm_memory_scale"}
+    scale = serving.get("gemm_memory_scale", 1.0)
+    return replace(kernel, gemm_memory_eff=min(0.98, kernel.gemm_memory_eff * scale), **fields)
+
+
+def params_for(gpu: GpuSpec) -> StepTimeParams:
+    """The constants the twin serves with on a GPU: its kernel constants (`kernel_params_for`) with
+    the serving constants (`SERVING`) over them."""
+    kernel = kernel_params_for(gpu)
+    if kernel not in _SERVING_CACHE:  # one object per GPU kind: the step-time tables are keyed by it
+        _SERVING_CACHE[kernel] = with_serving(kernel, SERVING)
+    return _SERVING_CACHE[kernel]
+
+
+def _gemm_time(p: StepTimeParams, gpu: GpuSpec, tokens: Any, k: Any, n: Any, b: int, wb: int | None = None,
+               flops: float | None = None) -> Any:
+    """One GEMM of `tokens` rows through a k x n weight: activations of `b` bytes, weights of `wb`
+    (FP8: 1), on `flops` FLOP/s of tensor cores (FP8's where the weights and the GPU are FP8)."""
+    wb = b if wb is None else wb
+    compute = 2.0 * tokens * k * n / (p.gemm_compute_eff * (flops or gpu.bf16_flops))
+    memory = (k * n * wb + tokens * (k + n) * b + p.gemm_ramp_bytes) / (p.gemm_memory_eff * gpu.hbm_bandwidth)
     s = p.gemm_sharpness
     return p.gemm_floor_s + (compute**s + memory**s) ** (1.0 / s)
+
+
+def _moe_time(p: StepTimeParams, gpu: GpuSpec, model: ModelSpec, tp: Any, t: Any, b: int, wb: int,
+              flops: float) -> dict[str, Any]:
+    """One MoE layer's MLP on one rank (experts sharded by tensor parallelism, as vLLM does without
+    --enable-expert-parallel): the router, the routed experts as one grouped GEMM (vLLM's fused_moe),
+    the shared experts as dense GEMMs.  The grouped GEMM reads the weights of every expert some
+    token went to (E(1 - (1 - k/E)^T) of them for T tokens routed uniformly) and pads each expert's
+    rows to the kernel's tile (`moe_tile_rows`), so a small batch spread over many experts is
+    memory bound and pays for rows it does not have."""
+    h, e, k = model.hidden_size, model.num_experts, model.num_experts_per_tok
+    i = model.moe_intermediate_size // tp
+    m = 2 if model.gated_mlp else 1
+    rows = t * k
+    touched = e * (1.0 - (1.0 - k / e) ** t)
+    padded = rows + touched * p.moe_tile_rows / 2.0
+    compute = 2.0 * padded * h * (m + 1) * i / (p.gemm_compute_eff * p.moe_compute_eff * flops)
+    memory = (touched * (m + 1) * h * i * wb + rows * (h + (m + 1) * i) * b + p.gemm_ramp_bytes) / (
+        p.gemm_memory_eff * p.moe_memory_eff * gpu.hbm_bandwidth)
+    s = p.gemm_sharpness
+    parts = {
+        "moe_router": _gemm_time(p, gpu, t, h, e, b),
+        "moe_experts": 2 * p.gemm_floor_s + (compute**s + memory**s) ** (1.0 / s),
+        "moe_act": _elementwise_time(p, gpu, rows * (m + 1) * i * b, p.act_eff),
+    }
+    si = model.shared_expert_intermediate_size // tp
+    if si:
+        parts["moe_shared_up"] = _gemm_time(p, gpu, t, h, m * si, b, wb, flops)
+        parts["moe_shared_down"] = _gemm_time(p, gpu, t, si, h, b, wb, flops)
+    return parts
 
 
 def _elementwise_time(p: StepTimeParams, gpu: GpuSpec, nbytes: Any, eff: float) -> Any:
@@ -176,25 +253,35 @@ def _elementwise_time(p: StepTimeParams, gpu: GpuSpec, nbytes: Any, eff: float) 
 def linear_layer_breakdown(
     model: ModelSpec, gpu: GpuSpec, tp: Any, tokens: Any, params: StepTimeParams | None = None
 ) -> dict[str, Any]:
-    """Seconds per layer, per op, for `tokens` tokens on one rank (the ops Vidur profiles)."""
+    """Seconds per layer, per op, for `tokens` tokens on one rank (the ops Vidur profiles).  For a
+    mixture-of-experts model the MLP ops are averaged over its layers: dense layers' `mlp_*` and MoE
+    layers' `moe_*`, each weighted by its share of the layers."""
     p, b, h = params or params_for(gpu), model.dtype_bytes, model.hidden_size
+    wb = model.weight_bytes
+    flops = gpu.fp8_flops if model.quantization == "fp8" and gpu.fp8_flops else gpu.bf16_flops
     # Works on numpy arrays of tokens and tp as well as on ints (the calibration fits in bulk).
     q = model.q_size // tp
     kv = np.maximum(1, model.num_key_value_heads // tp) * model.head_dim
-    i = model.intermediate_size // tp
-    up_n = (2 if model.gated_mlp else 1) * i
     t = tokens * 1.0
-    return {
+    parts = {
         "input_layernorm": _elementwise_time(p, gpu, 2 * t * h * b, p.norm_eff),
-        "attn_pre_proj": _gemm_time(p, gpu, t, h, q + 2 * kv, b),
+        "attn_pre_proj": _gemm_time(p, gpu, t, h, q + 2 * kv, b, wb, flops),
         "attn_rope": _elementwise_time(p, gpu, 2 * t * (q + kv) * b, p.rope_eff),
-        "attn_post_proj": _gemm_time(p, gpu, t, q, h, b),
+        "attn_post_proj": _gemm_time(p, gpu, t, q, h, b, wb, flops),
         "post_attention_layernorm": _elementwise_time(p, gpu, 2 * t * h * b, p.norm_eff),
-        "mlp_up_proj": _gemm_time(p, gpu, t, h, up_n, b),
-        "mlp_act": _elementwise_time(p, gpu, t * (up_n + i) * b, p.act_eff),
-        "mlp_down_proj": _gemm_time(p, gpu, t, i, h, b),
-        "add": _elementwise_time(p, gpu, 3 * t * h * b, p.add_eff),
     }
+    dense_share = model.num_dense_layers / model.num_hidden_layers
+    if dense_share:
+        i = model.intermediate_size // tp
+        up_n = (2 if model.gated_mlp else 1) * i
+        parts["mlp_up_proj"] = dense_share * _gemm_time(p, gpu, t, h, up_n, b, wb, flops)
+        parts["mlp_act"] = dense_share * _elementwise_time(p, gpu, t * (up_n + i) * b, p.act_eff)
+        parts["mlp_down_proj"] = dense_share * _gemm_time(p, gpu, t, i, h, b, wb, flops)
+    if model.is_moe:
+        moe_share = 1.0 - dense_share
+        parts.update({k: moe_share * v for k, v in _moe_time(p, gpu, model, tp, t, b, wb, flops).items()})
+    parts["add"] = _elementwise_time(p, gpu, 3 * t * h * b, p.add_eff)
+    return parts
 
 
 def per_layer_linear_time(
@@ -376,6 +463,9 @@ __all__ = [
     "CALIBRATED_BY_ARCH",
     "CALIBRATED_BY_GPU",
     "params_for",
+    "kernel_params_for",
+    "SERVING",
+    "with_serving",
     "StepTimeModel",
     "StepTimeParams",
     "linear_layer_breakdown",

@@ -45,7 +45,7 @@ def test_the_twin_simulates_the_profiles_device_and_the_local_models_shapes(tiny
 
 
 def test_an_unknown_model_that_is_no_directory_still_names_the_presets() -> None:
-    with pytest.raises(ValueError, match="unknown model 'no/such-dir'.*--model-config"):
+    with pytest.raises(ValueError, match="unknown model 'no/such-dir'.*config.json"):
         TwinTarget(model="no/such-dir").engine_config(EngineParams(512, 0.9, 8))
 
 

@@ -23,7 +23,7 @@ import pytest
 
 from benchmarks.calibration import load_profile
 from kvpilot.twin.hardware import resolve_gpu
-from kvpilot.twin.steptime import StepTimeModel, linear_layer_breakdown, params_for
+from kvpilot.twin.steptime import StepTimeModel, kernel_params_for, linear_layer_breakdown
 
 ROOT = Path(__file__).resolve().parents[3]
 PROBE = ROOT / "benchmarks" / "gpu_probe.py"
@@ -58,7 +58,7 @@ def _synthetic(folder: Path) -> None:
         "models": {k: {kk: v for kk, v in m.items() if kk != "tp"} for k, m in g.MODELS.items()},
         "linear": [], "attention": [], "warnings": [], "complete": True, "elapsed_s": 1.0,
     }
-    p = params_for(H200)
+    p = kernel_params_for(H200)
     for key, m in g.MODELS.items():
         spec = model_spec(key, m)
         for tp in m["tp"]:

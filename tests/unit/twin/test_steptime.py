@@ -11,7 +11,13 @@ import pytest
 from benchmarks.calibration import load_profiles, nelder_mead, relative_errors
 from kvpilot.twin.hardware import resolve_gpu
 from kvpilot.twin.models import resolve_model
-from kvpilot.twin.steptime import StepTimeModel, params_for, per_layer_linear_time, prefill_pairs
+from kvpilot.twin.steptime import (
+    StepTimeModel,
+    kernel_params_for,
+    params_for,
+    per_layer_linear_time,
+    prefill_pairs,
+)
 
 PROFILES = Path(__file__).resolve().parents[3] / "benchmarks" / "data" / "vidur-profiles"
 LLAMA8 = resolve_model("Llama-3.1-8B")
@@ -71,7 +77,7 @@ def test_stored_constants_meet_the_calibration_goal() -> None:
     profiles = load_profiles(PROFILES)
     assert profiles
     for p in profiles:
-        err = relative_errors(p, params_for(p.gpu))
+        err = relative_errors(p, kernel_params_for(p.gpu))
         assert np.median(err) <= 0.07, p.name
         assert err.max() <= 0.30, p.name
 
