@@ -285,6 +285,20 @@ def _poll_wait(args: argparse.Namespace) -> Callable[[], None]:
     return lambda: time.sleep(pause)
 
 
+def _twin_accuracy(target: Any, evaluator: Any, st: TunerStudy, params: EngineParams, value: float) -> list[str]:
+    """The twin's measured error on this GPU and whether the recommendation stays the best of the
+    top finished configs when every step is that much slower or faster; printed and reported.
+    Nothing for a measured device profile (its own calibration, not the GPU's)."""
+    if target.device_profile is not None:
+        return []
+    from kvpilot.tuner.adapters.robustness import best_finished, rerank_within_error
+
+    lines = rerank_within_error(evaluator, best_finished(st.trials(), 3)).lines(params, value, "req/s")
+    for line in lines:
+        print(line, file=sys.stderr)
+    return lines
+
+
 def tune_offline(args: argparse.Namespace) -> int:
     import optuna
 
@@ -390,6 +404,7 @@ def tune_offline(args: argparse.Namespace) -> int:
         print(f"\n{no_answer(st)}", file=sys.stderr)
         return 1
     params, value = best
+    accuracy = _twin_accuracy(target, evaluator, st, params, value) if goal is Goal.CAPACITY else []
     dflt = next((t for t in st.trials() if t.user_attrs.get("source") == "vllmDefaults"), None)
     unit = "req/s sustained within SLO" if goal is Goal.CAPACITY else "x SLO (lower is better)"
     comment = f"kvpilot tune --offline: {value:.3f} {unit}"
@@ -413,6 +428,7 @@ def tune_offline(args: argparse.Namespace) -> int:
             ("Goal", goal.value),
             ("Value", value_is),
             ("Study", f"{name} in {redacted(args.storage)}"),
+            *([("Twin accuracy", " ".join(line.strip() for line in accuracy))] if accuracy else []),
         ]
         out = write_report(st, report, f"kvpilot tune: {target.model} on {target.gpu}, {workload.name}",
                            yml, table, facts=facts)

@@ -189,6 +189,8 @@ def _model_config_for(service: Any, configs: _ModelConfigs,
 
 
 def prediction_lines(p: Prediction) -> list[str]:
+    from kvpilot.twin.accuracy import MEMORY_PLAN
+
     """The prediction in words, one finding a line: `predicted:`, `failure:`, `warning:`, `missing:`."""
     lines: list[str] = []
     for what in p.missing:
@@ -200,6 +202,7 @@ def prediction_lines(p: Prediction) -> list[str]:
             lines.append(
                 f"predicted: {where}: weights {p.weights_per_gpu_gib:.2f} GiB/GPU, KV cache "
                 f"{p.kv_cache_tokens} tokens, max concurrency {p.max_concurrency:.2f}x at maxModelLen {c.max_model_len}")
+            lines.append(f"accuracy: {MEMORY_PLAN.describe(c.model)}")
         if p.failure is not None:
             lines.append(f"failure: {where}: vLLM would refuse to start: {p.failure}")
     for w in p.warnings:

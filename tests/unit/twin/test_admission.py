@@ -13,6 +13,7 @@ import pytest
 
 from kvpilot.api.models import InferenceService
 from kvpilot.cli import main
+from kvpilot.twin.accuracy import MEMORY_PLAN
 from kvpilot.twin.admission import AVERAGE_SEQUENCE_TOKENS, HIGH_UTILIZATION, predict
 from kvpilot.twin.engine import Engine, EngineConfig
 from kvpilot.twin.hardware import GPU_PRESETS, product_label, resolve_gpu
@@ -212,6 +213,7 @@ def test_cli_prints_the_figures_and_exits_zero(tmp_path: Path, capsys: pytest.Ca
         f"{tmp_path}/svc.yaml: document 1 (ok): predicted: Llama-3.1-8B on H100-80GB x1: weights "
         f"{p.weights_per_gpu_gib:.2f} GiB/GPU, KV cache {p.kv_cache_tokens} tokens, max concurrency "
         f"{p.max_concurrency:.2f}x at maxModelLen 8192",
+        f"{tmp_path}/svc.yaml: document 1 (ok): accuracy: {MEMORY_PLAN.describe(resolve_model('Llama-3.1-8B'))}",
     ]
 
 
