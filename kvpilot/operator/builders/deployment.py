@@ -11,8 +11,8 @@ Why each setting is what it is:
   drain in-flight requests; the grace period covers both, plus a margin for the process to exit.
 - The config-hash annotation on the pod template is a hash of the template itself, so it changes
   exactly when what the pods run changes; slo/tuning are not inputs of the template at all.
-- spec.resources.gpuType becomes the node selector nvidia.com/gpu.product=<value> (a twin GPU name
-  becomes its board's product label, `kvpilot.twin.hardware.product_label`), on every engine kind.
+- spec.resources.gpuType becomes the node selector nvidia.com/gpu.product=<value> (a GPU name of the catalog
+  becomes its board's product label, `kvpilot.api.gpus.product_label`), on every engine kind.
 - engine.kind twin pods mount spec.modelConfig's ConfigMap key as config.json and pass it to the twin
   (`--model-config`), so the twin simulates a model it has no preset of; vLLM pods do not need it.
 - No service-account token (automountServiceAccountToken false): an engine never calls the API
@@ -43,6 +43,7 @@ import math
 from typing import Any
 
 from kvpilot.api import tracing as otel
+from kvpilot.api.gpus import product_label
 from kvpilot.api.models import EngineSpec, InferenceService
 from kvpilot.api.vocabulary import LABEL_GPU_PRODUCT, LABEL_TRACK, TRACK_STABLE
 from kvpilot.operator.builders.common import (
@@ -57,7 +58,6 @@ from kvpilot.operator.builders.common import (
     selector_labels,
 )
 from kvpilot.operator.builders.engine import MODEL_CONFIG_DIR, engine_args, engine_command
-from kvpilot.twin.hardware import product_label
 
 CONTAINER_NAME = "engine"
 HEALTH_PATH = "/health"

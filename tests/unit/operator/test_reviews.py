@@ -71,8 +71,8 @@ def test_the_answers_docs_webhook_md_shows_are_the_webhooks() -> None:
     import json
     import re
 
+    from kvpilot.cli import twin_predictor as predictor
     from kvpilot.operator.reviews import Reviewer
-    from kvpilot.operator.runner import predictor
 
     root = Path(__file__).resolve().parents[3]
     text = (root / "docs" / "webhook.md").read_text()
