@@ -83,6 +83,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvpilot.api import vllm as vllm_facts  # noqa: E402
+from kvpilot.loadgen import percentile  # noqa: E402
 from kvpilot.tuner.adapters.local import LocalApplier, free_port  # noqa: E402
 from kvpilot.tuner.adapters.offline import TwinEvaluator, TwinTarget, workload_from_estimate  # noqa: E402
 from kvpilot.tuner.adapters.prometheus import PrometheusSignals, estimate_workload  # noqa: E402
@@ -97,7 +98,6 @@ from kvpilot.twin.conformance.reference import require_vllm_env, vllm_env  # noq
 from kvpilot.twin.hardware import serve_defaults  # noqa: E402
 from kvpilot.twin.profiles import DeviceProfile  # noqa: E402
 from tests.support.live_tuning import BackgroundLoad  # noqa: E402
-from tests.support.loadgen import percentile  # noqa: E402
 from tests.support.prometheus import VLLM_METRIC_RELABEL_CONFIGS, PrometheusServer  # noqa: E402
 
 PROFILE = Path(__file__).resolve().parent / "data" / "vllm-cpu" / "profile.json"

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.api import vllm
-from tests.support.loadgen import run_load_sync
+from kvpilot.loadgen import run_load_sync
 from tests.support.twin_process import FAST_TWIN_ARGS, TwinProcess, twin_server
 
 pytestmark = pytest.mark.integration

@@ -6,7 +6,7 @@ from fractions import Fraction
 
 import pytest
 
-from tests.support.loadgen import LoadResult, RequestRecord, make_prompt, percentile, run_load_sync
+from kvpilot.loadgen import LoadResult, RequestRecord, make_prompt, percentile, run_load_sync
 from tests.support.twin_process import free_port
 
 
@@ -76,7 +76,7 @@ def test_cancelling_a_run_cancels_its_requests():
 
     from aiohttp import web
 
-    from tests.support.loadgen import run_load
+    from kvpilot.loadgen import run_load
 
     async def main() -> tuple[int, int]:
         started = asyncio.Event()
