@@ -82,6 +82,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from harness.conformance.reference import require_vllm_env, vllm_env  # noqa: E402
+from harness.live_tuning import BackgroundLoad  # noqa: E402
+from harness.prometheus import VLLM_METRIC_RELABEL_CONFIGS, PrometheusServer  # noqa: E402
 from kvpilot.api import vllm as vllm_facts  # noqa: E402
 from kvpilot.loadgen import percentile  # noqa: E402
 from kvpilot.tuner.adapters.local import LocalApplier, free_port  # noqa: E402
@@ -94,11 +97,8 @@ from kvpilot.tuner.core.study import TunerStudy, constraints_of  # noqa: E402
 from kvpilot.tuner.core.warmstart import WorkloadEstimate, lognormal_from_mean, twin_best  # noqa: E402
 from kvpilot.tuner.jobs import WarmStart, run_live_study  # noqa: E402
 from kvpilot.tuner.observe import LogObserver  # noqa: E402
-from kvpilot.twin.conformance.reference import require_vllm_env, vllm_env  # noqa: E402
 from kvpilot.twin.hardware import serve_defaults  # noqa: E402
 from kvpilot.twin.profiles import DeviceProfile  # noqa: E402
-from tests.support.live_tuning import BackgroundLoad  # noqa: E402
-from tests.support.prometheus import VLLM_METRIC_RELABEL_CONFIGS, PrometheusServer  # noqa: E402
 
 PROFILE = Path(__file__).resolve().parent / "data" / "vllm-cpu" / "profile.json"
 CHECKPOINTS = (3, 5, 10)

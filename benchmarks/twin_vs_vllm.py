@@ -26,7 +26,7 @@ of its batch size gives the step-to-step spread, fitted as a lognormal factor of
 (`step_jitter`, its sigma set by the 99th percentile, since the p99 token gap is that tail).  The
 observations go to benchmarks/data/vllm-cpu/served.json, the profile to profile.json; `--refit`
 refits from the stored observations without vLLM.  (An earlier calibration timed the steps of an
-in-process engine, kvpilot/twin/conformance/vllm_steps.py: it has neither the API server nor the
+in-process engine, harness/conformance/vllm_steps.py: it has neither the API server nor the
 engine core's IPC with its worker process, and the twin fitted on it missed the served TTFTs and
 ITLs by 30-50%.)
 
@@ -81,11 +81,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.calibration import fit_loss, log_error_loss  # noqa: E402
-from kvpilot.api import vllm as vllm_facts  # noqa: E402
-from kvpilot.twin.conformance.reference import (  # noqa: E402
+from harness.conformance.reference import (  # noqa: E402
     VllmEnvMissing,
     require_vllm_env,
 )
+from kvpilot.api import vllm as vllm_facts  # noqa: E402
 from kvpilot.twin.engine import Engine, EngineConfig  # noqa: E402
 from kvpilot.twin.hardware import GiB, GpuSpec  # noqa: E402
 from kvpilot.twin.models import load_model_config  # noqa: E402
@@ -95,7 +95,7 @@ from kvpilot.twin.steptime import StepTimeModel, StepTimeParams  # noqa: E402
 from kvpilot.twin.workload import RequestBatch  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data" / "vllm-cpu"
-STEPS_WORKER = Path(__file__).resolve().parent.parent / "kvpilot" / "twin" / "conformance" / "vllm_steps.py"
+STEPS_WORKER = Path(__file__).resolve().parent.parent / "harness" / "conformance" / "vllm_steps.py"
 KV_CACHE_GIB = 1.0
 MAX_NUM_SEQS = 64
 MAX_MODEL_LEN = 4096
@@ -106,7 +106,7 @@ MIXES = {"short": ((64, 384), (16, 64)), "long": ((512, 1536), (8, 32))}
 # The served engine is calibrated through its HTTP API, as the replay sees it: the step time is the
 # gap between streamed tokens of a steady decode batch, and a lone prompt's TTFT is its prefill steps
 # plus the frontend's latency (HTTP, the engine-core IPC, the way back as SSE), which the twin takes
-# as `frontend_s`.  An in-process engine (kvpilot/twin/conformance/vllm_steps.py) has neither the
+# as `frontend_s`.  An in-process engine (harness/conformance/vllm_steps.py) has neither the
 # frontend nor the engine core's IPC with its worker process: fitted on its steps, the twin's decode
 # steps were 50% too long (2.9 ms in-process, 2.0 ms served, batch of one) and its TTFTs 7-10 ms short.
 CAL_BUDGET = 1024
@@ -293,7 +293,7 @@ def measure_peaks(engine_cpus: str) -> dict[str, float]:
 
 
 def measure_served(engine_cpus: str, seed: int) -> dict[str, Any]:
-    from tests.support.vllm_process import VllmProcess
+    from harness.vllm_process import VllmProcess
 
     out: dict[str, Any] = {"peaks": measure_peaks(engine_cpus), "budget": CAL_BUDGET}
     flags = ["--max-num-batched-tokens", str(CAL_BUDGET), "--max-num-seqs", str(MAX_NUM_SEQS),
@@ -914,7 +914,7 @@ def calibration_reference(args: argparse.Namespace) -> list[dict[str, Any]] | No
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    from tests.support.vllm_process import VllmProcess
+    from harness.vllm_process import VllmProcess
 
     profile = DeviceProfile.load(args.profile)
     reference = calibration_reference(args)

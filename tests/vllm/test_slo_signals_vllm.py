@@ -57,6 +57,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.conformance.reference import VllmEnvMissing, require_vllm_env
+from harness.prometheus import PrometheusServer, require_prometheus
+from harness.vllm_process import VllmProcess
 from kvpilot.api import tracing as vt
 from kvpilot.api import vllm
 from kvpilot.api.vocabulary import SERIES_LABEL_INFERENCESERVICE
@@ -66,10 +69,7 @@ from kvpilot.slo.objectives import SloTarget
 from kvpilot.slo.promql import Selector
 from kvpilot.slo.rules import error_ratio_record, rule_file_for
 from kvpilot.slo.signals import NoData, PrometheusReader, read_signals
-from kvpilot.twin.conformance.reference import VllmEnvMissing, require_vllm_env
 from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan
-from tests.support.prometheus import PrometheusServer, require_prometheus
-from tests.support.vllm_process import VllmProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 

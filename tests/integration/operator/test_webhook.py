@@ -526,7 +526,7 @@ def test_a_predictor_that_raises_fails_open_with_a_warning_and_validation_still_
 
 @pytest.fixture
 def kmock_api() -> Iterator[Any]:
-    from tests.support.kmock_api import KMockAPI
+    from harness.kmock_api import KMockAPI
 
     with KMockAPI() as server:
         yield server
@@ -534,7 +534,7 @@ def kmock_api() -> Iterator[Any]:
 
 def test_the_operator_process_serves_the_webhook_and_counts_its_answers(
         pki: Pki, kmock_api: Any, tmp_path: Path) -> None:
-    from tests.support.kmock_api import free_port, kopf_operator
+    from harness.kmock_api import free_port, kopf_operator
 
     port = free_port()
     with kopf_operator(kmock_api, tmp_path, "--webhook-port", str(port), "--webhook-host", "127.0.0.1",

@@ -6,8 +6,8 @@ from fractions import Fraction
 
 import pytest
 
+from harness.twin_process import free_port
 from kvpilot.loadgen import LoadResult, RequestRecord, make_prompt, percentile, run_load_sync
-from tests.support.twin_process import free_port
 
 
 def record(i: int, start: float, ttft: float | None, itls: list[float], ok: bool = True) -> RequestRecord:
