@@ -54,13 +54,17 @@ class DeviceProfile:
 
     @classmethod
     def load(cls, path: str | Path) -> DeviceProfile:
-        try:
-            data = json.loads(Path(path).read_text())
-        except OSError as e:
-            raise DeviceProfileError(f"cannot read device profile {path}: {e.strerror}") from None
-        except json.JSONDecodeError as e:
-            raise DeviceProfileError(f"device profile {path} is not JSON: {e}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(read_json(path, "device profile", DeviceProfileError))
+
+
+def read_json(path: str | Path, what: str, error: type[ValueError]) -> Any:
+    """The JSON in `path`; `error` names `what` it is when the file cannot be read or is not JSON."""
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as e:
+        raise error(f"cannot read {what} {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise error(f"{what} {path} is not JSON: {e}") from None
 
 
 def _typed(kind: Any, data: Any, where: str, *, required: tuple[str, ...]) -> Any:

@@ -19,7 +19,6 @@ fit's error on every observation.
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -32,7 +31,7 @@ from kvpilot.twin.engine import Engine, EngineConfig
 from kvpilot.twin.hardware import GiB, GpuSpec
 from kvpilot.twin.models import ModelSpec
 from kvpilot.twin.offline import drive, step_gaps
-from kvpilot.twin.profiles import DeviceProfile
+from kvpilot.twin.profiles import DeviceProfile, read_json
 from kvpilot.twin.steptime import StepTimeModel, StepTimeParams
 from kvpilot.twin.workload import RequestBatch
 
@@ -210,12 +209,7 @@ class Calibration:
 
 def load_observations(path: str | Path) -> dict[str, Any]:
     """A calibration's observations, as benchmarks/twin_vs_vllm.py --calibrate writes them."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise CalibrationError(f"cannot read observations {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise CalibrationError(f"observations {path} are not JSON: {e}") from None
+    data = read_json(path, "observations", CalibrationError)
     if not (isinstance(data, dict) and isinstance(data.get("peaks"), dict)
             and isinstance(data.get("observations"), list)):
         raise CalibrationError(f"observations {path}: a JSON object with 'peaks' and 'observations' is expected "

@@ -52,7 +52,7 @@ def test_help_names_the_shipped_profile_and_observations(capsys: pytest.CaptureF
 
 @pytest.mark.parametrize(("content", "match"), [
     (None, "cannot read observations"),
-    ("{", "are not JSON"),
+    ("{", "is not JSON"),
     (json.dumps({"peaks": {}}), "a JSON object with 'peaks' and 'observations'"),
 ])
 def test_bad_observations_are_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
