@@ -40,17 +40,17 @@ KV_CACHE_GIB = 1.0
 MAX_NUM_SEQS = 64
 MAX_MODEL_LEN = 4096
 BLOCK_SIZE = 128  # vLLM's default block size on CPU
-CAL_BUDGET = 1024
+CAL_BUDGET = 1024  # --max-num-batched-tokens
 # A burst's requests' prompt tokens.
 BURST_PROMPT = 16
 # A mixed observation's prompt arrives MIXED_AT s after its decoders, which ask for MIXED_DECODE_TOKENS each.
 MIXED_AT = 0.15
 MIXED_DECODE_TOKENS = 160
 # The constants the fit moves (the shape constants of the GEMM roofline keep their calibrated values).
-FITTED: tuple[str, ...] = ("gemm_compute_eff", "gemm_memory_eff", "gemm_floor_s", "elementwise_floor_s", "attn_prefill_eff",
-          "attn_decode_eff", "attn_floor_s", "cpu_overhead_s", "cpu_per_request_s", "engine_request_s", "frontend_s",
-          "frontend_request_s", "frontend_step_s", "frontend_token_s")
-
+FITTED: tuple[str, ...] = (
+    "gemm_compute_eff", "gemm_memory_eff", "gemm_floor_s", "elementwise_floor_s", "attn_prefill_eff",
+    "attn_decode_eff", "attn_floor_s", "cpu_overhead_s", "cpu_per_request_s", "engine_request_s", "frontend_s",
+    "frontend_request_s", "frontend_step_s", "frontend_token_s")
 
 
 class CalibrationError(ValueError):
