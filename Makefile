@@ -68,7 +68,7 @@ test-unit: setup
 	$(PY) -m pytest tests/unit
 
 lint: setup
-	$(VENV)/bin/ruff check kvpilot tests benchmarks
+	$(VENV)/bin/ruff check kvpilot harness tests benchmarks
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 

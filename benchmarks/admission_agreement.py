@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.unit.twin.test_admission_agreement import COMBINATIONS, SEED, agreement, cases  # noqa: E402
+from harness.admission_agreement import COMBINATIONS, SEED, agreement, cases  # noqa: E402
 
 
 def main() -> None:

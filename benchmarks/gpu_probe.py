@@ -29,7 +29,7 @@ events after --warmup untimed runs, with the L2 cache flushed before each repeti
 weights are cold in real inference: the previous layers' evicted them).  Output, in --out (default
 $OUT): probe.json (everything, written after every configuration so a cut-short run keeps what it
 measured) and one `<gpu>_<model>.mlp.csv` per model in the Vidur column layout, which
-benchmarks/calibration.py.load_profile reads (ops that failed are left out of the CSV; see the
+kvpilot.twin.calibration.layers.load_profile reads (ops that failed are left out of the CSV; see the
 JSON's errors).
 """
 

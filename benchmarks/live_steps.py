@@ -38,14 +38,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from benchmarks.twin_vs_vllm import logged_step_s, read_iterations, tiny_model  # noqa: E402
+from harness.live_tuning import BackgroundLoad  # noqa: E402
+from harness.vllm_process import VllmProcess  # noqa: E402
 from kvpilot.api import vllm as vllm_facts  # noqa: E402
 from kvpilot.api.histogram import histogram_quantile  # noqa: E402
+from kvpilot.twin.calibration import CPU_PROFILE  # noqa: E402
 from kvpilot.twin.profiles import DeviceProfile  # noqa: E402
 from kvpilot.twin.steptime import StepTimeModel  # noqa: E402
-from tests.support.live_tuning import BackgroundLoad  # noqa: E402
-from tests.support.vllm_process import VllmProcess  # noqa: E402
 
-PROFILE = Path(__file__).resolve().parent / "data" / "vllm-cpu" / "profile.json"
+PROFILE = CPU_PROFILE
 TOKENS_PER_WORD = 4.6  # the tiny model's tokenizer on the load's words (benchmarks/live_tuning.py)
 KINDS = (("decode", 0, 0), ("chunk <= 256", 1, 256), ("chunk 257-512", 257, 512), ("chunk > 512", 513, 1 << 30))
 

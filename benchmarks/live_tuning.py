@@ -39,7 +39,7 @@ clients, each pausing --think s between an answer and its next request):
    then Optuna's draws) runs LiveTuner for --trials live trials, without and with the warm start.  The
    study searches the grid's resolution (powers of two, the one fraction) so every trial is a grid
    point.  The warm start searches the twin of the tiny model (its config.json) on the CPU device
-   profile (--profile; the default, benchmarks/data/vllm-cpu/profile.json, was fitted on an AMX Xeon
+   profile (--profile; the default, kvpilot/twin/calibration/data/profile.json, was fitted on an AMX Xeon
    host: on another kind of host run `benchmarks/twin_vs_vllm.py --calibrate` there and pass its
    profile, as the Ice Lake run did with profile_icelake.json) under the workload estimated from
    Prometheus.
@@ -83,7 +83,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from harness.conformance.reference import require_vllm_env, vllm_env  # noqa: E402
+from harness.live_tuning import BackgroundLoad  # noqa: E402
+from harness.prometheus import VLLM_METRIC_RELABEL_CONFIGS, PrometheusServer  # noqa: E402
 from kvpilot.api import vllm as vllm_facts  # noqa: E402
+from kvpilot.loadgen import percentile  # noqa: E402
 from kvpilot.tuner.adapters.local import LocalApplier, free_port  # noqa: E402
 from kvpilot.tuner.adapters.offline import TwinEvaluator, TwinTarget, workload_from_estimate  # noqa: E402
 from kvpilot.tuner.adapters.prometheus import PrometheusSignals, estimate_workload  # noqa: E402
@@ -94,14 +98,11 @@ from kvpilot.tuner.core.study import TunerStudy, constraints_of  # noqa: E402
 from kvpilot.tuner.core.warmstart import WorkloadEstimate, lognormal_from_mean, twin_best  # noqa: E402
 from kvpilot.tuner.jobs import WarmStart, run_live_study  # noqa: E402
 from kvpilot.tuner.observe import LogObserver  # noqa: E402
-from kvpilot.twin.conformance.reference import require_vllm_env, vllm_env  # noqa: E402
+from kvpilot.twin.calibration import CPU_PROFILE  # noqa: E402
 from kvpilot.twin.hardware import serve_defaults  # noqa: E402
 from kvpilot.twin.profiles import DeviceProfile  # noqa: E402
-from tests.support.live_tuning import BackgroundLoad  # noqa: E402
-from tests.support.loadgen import percentile  # noqa: E402
-from tests.support.prometheus import VLLM_METRIC_RELABEL_CONFIGS, PrometheusServer  # noqa: E402
 
-PROFILE = Path(__file__).resolve().parent / "data" / "vllm-cpu" / "profile.json"
+PROFILE = CPU_PROFILE
 CHECKPOINTS = (3, 5, 10)
 GOAL_REGRET = 0.05  # the goal: within 5% of the grid optimum after 5 live trials, warm-started
 SHUTDOWN_S = 60  # vLLM's --shutdown-timeout and the applier's drain: a closed loop's requests finish in seconds

@@ -25,7 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.support.kmock_api import KMockAPI, kopf_operator, wait_for  # noqa: E402
+from harness.kmock_api import KMockAPI, kopf_operator, wait_for  # noqa: E402
 
 NAMESPACES = ("team-a", "team-b", "team-c", "team-d")
 

@@ -1,4 +1,4 @@
-"""`operator_scale.py --real`: the same burst against a real control plane (tests/support/cluster.py).
+"""`operator_scale.py --real`: the same burst against a real control plane (harness/cluster.py).
 
 The operator runs as the chart's operator ServiceAccount; every InferenceService gets its real
 Deployment, ReplicaSet and kwok pods. Latency is create (the POST answered) -> the first watch event
@@ -18,15 +18,15 @@ from typing import Any
 
 import yaml
 
-from tests.support.cluster import ROOT, ControlPlane, Watch, binary_dir, missing_binaries, wait_for
-from tests.support.kmock_api import operator_process
+from harness.cluster import ROOT, ControlPlane, Watch, binary_dir, missing_binaries, wait_for
+from harness.kmock_api import operator_process
 
 ISVCS = "/apis/kvpilot.dev/v1alpha1"
 
 
 def _install(cp: ControlPlane, namespaces: tuple[str, ...]) -> tuple[str, str]:
     """CRD, namespaces and the chart's RBAC; returns the operator ServiceAccount (namespace, name)."""
-    from tests.unit.ship import chart
+    from harness import chart
 
     crd = yaml.safe_load((ROOT / "crds" / "inferenceservices.kvpilot.dev.yaml").read_text())
     cp.create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)

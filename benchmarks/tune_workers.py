@@ -8,7 +8,7 @@ Two ways to run N workers: `workers`, one `kvpilot tune --offline --workers N` t
 N independent `kvpilot tune --offline --join` processes started together with the same command (what the
 chart's sweep Job runs, one per pod), the budget the study's.
 
-Each run gets a fresh database on a PostgreSQL started for the benchmark (tests/support/postgres.py,
+Each run gets a fresh database on a PostgreSQL started for the benchmark (harness/postgres.py,
 Debian's server), so every run measures the whole budget.  Prints, per worker count: the wall time,
 the trials measured, duplicates (configs measured twice; must be 0) and the speed-up over one worker.
 The speed-up is bounded by the idle cores: the line above the table gives the machine's cores and
@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.support.postgres import PostgresServer  # noqa: E402
+from harness.postgres import PostgresServer  # noqa: E402
 
 WORKLOAD = ["--model", "Llama-3.1-8B", "--gpu", "H100-80GB", "--workload", "prompt=256,output=32",
             "--slo", "ttft=0.5,itl=0.05"]

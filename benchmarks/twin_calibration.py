@@ -10,7 +10,7 @@ Goal: median <= 7 %, maximum <= 30 %.
 
 It checks, in order:
 1. the constants stored in kvpilot/twin/steptime.py;
-2. the same fit re-derived here (benchmarks/calibration.py.fit_by_class), printed so the stored
+2. the same fit re-derived here (kvpilot.twin.calibration.layers.fit_by_class), printed so the stored
    constants can be compared or replaced;
 3. generalisation, by leaving each file out of the fit: with its architecture's constants fitted
    on the other files of that architecture (a model the fit never saw), and with the generic
@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: benchmarks.calibration
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: kvpilot
 
-from benchmarks.calibration import (  # noqa: E402
+from kvpilot.twin.calibration.layers import (  # noqa: E402
     CLASS_FIELDS,
     FIT_FIELDS,
     Profile,

@@ -30,7 +30,7 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.support.twin_process import SLOW_TWIN_ARGS, twin_server  # noqa: E402
+from harness.twin_process import SLOW_TWIN_ARGS, twin_server  # noqa: E402
 
 HEALTH_GOAL_S = 0.100
 STALL_GOAL_S = 0.200

@@ -16,7 +16,7 @@ layer: floor + pairs x FLOPs / prefill rate, or KV bytes / decode rate) against 
 `scaled_dot_product_attention`, at the (query, key) pairs the measured kernel computed.
 
 Then, unless --no-refit, what the errors become with constants refitted on this data:
-benchmarks/calibration.py.fit on the per-architecture constants (CLASS_FIELDS) and on every linear
+kvpilot.twin.calibration.layers.fit on the per-architecture constants (CLASS_FIELDS) and on every linear
 constant (FIT_FIELDS), starting from the GPU's current constants; a GEMM-only refit of the GEMM
 constants; and a refit of the three attention constants.  Printed, not stored.
 """
@@ -33,9 +33,10 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: benchmarks.calibration
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: kvpilot
 
-from benchmarks.calibration import CLASS_FIELDS, FIT_FIELDS, Profile, fit, fit_loss, log_error_loss  # noqa: E402
+from kvpilot.twin.calibration.fit import fit_loss, log_error_loss  # noqa: E402
+from kvpilot.twin.calibration.layers import CLASS_FIELDS, FIT_FIELDS, Profile, fit  # noqa: E402
 from kvpilot.twin.hardware import GPU_PRESETS, GpuSpec, UnknownGpuError, resolve_gpu  # noqa: E402
 from kvpilot.twin.models import ModelSpec  # noqa: E402
 from kvpilot.twin.steptime import StepTimeModel, StepTimeParams, kernel_params_for, linear_layer_breakdown  # noqa: E402
@@ -43,7 +44,7 @@ from kvpilot.twin.steptime import StepTimeModel, StepTimeParams, kernel_params_f
 GEMMS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
 EAGER = ("input_layernorm", "attn_rope", "post_attention_layernorm", "mlp_act")
 # The per-GPU GEMM constants (kernel efficiencies and launch floor); the roofline's shape
-# (sharpness, ramp) stays shared by every GPU, as in benchmarks/calibration.py.
+# (sharpness, ramp) stays shared by every GPU, as in kvpilot.twin.calibration.layers.
 GEMM_FIELDS = ("gemm_compute_eff", "gemm_memory_eff", "gemm_floor_s")
 ATTN_FIELDS = ("attn_prefill_eff", "attn_decode_eff", "attn_floor_s")
 

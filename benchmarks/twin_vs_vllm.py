@@ -25,9 +25,10 @@ server, started with vLLM's per-step log (`--enable-logging-iteration-details`),
 batch sizes once more at the two shorter prompts: each steady decode step's time against the median
 of its batch size gives the step-to-step spread, fitted as a lognormal factor of mean 1
 (`step_jitter`, its sigma set by the 99th percentile, since the p99 token gap is that tail).  The
-observations go to benchmarks/data/vllm-cpu/served.json, the profile to profile.json; `--refit`
-refits from the stored observations without vLLM.  (An earlier calibration timed the steps of an
-in-process engine, kvpilot/twin/conformance/vllm_steps.py: it has neither the API server nor the
+observations go to kvpilot/twin/calibration/data/served.json, the profile to profile.json; `--refit`
+refits from the stored observations (`kvpilot twin calibrate` does the same fit on any observations).
+(An earlier calibration timed the steps of an
+in-process engine, harness/conformance/vllm_steps.py: it has neither the API server nor the
 engine core's IPC with its worker process, and the twin fitted on it missed the served TTFTs and
 ITLs by 30-50%.)
 
@@ -73,7 +74,7 @@ import re
 import statistics
 import sys
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -81,36 +82,42 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.calibration import fit_loss, log_error_loss  # noqa: E402
-from kvpilot.api import vllm as vllm_facts  # noqa: E402
-from kvpilot.twin.conformance.reference import (  # noqa: E402
+from harness.conformance.reference import (  # noqa: E402
     VllmEnvMissing,
     require_vllm_env,
 )
-from kvpilot.twin.engine import Engine, EngineConfig  # noqa: E402
-from kvpilot.twin.hardware import GiB, GpuSpec  # noqa: E402
+from kvpilot.api import vllm as vllm_facts  # noqa: E402
+from kvpilot.twin.calibration import DATA, served  # noqa: E402
+from kvpilot.twin.calibration.probe import PROBE_DECODES, PROBE_PROMPTS, probe_scale, rescaled  # noqa: E402
+from kvpilot.twin.calibration.served import (  # noqa: E402
+    BURST_PROMPT,
+    CAL_BUDGET,
+    KV_CACHE_GIB,
+    MAX_MODEL_LEN,
+    MAX_NUM_SEQS,
+    MIXED_AT,
+    MIXED_DECODE_TOKENS,
+    load_observations,
+    step_jitter,
+    twin_config,
+)
+from kvpilot.twin.engine import Engine  # noqa: E402
 from kvpilot.twin.models import load_model_config  # noqa: E402
 from kvpilot.twin.offline import drive, step_gaps  # noqa: E402
 from kvpilot.twin.profiles import DeviceProfile  # noqa: E402
-from kvpilot.twin.steptime import StepTimeModel, StepTimeParams  # noqa: E402
+from kvpilot.twin.steptime import StepTimeModel  # noqa: E402
 from kvpilot.twin.workload import RequestBatch  # noqa: E402
 
-DATA = Path(__file__).resolve().parent / "data" / "vllm-cpu"
-STEPS_WORKER = Path(__file__).resolve().parent.parent / "kvpilot" / "twin" / "conformance" / "vllm_steps.py"
-KV_CACHE_GIB = 1.0
-MAX_NUM_SEQS = 64
-MAX_MODEL_LEN = 4096
-BLOCK_SIZE = 128  # vLLM's default block size on CPU
+STEPS_WORKER = Path(__file__).resolve().parent.parent / "harness" / "conformance" / "vllm_steps.py"
 MIXES = {"short": ((64, 384), (16, 64)), "long": ((512, 1536), (8, 32))}
 
 # -- calibration ---------------------------------------------------------------------------------
 # The served engine is calibrated through its HTTP API, as the replay sees it: the step time is the
 # gap between streamed tokens of a steady decode batch, and a lone prompt's TTFT is its prefill steps
 # plus the frontend's latency (HTTP, the engine-core IPC, the way back as SSE), which the twin takes
-# as `frontend_s`.  An in-process engine (kvpilot/twin/conformance/vllm_steps.py) has neither the
+# as `frontend_s`.  An in-process engine (harness/conformance/vllm_steps.py) has neither the
 # frontend nor the engine core's IPC with its worker process: fitted on its steps, the twin's decode
 # steps were 50% too long (2.9 ms in-process, 2.0 ms served, batch of one) and its TTFTs 7-10 ms short.
-CAL_BUDGET = 1024
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 DECODE_PROMPTS = (16, 512, 1536)
 DECODE_TOKENS = 40  # decode steps measured once every prompt of the batch is in
@@ -120,19 +127,11 @@ PREFILL_REPEATS = 7
 # Bursts of short requests sent at once, (requests, output tokens): the engine takes them in one or
 # two steps, so their makespan and TTFTs are the frontend's admissions and streaming, one at a time.
 BURSTS = ((8, 1), (32, 1), (64, 1), (16, 16), (64, 16))
-BURST_PROMPT = 16
 # A prompt of (decoders, prompt tokens) sent while that many short requests decode, MIXED_AT s after
 # them: the longest gap in their streams until its first token is its one prefill step with their
 # decodes in it (a mixed step, which lone prefills and steady decodes do not show), plus whatever the
 # frontend's admission of it held the streams up.
 MIXED = ((4, 256), (4, 1024), (16, 256), (16, 1024))
-MIXED_AT = 0.15
-MIXED_DECODE_TOKENS = 160
-# The constants the fit moves (the shape constants of the GEMM roofline keep their calibrated values).
-FITTED = ("gemm_compute_eff", "gemm_memory_eff", "gemm_floor_s", "elementwise_floor_s", "attn_prefill_eff",
-          "attn_decode_eff", "attn_floor_s", "cpu_overhead_s", "cpu_per_request_s", "engine_request_s", "frontend_s",
-          "frontend_request_s", "frontend_step_s", "frontend_token_s")
-
 
 def _token_times(ttft: float, gaps: list[float], start: float) -> np.ndarray:
     return start + ttft + np.concatenate([[0.0], np.cumsum(gaps)])
@@ -294,7 +293,7 @@ def measure_peaks(engine_cpus: str) -> dict[str, float]:
 
 
 def measure_served(engine_cpus: str, seed: int) -> dict[str, Any]:
-    from tests.support.vllm_process import VllmProcess
+    from harness.vllm_process import VllmProcess
 
     out: dict[str, Any] = {"peaks": measure_peaks(engine_cpus), "budget": CAL_BUDGET}
     flags = ["--max-num-batched-tokens", str(CAL_BUDGET), "--max-num-seqs", str(MAX_NUM_SEQS),
@@ -336,30 +335,6 @@ def measure_served(engine_cpus: str, seed: int) -> dict[str, Any]:
     return out
 
 
-Z99 = 2.3263478740408408  # the standard normal's 0.99 quantile
-
-
-def step_jitter(steps: list[tuple[int, int, int, float]], min_steps: int = 20) -> dict[str, float]:
-    """The spread of one batch's step time, from vLLM's own log of the decode batches: each steady
-    decode step's log time less the median of its batch size's (groups of `min_steps` or more), and
-    the lognormal sigma whose 99th percentile is theirs (the tail is what the p99 token gap sees)."""
-    groups: dict[int, list[float]] = {}
-    for ctx_reqs, _, gen_reqs, elapsed in steps:
-        if ctx_reqs == 0 and gen_reqs > 0 and elapsed > 0:
-            groups.setdefault(gen_reqs, []).append(float(np.log(elapsed)))
-    z = np.concatenate([np.asarray(v) - np.median(v) for v in groups.values() if len(v) >= min_steps] or [np.zeros(0)])
-    if len(z) < 100:
-        return {"sigma": 0.0, "steps": float(len(z))}
-    return {"sigma": float(np.quantile(z, 0.99) / Z99), "steps": float(len(z)),
-            "p50_to_p99": float(np.exp(np.quantile(z, 0.99)))}
-
-
-def cpu_device(peaks: dict[str, float]) -> GpuSpec:
-    # The host's memory stands in for the GPU's (the KV cache is sized by VLLM_CPU_KVCACHE_SPACE).
-    return GpuSpec("vllm-cpu (this host)", 24 * GiB, float(peaks["bf16_flops"]), float(peaks["hbm_bandwidth"]),
-                   0.0, architecture="cpu")
-
-
 def tiny_model() -> Any:
     """The tiny model's shapes: the real-vLLM venv's config.json, or without that venv the shapes
     `make vllm-env` gives it, committed beside the recorded data (--twin-only, --refit, --smoke)."""
@@ -370,158 +345,26 @@ def tiny_model() -> Any:
     return load_model_config(path, name="tiny-llama")
 
 
-def simulate(model: Any, device: GpuSpec, params: StepTimeParams, o: dict[str, Any]) -> float:
-    """A burst or mixed observation as the twin serves it (offline.drive, the frontend as a server),
-    read as it is read from vLLM's streams."""
-    config = twin_config(model, device, params, CAL_BUDGET)
-    n = int(o["n"])
-    if o["kind"] == "mixed":
-        batch = RequestBatch(np.array([0.0] * n + [MIXED_AT]), np.array([BURST_PROMPT] * n + [int(o["prompt"])]),
-                             np.array([MIXED_DECODE_TOKENS] * n + [2]))
-        trace = drive(Engine(config), batch, max_sim_time_s=1e6)
-        seen = np.asarray(trace.delivered)
-        long = next(r for r in trace.done if r.arrival_time == MIXED_AT)
-        # Every decoder decodes in every step here: their gaps are the gaps between steps' deliveries,
-        # a round's spread over its steps as _token_times spreads a chunk's tokens.
-        gaps = step_gaps(trace)[1:]
-        ends = seen[1:]
-        inside = (ends > MIXED_AT) & (ends <= seen[long.step_first_token] + 1e-9)
-        return float(np.max(gaps[inside], initial=0.0))
-    batch = RequestBatch(np.zeros(n), np.full(n, int(o["prompt"])), np.full(n, int(o["tokens"])))
-    trace = drive(Engine(config), batch, max_sim_time_s=1e6)
-    at = trace.delivered
-    if o["stat"] == "makespan":
-        return float(max(at[r.step_last_token] for r in trace.done))
-    return float(np.median([at[r.step_first_token] for r in trace.done]))
-
-
-def predict(model: Any, device: GpuSpec, params: StepTimeParams, obs: list[dict[str, Any]]) -> np.ndarray:
-    """Each observation's seconds as the twin has them.  A decode gap (the mean over a batch's stream):
-    its step's time (the engine's step_time, every scheduled request sampling), or the frontend's
-    cost of a step where that is longer (its cost per token is paid once per round of steps).  A lone prompt's
-    TTFT: its admission, the engine's intake of it, its prefill steps, the streaming of its token, and
-    the frontend's latency.
-    A burst or a mixed step: served by the twin."""
-    stm = StepTimeModel(model, device, 1, params)
-    out = []
-    for o in obs:
-        if o["kind"] in ("burst", "mixed"):
-            out.append(simulate(model, device, params, o))
-            continue
-        steps = [stm.step_time(int(t), int(n), int(n), p, int(kv)) for t, n, p, kv in o["steps"]]
-        if o["kind"] == "decode":
-            # A frontend slower than the engine streams several steps' tokens at once (offline.drive's
-            # output rounds), so a long batch's mean gap is the step's unless a step's own cost is more.
-            out.append(max(sum(steps), params.frontend_step_s))
-        else:
-            out.append(sum(steps) + params.engine_request_s + params.frontend_s + params.frontend_request_s
-                       + params.frontend_step_s + params.frontend_token_s
-                       + params.frontend_prompt_token_s * int(o["prompt"]))
-    return np.array(out)
-
-
-# The frontend's costs, each the CPU seconds of one unit of a vLLM counter (COUNTERS).
-COST_OF = {"requests": "frontend_request_s", "steps": "frontend_step_s", "tokens": "frontend_token_s",
-           "prompt_tokens": "frontend_prompt_token_s"}
-
-
-def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Least squares with every coefficient >= 0: a negative one is held at 0 and the rest refitted."""
-    free = np.ones(a.shape[1], dtype=bool)
-    while True:
-        x = np.zeros(a.shape[1])
-        x[free] = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
-        if (x >= 0).all():
-            return x
-        free &= x > 0
-
-
-def frontend_costs(obs: list[dict[str, Any]]) -> dict[str, float] | None:
-    """The frontend server's costs measured, not fitted: the CPU seconds the API server and this client
-    (one core's two processes) spent over each metered block of calibration requests, regressed on
-    vLLM's own counts of requests, steps, generated and prompt tokens in it, plus a per-second term
-    for what they spend idle and a per-block one (the /metrics read that closes it), in relative
-    errors, so each block counts alike.  None without meters (a served.json measured before them)."""
-    rows = [o["meter"] for o in obs if "meter" in o]
-    if len(rows) < 2 * (len(COST_OF) + 2):
-        return None
-    a = np.array([[r[k] for k in COST_OF] + [r["wall_s"], 1.0] for r in rows])
-    b = np.array([r["api_server_s"] + r["client_s"] for r in rows])
-    x = _nnls(a / b[:, None], np.ones(len(b)))
-    costs = {COST_OF[k]: float(f"{v:.4g}") for k, v in zip(COST_OF, x[:len(COST_OF)], strict=True)}
-    costs["idle"], costs["per_block"] = float(f"{x[-2]:.4g}"), float(f"{x[-1]:.4g}")
-    costs["median_error"] = float(np.median(np.abs(a @ x / b - 1.0)))
-    return costs
-
-
-def fit_params(model: Any, device: GpuSpec, obs: list[dict[str, Any]],
-               measured_costs: dict[str, float] | None = None) -> StepTimeParams:
-    """The constants in FITTED minimising the mean |log error| of the observations
-    (benchmarks/calibration.py's Nelder-Mead on their logs, efficiencies capped at 1), from floors
-    sized for a CPU.  With `measured_costs` (frontend_costs), the frontend server's costs are those
-    and the fit moves the rest."""
-    start = StepTimeParams(cpu_overhead_s=2e-3, gemm_floor_s=2e-5, elementwise_floor_s=1e-5, attn_floor_s=2e-5,
-                           engine_request_s=2e-4, frontend_s=5e-3, frontend_request_s=3e-3, frontend_step_s=2e-4,
-                           frontend_token_s=5e-5)
-    fitted = FITTED
-    if measured_costs:
-        start = replace(start, **{k: measured_costs[k] for k in COST_OF.values()})
-        fitted = tuple(k for k in FITTED if k not in COST_OF.values())
-    measured = np.array([o["seconds"] for o in obs])
-    params = start
-    for _ in range(3):  # restarts: the simplex of 11 constants stalls before the minimum
-        params = fit_loss(lambda p: log_error_loss(predict(model, device, p, obs), measured), params, fitted,
-                          iters=2000)
-    return replace(params, **{k: float(f"{getattr(params, k):.4g}") for k in fitted})
-
-
 def calibrate(args: argparse.Namespace) -> int:
+    """Measure the served vLLM (or, with --refit, read what was measured) and fit the profile on it
+    (kvpilot.twin.calibration.served: `kvpilot twin calibrate` refits from the observations alone)."""
     DATA.mkdir(parents=True, exist_ok=True)
     served_path = DATA / "served.json"
     if args.refit:
-        measured = json.loads(served_path.read_text())
+        measured = load_observations(served_path)
     else:
         t0 = time.perf_counter()
         measured = measure_served(args.engine_cpus, args.seed)
         print(f"measured {len(measured['observations'])} observations in {time.perf_counter() - t0:.0f} s",
               flush=True)
         served_path.write_text(json.dumps(measured) + "\n")
-    model = tiny_model()
-    device = cpu_device(measured["peaks"])
-    obs = [o for o in measured["observations"] if np.isfinite(o["seconds"])]
-    # The constants are fitted on medians and means, the jitter (mean 1) is measured apart.
-    jitter = measured.get("step_jitter", {})
-    costs = None if args.fit_frontend else frontend_costs(obs)
-    if costs:
-        print("frontend costs measured (API server + client CPU over vLLM's counts, median |error| "
-              f"{costs['median_error']:.1%}): " + ", ".join(f"{k} {costs[k] * 1e6:.1f} us" for k in COST_OF.values())
-              + f"; idle {costs['idle']:.1%} of a core")
-    params = replace(fit_params(model, device, obs, costs), step_jitter=round(float(jitter.get("sigma", 0.0)), 4))
-    profile = DeviceProfile(device, params, source=(
+    cal = served.calibrate(measured, tiny_model(), fit_frontend=args.fit_frontend, source=(
         "fitted on this host by benchmarks/twin_vs_vllm.py --calibrate: real vllm-cpu 0.32.0 served "
         "(vllm serve, engine core and worker pinned to CPU " + args.engine_cpus + ") on the tiny model, "
         "steady decode ITLs and lone-prompt TTFTs through HTTP; peaks measured with torch "
         f"({measured['peaks'].get('threads')} threads)"))
-    profile.write(DATA / "profile.json")
-    print(f"peaks: {device.bf16_flops / 1e9:.1f} GFLOP/s bf16, {device.hbm_bandwidth / 1e9:.1f} GB/s")
-    print("fitted:", {k: getattr(params, k) for k in FITTED})
-    print(f"step jitter (vLLM's own log of {jitter.get('steps', 0):.0f} decode steps): sigma {params.step_jitter:g}"
-          + (f", p99 / median {jitter['p50_to_p99']:.2f}" if "p50_to_p99" in jitter else ""))
-    # Errors as fitted, without the step jitter: the observations are medians, and a burst or mixed step
-    # served once with it is one draw (a mixed step's longest gap read 8.1 and 4.2 ms with it, 5.7 and
-    # 6.3 without, against vLLM's 6.9 and 6.9).
-    pred = predict(model, device, replace(params, step_jitter=0.0), obs)
-    errs = np.abs(pred / np.array([o["seconds"] for o in obs]) - 1.0)
-    for o, e, p in zip(obs, errs, pred, strict=True):
-        what = (f"decode {o['n']:>2} x {o['prompt']:>4}" if o["kind"] == "decode" else
-                f"burst {o['n']:>2} x {o['tokens']:>2} {o['stat']}" if o["kind"] == "burst" else
-                f"mixed {o['n']:>2} + {o['prompt']:>4}" if o["kind"] == "mixed" else f"TTFT {o['prompt']:>4}")
-        print(f"  {what:<18} vLLM {o['seconds'] * 1e3:7.2f} ms  twin {p * 1e3:7.2f} ms  {e:5.1%}")
-    for kind in ("decode", "prefill", "burst", "mixed"):
-        k = np.array([o["kind"] == kind for o in obs])
-        if not k.any():
-            continue
-        print(f"{kind}: median |error| {np.median(errs[k]):.1%}, max {np.max(errs[k]):.1%} ({k.sum()} observations)")
+    cal.profile.write(DATA / "profile.json")
+    served.report(cal)
     print(f"wrote {DATA / 'profile.json'}")
     return 0
 
@@ -623,14 +466,6 @@ async def replay_real(base_url: str, model: str, batch: RequestBatch, seed: int)
     return Result(ttft, itl, len(ok) / end, failed=len(done) - len(ok))
 
 
-def twin_config(model: Any, device: GpuSpec, params: StepTimeParams, budget: int) -> EngineConfig:
-    """The twin engine of the replay and the calibration: the flags real vLLM gets, on the fitted device."""
-    return EngineConfig(model=model, gpu=device, max_num_batched_tokens=budget,
-                        max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN, gpu_memory_utilization=None,
-                        kv_cache_memory_bytes=int(KV_CACHE_GIB * GiB), block_size=BLOCK_SIZE,
-                        async_scheduling=False, step_time_params=params)
-
-
 def replay_twin(profile: DeviceProfile, budget: int, batch: RequestBatch) -> Result:
     engine = Engine(twin_config(tiny_model(), profile.device, profile.step_time, budget))
     trace = drive(engine, batch, max_sim_time_s=1e6)
@@ -645,63 +480,11 @@ def replay_twin(profile: DeviceProfile, budget: int, batch: RequestBatch) -> Res
     return Result(ttft, itl, len(trace.done) / (ends[-1] - float(batch.arrival_s[0])))
 
 
-# -- the host's speed, probed before each repeat (--probe) ----------------------------------------
-# This shared 2-core host does not keep one speed.  Between a calibration and the replay five minutes
-# after it (2026-12-03 13:12-13:30 UTC), a lone decode step of the calibration ran 32-45% faster than
-# the morning's while a lone prompt's prefill ran 10-27% slower, and the replay then found the server
-# slower than either; two repeats of one trace differed by up to 50% in p50 ITL.  A profile fitted
-# minutes earlier describes another machine.  So before each repeat the case's own server is probed
-# (lone decodes and lone prompts, as the calibration measures them) and the twin runs that repeat on
-# the profile slowed or sped up uniformly (every time term multiplied, the device's peaks divided, by
-# one factor) to the geometric mean of the probe's measured over predicted times.  One factor, not
-# one for fixed costs and one for arithmetic: on this tiny model a decode step is half weight reads,
-# so the two are not told apart by so small a probe.  The probe is not the trace: the twin never sees
-# the figures it is judged on, only the machine's speed of the minute.
-PROBE_DECODES = ((1, 16), (8, 512))  # (sequences, prompt tokens)
-PROBE_PROMPTS = (256, 1024)
-PROBE_LIMITS = (0.5, 2.0)  # a factor outside is a probe gone wrong, not a host
-# Every constant in seconds (launch floors, the engine's CPU overheads, the frontend's costs).
-TIME_TERMS = tuple(f.name for f in fields(StepTimeParams) if f.name.endswith("_s"))
-
-
+# -- the host's speed, probed before each repeat (--probe; kvpilot.twin.calibration.probe) ---------
 def probe(base_url: str, budget: int, seed: int) -> list[dict[str, Any]]:
     """The host's speed now, on a server running with --max-num-batched-tokens `budget`."""
     return ([decode_observation(base_url, n, prompt, seed, budget) for n, prompt in PROBE_DECODES]
             + [prefill_observation(base_url, prompt, seed, budget) for prompt in PROBE_PROMPTS])
-
-
-def rescaled(profile: DeviceProfile, factor: float) -> DeviceProfile:
-    """The profile on a host `factor` times as slow: every step, every frontend cost that long."""
-    params = replace(profile.step_time, **{k: getattr(profile.step_time, k) * factor for k in TIME_TERMS})
-    device = replace(profile.device, bf16_flops=profile.device.bf16_flops / factor,
-                     hbm_bandwidth=profile.device.hbm_bandwidth / factor)
-    return DeviceProfile(device, params, profile.source)
-
-
-def _probe_key(o: dict[str, Any]) -> tuple[str, int, int]:
-    return o["kind"], int(o.get("n") or 1), int(o["prompt"])
-
-
-def probe_scale(model: Any, profile: DeviceProfile, probes: list[dict[str, Any]],
-                reference: list[dict[str, Any]] | None = None) -> float:
-    """How much slower than at calibration the host ran the probe: the geometric mean over the probe's
-    observations of measured over predicted, each divided by the same ratio of the calibration's own
-    observation of that kind (`reference`, the observations the profile was fitted on; 1 where it has
-    none), so a fit that is 10% long on one observation does not read as a host 10% fast; held within
-    PROBE_LIMITS.  (A uniform factor scales every prediction by itself.  The calibration prefilled its
-    prompts in chunks of CAL_BUDGET: its fit's miss on a prompt is taken as the same at the case's
-    budget.)  An observation that measured nothing (NaN) is left out; with none left the factor is 1."""
-    def measured_over_predicted(obs: list[dict[str, Any]]) -> np.ndarray:
-        return np.array([o["seconds"] for o in obs]) / predict(model, profile.device, profile.step_time, obs)
-
-    ratios = measured_over_predicted(probes)
-    ref = {_probe_key(o): o for o in reference or () if o["kind"] in ("decode", "prefill")}
-    matched = [i for i, o in enumerate(probes) if _probe_key(o) in ref]
-    if matched:
-        ratios[matched] /= measured_over_predicted([ref[_probe_key(probes[i])] for i in matched])
-    ratios = ratios[np.isfinite(ratios) & (ratios > 0)]
-    factor = float(np.exp(np.mean(np.log(ratios)))) if len(ratios) else 1.0
-    return min(PROBE_LIMITS[1], max(PROBE_LIMITS[0], factor))
 
 
 def twin_stats(profile: DeviceProfile, budget: int, batch: RequestBatch, probes: list[list[dict[str, Any]]],
@@ -921,7 +704,7 @@ def calibration_reference(args: argparse.Namespace) -> list[dict[str, Any]] | No
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    from tests.support.vllm_process import VllmProcess
+    from harness.vllm_process import VllmProcess
 
     profile = DeviceProfile.load(args.profile)
     reference = calibration_reference(args)

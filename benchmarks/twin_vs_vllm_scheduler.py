@@ -3,7 +3,7 @@
     python benchmarks/twin_vs_vllm_scheduler.py [--traces 200] [--seed 0] [--family F ...] [--show 3]
     python benchmarks/twin_vs_vllm_scheduler.py --smoke   # the path and the table against the twin itself, no vLLM
 
-Needs the real-vLLM venv (`make vllm-env`).  Each trace (see kvpilot/twin/conformance/traces.py)
+Needs the real-vLLM venv (`make vllm-env`).  Each trace (see harness/conformance/traces.py)
 runs through the twin's `Scheduler` here and through vLLM's `Scheduler` / `AsyncScheduler`
 in-process in that venv (no model: a step's "model" samples one token per finished prompt), with
 the same budget, max_num_seqs, block size, KV blocks, long_prefill_token_threshold, watermark,
@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvpilot.twin.conformance.reference import VllmEnvMissing, VllmScheduler  # noqa: E402
-from kvpilot.twin.conformance.replay import compare_steps, replay_twin  # noqa: E402
-from kvpilot.twin.conformance.traces import FAMILIES, random_traces  # noqa: E402
+from harness.conformance.reference import VllmEnvMissing, VllmScheduler  # noqa: E402
+from harness.conformance.replay import compare_steps, replay_twin  # noqa: E402
+from harness.conformance.traces import FAMILIES, random_traces  # noqa: E402
 
 
 class TwinItself:

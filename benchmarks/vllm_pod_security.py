@@ -41,10 +41,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from harness.conformance.reference import require_vllm_env  # noqa: E402
 from kvpilot.api.models import InferenceService  # noqa: E402
 from kvpilot.operator.builders import RenderOptions  # noqa: E402
 from kvpilot.operator.builders.deployment import pod_template  # noqa: E402
-from kvpilot.twin.conformance.reference import require_vllm_env  # noqa: E402
 
 UID = 1001
 MOUNT = Path("/tmp/kvpilot-podsec-venv")  # the venv's path inside the namespace

@@ -67,8 +67,8 @@ class ConstantReviewer:
 
 def serve(cert: str, key: str, cpu: int, profile: str | None, floor: bool) -> None:
     os.sched_setaffinity(0, {cpu})
+    from kvpilot.cli import twin_predictor as predictor
     from kvpilot.operator.reviews import Reviewer
-    from kvpilot.operator.runner import predictor
     from kvpilot.operator.webhook import WebhookServer
 
     async def main() -> None:
@@ -105,8 +105,8 @@ def cpu_seconds(pid: int) -> float:
 def in_process_us(bodies: list[bytes], cpu: int) -> float:
     """What one review costs the reviewer itself, without HTTP or TLS: the best of five passes over
     the bodies, on the server's core (the best pass is the one least disturbed by other work)."""
+    from kvpilot.cli import twin_predictor as predictor
     from kvpilot.operator.reviews import Reviewer
-    from kvpilot.operator.runner import predictor
 
     affinity = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {cpu})

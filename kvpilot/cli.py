@@ -11,8 +11,12 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvpilot import __version__
+
+if TYPE_CHECKING:
+    from kvpilot.operator.reviews import Predictor
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +46,22 @@ def build_parser() -> argparse.ArgumentParser:
     from kvpilot.twin import admission_cli
 
     admission_cli.extend_validate(subparsers.choices["validate"])
+    # The operator's webhook predicts vLLM's start-up with the twin, which the operator does not import.
+    subparsers.choices["operator"].set_defaults(predictor=twin_predictor)
     return parser
+
+
+def twin_predictor() -> Predictor:
+    """The start-up prediction the operator's webhook runs on every valid engine: the twin's
+    (kvpilot.twin.admission.predict, what `kvpilot validate --predict` prints), once per distinct spec.
+
+    Where spec.modelConfig names a ConfigMap the webhook does not read it (an API call inside the
+    API server's wait): such a model, like one that is not a twin preset or an engine without
+    spec.resources.gpuType, is not predicted, only validated."""
+    from kvpilot.operator.reviews import CachedPredictor
+    from kvpilot.twin.admission import predict
+
+    return CachedPredictor(predict)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

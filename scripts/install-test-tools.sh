@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the system tools the integration tests use: Debian's Prometheus server and promtool, and
-# Debian's PostgreSQL server (the tuner's study storage; tests/support/postgres.py runs initdb and
+# Debian's PostgreSQL server (the tuner's study storage; harness/postgres.py runs initdb and
 # postgres itself on a free port).
 # Needs root and apt; elsewhere it says what is missing, and the tests that need it skip with a reason.
 # Waits for a busy apt/dpkg lock (another apt run on a shared host) instead of failing.

@@ -131,7 +131,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help=f"PEM private key of that certificate (also ${ENV_WEBHOOK_KEY_FILE}); "
                       "required with --webhook-port")
     op.add_argument("-v", "--verbose", action="store_true", help="log more")
-    op.set_defaults(handler=_operator)
+    # `predictor`: a factory of the webhook's start-up prediction, set by the CLI layer (kvpilot.cli), which
+    # may import the twin; the operator does not.
+    op.set_defaults(handler=_operator, predictor=None)
 
     render = subparsers.add_parser(
         "render",
@@ -183,7 +185,7 @@ def _operator(args: argparse.Namespace) -> int:
     )
     configure_logging(settings)
     try:
-        asyncio.run(run_operator(settings))
+        asyncio.run(run_operator(settings, args.predictor() if args.predictor else None))
     except (OSError, CredentialsError) as exc:  # no cluster credentials; the metrics port is taken
         print(f"kvpilot operator: {exc}", file=sys.stderr)
         return 1

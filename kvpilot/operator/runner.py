@@ -14,7 +14,7 @@ from kvpilot.operator.handlers import build_registry, credentials
 from kvpilot.operator.kube import KubeClient
 from kvpilot.operator.metrics import OperatorMetrics, start_http
 from kvpilot.operator.reconcile import Runtime
-from kvpilot.operator.reviews import CachedPredictor, Predictor, Reviewer
+from kvpilot.operator.reviews import Predictor, Reviewer
 from kvpilot.operator.settings import OperatorSettings
 from kvpilot.operator.webhook import WebhookServer
 
@@ -29,8 +29,11 @@ def configure_logging(settings: OperatorSettings) -> None:
     )
 
 
-async def run_operator(settings: OperatorSettings) -> None:
-    """Run until SIGINT/SIGTERM.  Raises CredentialsError at once when there is no cluster to talk to."""
+async def run_operator(settings: OperatorSettings, predictor: Predictor | None = None) -> None:
+    """Run until SIGINT/SIGTERM.  Raises CredentialsError at once when there is no cluster to talk to.
+
+    `predictor` is the start-up prediction the admission webhook runs on every valid engine (the CLI
+    passes the twin's, `kvpilot.cli.twin_predictor`); without one the webhook only validates."""
     credentials()  # fail fast and plainly; kopf would log the failure and wait for a signal
     client = KubeClient(backoff=settings.api_backoff, field_manager=settings.field_manager,
                         timeout_s=settings.api_timeout_seconds, rng=random.Random(settings.retry_seed))
@@ -44,7 +47,7 @@ async def run_operator(settings: OperatorSettings) -> None:
     webhook = None
     if settings.webhook_port is not None:
         try:
-            webhook = await start_webhook(settings, rt.metrics)
+            webhook = await start_webhook(settings, rt.metrics, predictor)
         except BaseException:
             await http.cleanup()
             await client.close()
@@ -71,24 +74,13 @@ async def run_operator(settings: OperatorSettings) -> None:
         await client.close()
 
 
-def predictor() -> Predictor:
-    """The start-up prediction the webhook runs on every valid engine: the twin's
-    (kvpilot.twin.admission.predict, what `kvpilot validate --predict` prints), once per distinct spec.
-
-    Where spec.modelConfig names a ConfigMap the webhook does not read it (an API call inside the
-    API server's wait): such a model, like one that is not a twin preset or an engine without
-    spec.resources.gpuType, is not predicted, only validated."""
-    from kvpilot.twin.admission import predict
-
-    return CachedPredictor(predict)
-
-
-async def start_webhook(settings: OperatorSettings, metrics: OperatorMetrics) -> WebhookServer:
+async def start_webhook(settings: OperatorSettings, metrics: OperatorMetrics,
+                        predictor: Predictor | None = None) -> WebhookServer:
     """The admission webhook's HTTPS server, serving; OSError or ssl.SSLError (bad files, taken port) if not."""
     if not settings.webhook_cert_file or not settings.webhook_key_file:
         raise OSError("the admission webhook needs --webhook-cert-file and --webhook-key-file")
     server = WebhookServer(
-        Reviewer(predictor=predictor()), cert_file=Path(settings.webhook_cert_file),
+        Reviewer(predictor=predictor), cert_file=Path(settings.webhook_cert_file),
         key_file=Path(settings.webhook_key_file), host=settings.webhook_host,
         port=settings.webhook_port or 0, reload_seconds=settings.webhook_cert_reload_seconds,
         on_result=metrics.count_admission)

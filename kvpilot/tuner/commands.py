@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from kvpilot.api.vocabulary import ENV_TUNER_STORAGE
+from kvpilot.twin.calibration import CPU_PROFILE
 
 DEFAULT_TUNER_STORAGE = "sqlite:////var/lib/kvpilot/tuner.db"
 DEFAULT_TUNE_STORAGE = "sqlite:///out/kvpilot-tune.db"
@@ -59,9 +60,8 @@ def register(subparsers: Any) -> None:
                         "engine command leaves out (default %(default)s)")
     p.add_argument("--device-profile", default=None, metavar="JSON",
                    help="a measured device instead of the --gpu preset: its peaks and fitted step-time constants "
-                        "(kvpilot/twin/profiles.py; benchmarks/twin_vs_vllm.py --calibrate writes one for vLLM on "
-                        "this host's CPU, benchmarks/data/vllm-cpu/profile.json); the twin (--offline, "
-                        "--warm-start) simulates it and vLLM's defaults are those on it")
+                        f"(`kvpilot twin calibrate` fits one; vLLM-CPU's on an AMX Xeon ships as {CPU_PROFILE}); "
+                        "the twin (--offline, --warm-start) simulates it and vLLM's defaults are those on it")
     p.add_argument("--max-model-len", type=int, default=8192, help="default %(default)s")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="GPUs the twin engine shards the model over, as vLLM's flag (default %(default)s)")

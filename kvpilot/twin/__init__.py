@@ -11,4 +11,5 @@ Modules:
   offline    virtual-time runs and their report (`simulate`)
   flags      the `vllm serve` flags the twin accepts
   server     the HTTP server (OpenAI API + vLLM `/metrics`), its protocol, CLI and logging
+  calibration  device profiles fitted on measured times (`kvpilot twin calibrate`), and those kvpilot ships
 """

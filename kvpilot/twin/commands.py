@@ -16,7 +16,8 @@ def register(subparsers: Any) -> None:
         "twin",
         help="the engine twin: a vLLM-faithful simulator (offline runs, step times, HTTP server)",
         description="The engine twin simulates vLLM 0.33's V1 engine without a GPU: chunked prefill, the paged "
-                    "KV cache, preemption, and a step-time model calibrated on measured layer times.",
+                    "KV cache, preemption, and a step-time model calibrated on measured layer times "
+                    "(`kvpilot twin calibrate` fits one for a device without a preset).",
     )
     twin_sub = twin.add_subparsers(dest="twin_command", metavar="SUBCOMMAND", required=True)
 
@@ -59,9 +60,11 @@ def register(subparsers: Any) -> None:
     st.add_argument("--context", type=int, default=0, help="KV-cache tokens each decode reads (default 0)")
     st.set_defaults(handler=_step_time)
 
+    from kvpilot.twin.calibration import cli as calibrate_cli
     from kvpilot.twin.server import cli as serve_cli
 
     serve_cli.register(twin_sub)
+    calibrate_cli.register(twin_sub)
 
 
 def _fail(command: str, message: str, code: int) -> int:

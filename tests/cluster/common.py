@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.support.cluster import ROOT
+from harness.cluster import ROOT
 
 NODE = "kwok-gpu-0"
 SERVING = "serving"

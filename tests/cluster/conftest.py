@@ -1,4 +1,4 @@
-"""The `cluster` tests: one real control plane for this package (tests/support/cluster.py).
+"""The `cluster` tests: one real control plane for this package (harness/cluster.py).
 
 Binaries come from `make control-plane` (scripts/build-control-plane.sh), cached by version.
 Without them the tests skip, saying how to build them; in CI (CI=true) a missing binary fails.
@@ -14,15 +14,15 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.cluster.common import CRD_FILE, KWOK_STAGES, NODE, SERVING
-from tests.support.cluster import (
+from harness import chart
+from harness.cluster import (
     ApiError,
     ControlPlane,
     Operator,
     built_binaries,
     wait_for,
 )
-from tests.unit.ship import chart
+from tests.cluster.common import CRD_FILE, KWOK_STAGES, NODE, SERVING
 
 
 @pytest.fixture(scope="package")

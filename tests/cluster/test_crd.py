@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
+from harness.cluster import ROOT, ApiError, ControlPlane
 from tests.cluster.common import CRD_FILE
-from tests.support.cluster import ROOT, ApiError, ControlPlane
 from tests.unit.api.corpus import BASE, CASES
 
 pytestmark = pytest.mark.cluster

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
+from harness import chart
+from harness.cluster import ApiError, ControlPlane, Operator, wait_for
 from tests.cluster.common import SERVING
-from tests.support.cluster import ApiError, ControlPlane, Operator, wait_for
-from tests.unit.ship import chart
 
 pytestmark = pytest.mark.cluster
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from harness.cluster import ControlPlane, Operator, Watch, wait_for
 from tests.cluster.common import (
     HELD_IMAGE,
     NEVER_READY_IMAGE,
@@ -19,7 +20,6 @@ from tests.cluster.common import (
     SERVING,
     START_UP_FAILS_IMAGE,
 )
-from tests.support.cluster import ControlPlane, Operator, Watch, wait_for
 from tests.support.vllm_text import KV_SHORT
 
 pytestmark = pytest.mark.cluster

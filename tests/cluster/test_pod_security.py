@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
+from harness import chart
+from harness.cluster import ApiError, ControlPlane, Operator, wait_for
 from kvpilot.api.models import InferenceService
 from kvpilot.operator.builders import RenderOptions
 from kvpilot.operator.builders.deployment import pod_template
-from tests.support.cluster import ApiError, ControlPlane, Operator, wait_for
-from tests.unit.ship import chart
 
 pytestmark = pytest.mark.cluster
 

@@ -29,12 +29,12 @@ from typing import Any
 
 import pytest
 
+from harness import chart
+from harness.cluster import ROOT, ControlPlane, Operator, Watch, wait_for
+from harness.prometheus import PrometheusServer, require_prometheus
 from kvpilot.api import vllm
 from kvpilot.api.vocabulary import ANNOTATION_TUNING_TRIAL, SERIES_LABEL_INFERENCESERVICE, TuningPhase
 from tests.cluster.common import HELD_IMAGE, RELEASE_ANNOTATION
-from tests.support.cluster import ROOT, ControlPlane, Operator, Watch, wait_for
-from tests.support.prometheus import PrometheusServer, require_prometheus
-from tests.unit.ship import chart
 
 pytestmark = pytest.mark.cluster
 

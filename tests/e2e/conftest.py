@@ -5,7 +5,7 @@ Two targets (README.md here says which steps run where and why):
 - `kube-context`: the current kube context with `kubectl` and `helm` from PATH. Opt-in, with
   KVPILOT_E2E=1 (or `--e2e`, where the repository's root conftest registers that option); opted in
   but without kubectl, helm or a reachable cluster, skipped naming what is missing. Marker `e2e`.
-- `control-plane`: the `cluster` tests' real control plane (tests/support/cluster.py: etcd,
+- `control-plane`: the `cluster` tests' real control plane (harness/cluster.py: etcd,
   kube-apiserver, controllers, kube-scheduler, kwok as the kubelet), run wherever its binaries are
   built, CI included (marker `cluster`; a missing build skips, or fails with CI=true). kwok runs no
   container: the chart's operator pod is Ready but empty, so the operator runs here as a local
@@ -101,7 +101,7 @@ class Target:
     helm: Helm
     # Pods really run and a pod reaches another through a Service (kube-proxy, CNI, a runtime).
     pod_network: bool
-    control_plane: Any = None  # tests.support.cluster.ControlPlane, for the control-plane target
+    control_plane: Any = None  # harness.cluster.ControlPlane, for the control-plane target
 
 
 @pytest.fixture(scope="package", params=[
@@ -112,7 +112,7 @@ def target(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     if request.param == "kube-context":
         yield _kube_context()
         return
-    from tests.support.cluster import ControlPlane, built_binaries
+    from harness.cluster import ControlPlane, built_binaries
 
     bin_dir = built_binaries()
     # kwok's default stages: every pod bound to the node turns Running and Ready at once.
@@ -182,7 +182,7 @@ def _local_operator(target: Target, release: str, namespace: str, workdir: Path)
     """The operator Helm installed, run as a local process: its container's arguments and its
     ServiceAccount's token (so the chart's Roles meet the real RBAC authorizer). kwok keeps the
     chart's own operator pod Ready, but nothing runs in it."""
-    from tests.support.kmock_api import operator_process
+    from harness.kmock_api import operator_process
 
     (deployment,) = target.kubectl.json(
         "get", "deployments", "-n", namespace,

@@ -4,7 +4,7 @@ The CLIs, not a client library, so the suite does exactly what the quickstarts t
 do. Two targets (conftest.py):
 
 - the current kube context: `kubectl` and `helm` from PATH;
-- the `cluster` tests' control plane (tests/support/cluster.py): its own `kubectl` (the same
+- the `cluster` tests' control plane (harness/cluster.py): its own `kubectl` (the same
   Kubernetes build as the server) with the control plane's kubeconfig, and Helm's own install
   and uninstall actions through helm-python-sdk (the Helm library the chart tests already render
   with), because no `helm` binary is built there.

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.twin_process import free_port
+from harness.twin_process import free_port
 
 pytestmark = pytest.mark.image
 

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpilot.twin.conformance.reference import VllmEnvMissing, VllmScheduler
+from harness.conformance.reference import VllmEnvMissing, VllmScheduler
 
 
 @pytest.fixture(scope="session")

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from kvpilot.twin.conformance import reference
-from kvpilot.twin.conformance.reference import VllmEnvMissing, VllmWorker, require_vllm_env
-from kvpilot.twin.conformance.replay import replay_twin
+from harness.conformance import reference
+from harness.conformance.reference import VllmEnvMissing, VllmWorker, require_vllm_env
+from harness.conformance.replay import replay_twin
 from kvpilot.twin.hardware import GiB
 
 pytestmark = pytest.mark.vllm

@@ -35,15 +35,15 @@ from pathlib import Path
 import pytest
 from optuna.trial import TrialState
 
+from harness.conformance.reference import VllmEnvMissing, require_vllm_env, vllm_env
+from harness.live_tuning import BackgroundLoad, Events, RecordingSignals, TunerThread, live_world
+from harness.prometheus import VLLM_METRIC_RELABEL_CONFIGS, PrometheusServer, require_prometheus
 from kvpilot.tuner.adapters.local import LocalApplier, free_port
 from kvpilot.tuner.adapters.prometheus import PrometheusSignals
 from kvpilot.tuner.core.loop import LiveSettings, LiveTuner
 from kvpilot.tuner.core.objective import INFEASIBLE_VIOLATION, MEMORY_VIOLATION, SLO, Goal
 from kvpilot.tuner.core.space import EngineParams, SearchSpace
 from kvpilot.tuner.core.study import ATTR_MEMORY, TunerStudy, constraints_of
-from kvpilot.twin.conformance.reference import VllmEnvMissing, require_vllm_env, vllm_env
-from tests.support.live_tuning import BackgroundLoad, Events, RecordingSignals, TunerThread, live_world
-from tests.support.prometheus import VLLM_METRIC_RELABEL_CONFIGS, PrometheusServer, require_prometheus
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 

@@ -27,23 +27,23 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.conformance.reference import VllmEnvMissing
+from harness.prometheus import (
+    PROMETHEUS_2_ACCEPT,
+    PROMETHEUS_3_ACCEPT,
+    PrometheusServer,
+    require_prometheus,
+)
+from harness.twin_process import FAST_TWIN_ARGS, twin_server
+from harness.vllm_process import VllmProcess, VllmStartError
 from kvpilot.api import tracing as vt
 from kvpilot.api import vllm as vllm_facts
 from kvpilot.api.models import InferenceService
 from kvpilot.operator.builders.render import render_manifests
 from kvpilot.slo import promql
 from kvpilot.slo.objectives import SloTarget
-from kvpilot.twin.conformance.reference import VllmEnvMissing
 from tests.support import prometheus_operator as po
 from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan
-from tests.support.prometheus import (
-    PROMETHEUS_2_ACCEPT,
-    PROMETHEUS_3_ACCEPT,
-    PrometheusServer,
-    require_prometheus,
-)
-from tests.support.twin_process import FAST_TWIN_ARGS, twin_server
-from tests.support.vllm_process import VllmProcess, VllmStartError
 
 pytestmark = pytest.mark.vllm
 
@@ -92,7 +92,7 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 120.0) -> dict[st
 
 @dataclass
 class VllmServer:
-    """The rendered command running (tests.support.vllm_process), with what the render asked for."""
+    """The rendered command running (harness.vllm_process), with what the render asked for."""
 
     vllm: VllmProcess
     args: list[str]  # the rendered container's args, as rendered

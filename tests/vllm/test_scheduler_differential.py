@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpilot.twin.conformance.reference import VllmScheduler
-from kvpilot.twin.conformance.replay import compare_steps, replay_twin
-from kvpilot.twin.conformance.traces import FAMILIES, MAX_MODEL_LEN, Trace, random_traces
+from harness.conformance.reference import VllmScheduler
+from harness.conformance.replay import compare_steps, replay_twin
+from harness.conformance.traces import FAMILIES, MAX_MODEL_LEN, Trace, random_traces
 
 pytestmark = pytest.mark.vllm
 

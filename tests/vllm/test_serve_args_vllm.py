@@ -21,10 +21,10 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from harness.conformance.reference import VllmEnvMissing, VllmWorker, require_vllm_env, worker_env
 from kvpilot.api import engine, serve_args
 from kvpilot.api.models import InferenceService
 from kvpilot.operator.builders.engine import engine_args
-from kvpilot.twin.conformance.reference import VllmEnvMissing, VllmWorker, require_vllm_env, worker_env
 
 pytestmark = pytest.mark.vllm
 

@@ -37,7 +37,7 @@ over it).  So:
 * the load is bimodal by design, to give the TTFT a non-trivial error ratio away from the bulk: a
   quarter of the requests carry a long prompt that vLLM prefills a few tokens a step over many
   steps, the rest a short one prefilled in one step;
-* the client clocks tokens, not chunks (`return_token_ids`, see tests/support/loadgen.py): vLLM
+* the client clocks tokens, not chunks (`return_token_ids`, see kvpilot/loadgen.py): vLLM
   merges the outputs of several engine steps into one chunk when its HTTP side lags, and holds back
   the text of a token that is one byte of a multi-byte character (the tiny model's outputs are
   noise), so chunks of text would miss gaps the server counts.
@@ -57,19 +57,19 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.conformance.reference import VllmEnvMissing, require_vllm_env
+from harness.prometheus import PrometheusServer, require_prometheus
+from harness.vllm_process import VllmProcess
 from kvpilot.api import tracing as vt
 from kvpilot.api import vllm
 from kvpilot.api.vocabulary import SERIES_LABEL_INFERENCESERVICE
+from kvpilot.loadgen import LoadResult, run_load
 from kvpilot.slo import promql, yamltext
 from kvpilot.slo.objectives import SloTarget
 from kvpilot.slo.promql import Selector
 from kvpilot.slo.rules import error_ratio_record, rule_file_for
 from kvpilot.slo.signals import NoData, PrometheusReader, read_signals
-from kvpilot.twin.conformance.reference import VllmEnvMissing, require_vllm_env
-from tests.support.loadgen import LoadResult, run_load
 from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan
-from tests.support.prometheus import PrometheusServer, require_prometheus
-from tests.support.vllm_process import VllmProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from harness.conformance.reference import VllmEnvMissing, require_vllm_env, vllm_env
 from kvpilot.api.models import InferenceService
 from kvpilot.api.startup import memory_report, startup_failure
 from kvpilot.operator.builders.pods import engine_failure
 from kvpilot.operator.builders.render import render_manifests
-from kvpilot.twin.conformance.reference import VllmEnvMissing, require_vllm_env, vllm_env
 from tests.support.vllm_text import termination_message
 
 pytestmark = pytest.mark.vllm

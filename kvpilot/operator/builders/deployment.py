@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 from kvpilot.api import tracing as otel
+from kvpilot.api.gpus import product_label
 from kvpilot.api.models import EngineSpec, InferenceService
 from kvpilot.api.vocabulary import LABEL_GPU_PRODUCT, LABEL_TRACK, TRACK_STABLE
 from kvpilot.operator.builders.common import (
@@ -25,7 +26,6 @@ from kvpilot.operator.builders.common import (
     selector_labels,
 )
 from kvpilot.operator.builders.engine import MODEL_CONFIG_DIR, engine_args, engine_command
-from kvpilot.twin.hardware import product_label
 
 CONTAINER_NAME = "engine"
 HEALTH_PATH = "/health"

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
+from harness.kmock_api import Fault, KMockAPI, OperatorProcess, kopf_operator, wait_for
 from kvpilot.operator import rbac
-from tests.support.kmock_api import Fault, KMockAPI, OperatorProcess, kopf_operator, wait_for
 from tests.support.vllm_text import KV_SHORT, startup_failure_log, termination_message
 
 pytestmark = pytest.mark.integration

@@ -1,5 +1,5 @@
 """API faults and restarts: a real `kvpilot operator` process (kopf, standalone) against KMock,
-with KMock answering chosen requests with a fault (tests/support/kmock_api.py: `KMockAPI.fail`).
+with KMock answering chosen requests with a fault (harness/kmock_api.py: `KMockAPI.fail`).
 
 Each fault class of a Kubernetes API server is injected into the operator's own calls during a
 reconcile (create) and during a rollback: 409 Conflict, 429 with Retry-After, 500, 503 (more of them
@@ -19,6 +19,14 @@ from typing import Any
 
 import pytest
 
+from harness.kmock_api import (
+    Fault,
+    KMockAPI,
+    OperatorProcess,
+    kopf_operator,
+    operator_process,
+    wait_for,
+)
 from tests.integration.operator.test_operator_kmock import (
     condition,
     dep_path,
@@ -27,14 +35,6 @@ from tests.integration.operator.test_operator_kmock import (
     isvc,
     make,
     write_deployment_status,
-)
-from tests.support.kmock_api import (
-    Fault,
-    KMockAPI,
-    OperatorProcess,
-    kopf_operator,
-    operator_process,
-    wait_for,
 )
 
 pytestmark = pytest.mark.integration

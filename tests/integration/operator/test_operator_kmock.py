@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
+from harness.kmock_api import ApiError, KMockAPI, OperatorProcess, kopf_operator, wait_for
 from kvpilot.operator import rbac
-from tests.support.kmock_api import ApiError, KMockAPI, OperatorProcess, kopf_operator, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -255,7 +255,7 @@ def on_gpu(obj: dict[str, Any], gpu: str = "NVIDIA-H100-80GB-HBM3", **spec: Any)
 
 def test_the_operators_predictor_denies_an_engine_vllm_would_refuse_in_vllms_words(pki: Pki) -> None:
     from kvpilot.api.validation import strict_validate
-    from kvpilot.operator.runner import predictor
+    from kvpilot.cli import twin_predictor as predictor
     from kvpilot.twin.admission import predict
 
     too_big = on_gpu(FULL, model="meta-llama/Llama-3.1-70B-Instruct")  # 140 GB of weights on one 80 GB GPU
@@ -271,7 +271,7 @@ def test_the_operators_predictor_denies_an_engine_vllm_would_refuse_in_vllms_wor
 
 def test_the_operators_predictor_warns_about_risky_but_legal_engines(pki: Pki) -> None:
     from kvpilot.api.validation import strict_validate
-    from kvpilot.operator.runner import predictor
+    from kvpilot.cli import twin_predictor as predictor
     from kvpilot.twin.admission import predict
 
     crowded = on_gpu(with_engine(maxNumSeqs=1024))
@@ -526,7 +526,7 @@ def test_a_predictor_that_raises_fails_open_with_a_warning_and_validation_still_
 
 @pytest.fixture
 def kmock_api() -> Iterator[Any]:
-    from tests.support.kmock_api import KMockAPI
+    from harness.kmock_api import KMockAPI
 
     with KMockAPI() as server:
         yield server
@@ -534,7 +534,7 @@ def kmock_api() -> Iterator[Any]:
 
 def test_the_operator_process_serves_the_webhook_and_counts_its_answers(
         pki: Pki, kmock_api: Any, tmp_path: Path) -> None:
-    from tests.support.kmock_api import free_port, kopf_operator
+    from harness.kmock_api import free_port, kopf_operator
 
     port = free_port()
     with kopf_operator(kmock_api, tmp_path, "--webhook-port", str(port), "--webhook-host", "127.0.0.1",

@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from harness.prometheus import VLLM_METRIC_RELABEL_CONFIGS, PrometheusServer, require_prometheus
+from harness.twin_process import twin_server
 from kvpilot.api import vllm
 from kvpilot.api.models import InferenceService
 from kvpilot.operator.builders.common import RenderOptions
@@ -28,8 +30,6 @@ from kvpilot.slo import promql
 from kvpilot.slo.objectives import SloTarget
 from kvpilot.slo.rules import ALERT_METRICS_ABSENT
 from tests.support import prometheus_operator as po
-from tests.support.prometheus import VLLM_METRIC_RELABEL_CONFIGS, PrometheusServer, require_prometheus
-from tests.support.twin_process import twin_server
 
 pytestmark = pytest.mark.integration
 

@@ -16,6 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, Histogram, generate_latest
 
+from harness.prometheus import PrometheusServer
 from kvpilot.api import vllm
 from kvpilot.slo import promql, yamltext
 from kvpilot.slo.dashboard import dashboard_all, dashboard_for, expressions, resolve
@@ -23,7 +24,6 @@ from kvpilot.slo.objectives import SloTarget
 from kvpilot.slo.promql import Selector
 from kvpilot.slo.rules import RuleOptions, all_expressions, rule_file_for, rule_groups_for
 from kvpilot.slo.signals import NoData, PrometheusQueryError, PrometheusReader, read_signals, signal_queries
-from tests.support.prometheus import PrometheusServer
 
 pytestmark = pytest.mark.integration
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.prometheus import require_promtool
+from harness.prometheus import require_promtool
 
 pytestmark = pytest.mark.integration
 

@@ -26,16 +26,16 @@ import time
 
 import pytest
 
+from harness.prometheus import PrometheusServer
+from harness.twin_process import twin_server
 from kvpilot.api import vllm
+from kvpilot.loadgen import LoadResult, run_load
 from kvpilot.slo import promql
 from kvpilot.slo.objectives import SloTarget
 from kvpilot.slo.promql import Selector
 from kvpilot.slo.signals import NoData, read_signals
 from kvpilot.tuner.adapters.prometheus import PrometheusSignals, estimate_workload
 from kvpilot.tuner.core.objective import SLO
-from tests.support.loadgen import LoadResult, run_load
-from tests.support.prometheus import PrometheusServer
-from tests.support.twin_process import twin_server
 
 pytestmark = pytest.mark.integration
 

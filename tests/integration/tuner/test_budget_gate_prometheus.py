@@ -22,13 +22,13 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
+from harness.kmock_api import free_port, wait_for
+from harness.prometheus import PrometheusServer, require_prometheus
 from kvpilot.api import vllm
 from kvpilot.slo import rules
 from kvpilot.slo.objectives import SloTarget
 from kvpilot.tuner.adapters.prometheus import BudgetLeft
 from kvpilot.tuner.core.gate import BUDGET_LOW, BUDGET_UNKNOWN, GatePolicy, PolicyGate
-from tests.support.kmock_api import free_port, wait_for
-from tests.support.prometheus import PrometheusServer, require_prometheus
 
 pytestmark = pytest.mark.integration
 

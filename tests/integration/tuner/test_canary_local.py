@@ -25,15 +25,15 @@ from pathlib import Path
 import pytest
 from optuna.trial import TrialState
 
+from harness.prometheus import PrometheusServer, require_prometheus
 from kvpilot.api.vocabulary import Track, TrialStrategy
+from kvpilot.loadgen import LoadResult, run_load
 from kvpilot.tuner.adapters.local import LocalApplier, free_port
 from kvpilot.tuner.adapters.prometheus import PrometheusSignals
 from kvpilot.tuner.core.loop import LiveSettings, LiveTuner
 from kvpilot.tuner.core.objective import SLO, Goal, Measurement
 from kvpilot.tuner.core.space import EngineParams, SearchSpace
 from kvpilot.tuner.core.study import TunerStudy
-from tests.support.loadgen import LoadResult, run_load
-from tests.support.prometheus import PrometheusServer, require_prometheus
 
 pytestmark = pytest.mark.integration
 

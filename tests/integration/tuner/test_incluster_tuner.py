@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.kmock_api import KMockAPI, OperatorProcess, free_port, kopf_operator, wait_for
-from tests.support.prometheus import PrometheusServer, require_prometheus
+from harness.kmock_api import KMockAPI, OperatorProcess, free_port, kopf_operator, wait_for
+from harness.prometheus import PrometheusServer, require_prometheus
 
 pytestmark = pytest.mark.integration
 

@@ -1,5 +1,5 @@
 """The in-cluster tuner against an API server that fails: each transient error class injected into
-KMock (tests/support/kmock_api.py `fail`) during a trial's apply, during putting back the best
+KMock (harness/kmock_api.py `fail`) during a trial's apply, during putting back the best
 engine, past the client's retries, and a tuner restarted in the middle of a trial.
 
 Nothing here runs the operator: `RolloutPlayer` plays its part of the contract the applier reads
@@ -29,6 +29,7 @@ import pytest
 from optuna.trial import TrialState
 from prometheus_client import CollectorRegistry
 
+from harness.kmock_api import Fault, FaultRule, KMockAPI, wait_for
 from kvpilot.api.vocabulary import ANNOTATION_TUNING_TRIAL, FIELD_MANAGER_TUNER
 from kvpilot.tuner.adapters.kubernetes import KubernetesApplier
 from kvpilot.tuner.core.loop import ApplyFailed, LiveSettings, LiveTuner, SignalsUnavailable
@@ -38,7 +39,6 @@ from kvpilot.tuner.core.study import TunerStudy
 from kvpilot.tuner.incluster import Worker
 from kvpilot.tuner.kubeapi import ApiError, KubeAPI, RetryPolicy
 from kvpilot.tuner.observe import TunerMetrics
-from tests.support.kmock_api import Fault, FaultRule, KMockAPI, wait_for
 from tests.unit.tuner.world import FakeClock, default_latency
 
 pytestmark = pytest.mark.integration

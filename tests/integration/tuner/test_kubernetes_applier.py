@@ -14,14 +14,14 @@ from typing import Any
 import attrs
 import pytest
 
-import tests.support.kmock_api as kmock_api
+import harness.kmock_api as kmock_api
+from harness.kmock_api import KMockAPI, OperatorProcess, kopf_operator, tuner_client, wait_for
 from kvpilot.api.vocabulary import ANNOTATION_TUNING_TRIAL as TRIAL_ANNOTATION
 from kvpilot.api.vocabulary import FIELD_MANAGER_TUNER as FIELD_MANAGER
 from kvpilot.api.vocabulary import TuningPhase
 from kvpilot.tuner.adapters.kubernetes import KubernetesApplier, KubeStatusObserver
 from kvpilot.tuner.core.loop import ApplyFailed
 from kvpilot.tuner.core.space import EngineParams
-from tests.support.kmock_api import KMockAPI, OperatorProcess, kopf_operator, tuner_client, wait_for
 
 pytestmark = pytest.mark.integration
 

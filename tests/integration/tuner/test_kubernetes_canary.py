@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
+from harness.kmock_api import KMockAPI, OperatorProcess, kopf_operator, tuner_client, wait_for
 from kvpilot.api.vocabulary import ANNOTATION_CANARY
 from kvpilot.tuner.adapters.kubernetes import KubernetesCanaryApplier
 from kvpilot.tuner.core.loop import ApplyFailed
 from kvpilot.tuner.core.space import EngineParams
-from tests.support.kmock_api import KMockAPI, OperatorProcess, kopf_operator, tuner_client, wait_for
 from tests.support.vllm_text import KV_SHORT, startup_failure_log, termination_message
 
 pytestmark = pytest.mark.integration

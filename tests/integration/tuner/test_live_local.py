@@ -24,14 +24,14 @@ from pathlib import Path
 import pytest
 from optuna.trial import TrialState
 
+from harness.live_tuning import BackgroundLoad, Events, RecordingSignals, TunerThread, live_world
+from harness.prometheus import PrometheusServer, require_prometheus
 from kvpilot.tuner.adapters.local import LocalApplier, free_port
 from kvpilot.tuner.adapters.prometheus import PrometheusSignals, estimate_workload
 from kvpilot.tuner.core.loop import LiveSettings, LiveTuner
 from kvpilot.tuner.core.objective import SLO, Goal
 from kvpilot.tuner.core.space import EngineParams, SearchSpace
 from kvpilot.tuner.core.study import TunerStudy
-from tests.support.live_tuning import BackgroundLoad, Events, RecordingSignals, TunerThread, live_world
-from tests.support.prometheus import PrometheusServer, require_prometheus
 
 pytestmark = pytest.mark.integration
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from harness.live_tuning import BackgroundLoad
+from harness.prometheus import PrometheusServer, require_prometheus
 from kvpilot.tuner.adapters.local import free_port
-from tests.support.live_tuning import BackgroundLoad
-from tests.support.prometheus import PrometheusServer, require_prometheus
 from tests.support.tiny_device import PROFILE, tiny_model_dir
 
 pytestmark = pytest.mark.integration

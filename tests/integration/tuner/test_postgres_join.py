@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
+from harness.postgres import postgres_server, postgres_url  # noqa: F401 - fixtures
 from tests.integration.tuner.test_postgres_storage import TUNE, _env, kvpilot, trials, wait_for
-from tests.support.postgres import postgres_server, postgres_url  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""The study on a real PostgreSQL (tests/support/postgres.py), the storage the chart's
+"""The study on a real PostgreSQL (harness/postgres.py), the storage the chart's
 `tuner.storage.type=postgresql` points the tuner at.
 
 - `kvpilot tune --offline` keeps its study there, and a rerun resumes it;
@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
+from harness.postgres import PostgresServer, postgres_server, postgres_url  # noqa: F401 - fixtures
 from kvpilot.api.vocabulary import ENV_TUNER_STORAGE
-from tests.support.postgres import PostgresServer, postgres_server, postgres_url  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.integration
 
@@ -178,7 +178,7 @@ def test_optuna_dashboard_reads_the_study_kvpilot_keeps_in_postgres(
     import urllib.request
 
     pytest.importorskip("optuna_dashboard", reason="optuna-dashboard is in kvpilot's test extra")
-    from tests.support.prometheus import free_port
+    from harness.prometheus import free_port
 
     run = kvpilot(*TUNE, "--trials", "3", "--probe-seconds", "20", storage=postgres_url, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -223,7 +223,7 @@ def test_optuna_dashboard_reads_the_study_kvpilot_keeps_in_postgres(
 
 @pytest.fixture
 def prometheus() -> Iterator[str]:
-    from tests.support.prometheus import PrometheusServer, require_prometheus
+    from harness.prometheus import PrometheusServer, require_prometheus
 
     require_prometheus()
     with PrometheusServer(targets=[]) as prom:
@@ -234,7 +234,7 @@ def test_incluster_tuner_reads_the_postgres_url_from_the_environment_and_never_s
     postgres_url: str, postgres_server: PostgresServer, prometheus: str, tmp_path: Path  # noqa: F811
 ) -> None:
     """The chart's postgresql path: the Secret's URL reaches `kvpilot tuner` as $KVPILOT_TUNER_STORAGE."""
-    from tests.support.kmock_api import KMockAPI, kopf_operator
+    from harness.kmock_api import KMockAPI, kopf_operator
 
     password = postgres_server.password
     # Given on the command line, the URL is refused before anything connects, without echoing it.

@@ -1,3 +1,3 @@
 """Fixtures for the twin server's integration tests: real `kvpilot twin serve` processes."""
 
-from tests.support.twin_process import twin_factory  # noqa: F401  (re-exported fixture)
+from harness.twin_process import twin_factory  # noqa: F401  (re-exported fixture)

@@ -18,8 +18,8 @@ import urllib.request
 
 import pytest
 
+from harness.twin_process import FAST_TWIN_ARGS, TwinProcess, twin_server
 from tests.fuzz.http_requests import CASES, HttpCase, _post
-from tests.support.twin_process import FAST_TWIN_ARGS, TwinProcess, twin_server
 
 pytestmark = pytest.mark.integration
 

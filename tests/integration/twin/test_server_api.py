@@ -13,9 +13,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.twin_process import FAST_TWIN_ARGS, TwinProcess, twin_server
 from kvpilot.api import vllm
-from tests.support.loadgen import run_load_sync
-from tests.support.twin_process import FAST_TWIN_ARGS, TwinProcess, twin_server
+from kvpilot.loadgen import run_load_sync
 
 pytestmark = pytest.mark.integration
 

@@ -10,7 +10,7 @@ import time
 import aiohttp
 import pytest
 
-from tests.support.twin_process import (
+from harness.twin_process import (
     FAST_TWIN_ARGS,
     SLOW_TWIN_ARGS,
     free_port,

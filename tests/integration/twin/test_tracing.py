@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
+from harness.twin_process import FAST_TWIN_ARGS, REPO_ROOT, twin_command, twin_server
 from kvpilot.api import tracing as vt
 from tests.support.otlp_receiver import OtlpReceiver
-from tests.support.twin_process import FAST_TWIN_ARGS, REPO_ROOT, twin_command, twin_server
 
 pytestmark = pytest.mark.integration
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from harness.prometheus import require_promtool
 from kvpilot.api import vllm
 from kvpilot.api.histogram import cumulative_counts, histogram_quantile, read_quantile
 from kvpilot.slo import yamltext
-from tests.support.prometheus import require_promtool
 
 IMPOSSIBLE = -12345.0
 

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import yaml
 
+from harness.kmock_api import free_port
 from kvpilot.cli import build_parser, main
 from kvpilot.operator import rbac
-from tests.support.kmock_api import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -243,7 +243,7 @@ def test_the_monitors_metric_relabelling_gives_back_vllms_names_where_prometheus
     """Served through prometheus_client's negotiation (vLLM's /metrics/ mount), Prometheus 2.x's
     Accept header gets `vllm_` sample names; the monitor's `metricRelabelings` (Prometheus's
     `metric_relabel_configs`) give back every declared name, and leave names with the colon as they are."""
-    from tests.support.prometheus import PROMETHEUS_2_ACCEPT
+    from harness.prometheus import PROMETHEUS_2_ACCEPT
 
     monitor = one(render_manifests(the_isvc(monitor_kind), RenderOptions()), monitor_kind)
     configs = po.metric_relabel_configs(monitor)

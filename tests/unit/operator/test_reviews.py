@@ -71,8 +71,8 @@ def test_the_answers_docs_webhook_md_shows_are_the_webhooks() -> None:
     import json
     import re
 
+    from kvpilot.cli import twin_predictor as predictor
     from kvpilot.operator.reviews import Reviewer
-    from kvpilot.operator.runner import predictor
 
     root = Path(__file__).resolve().parents[3]
     text = (root / "docs" / "webhook.md").read_text()
@@ -92,3 +92,16 @@ def test_the_answers_docs_webhook_md_shows_are_the_webhooks() -> None:
     for warning in (w for a in answered for w in a["response"].get("warnings", [])):
         if "KV cache" in warning:
             assert f"Warning: {warning}" in text  # the kubectl sample shows a real warning
+
+
+def test_the_cli_gives_the_operator_the_twins_predictor() -> None:
+    """The operator does not import the twin: `kvpilot operator` gets the twin's start-up prediction from
+    the CLI layer, remembered per spec."""
+    from kvpilot.cli import build_parser, twin_predictor
+    from kvpilot.operator.reviews import CachedPredictor
+    from kvpilot.twin.admission import predict
+
+    args = build_parser().parse_args(["operator"])
+    assert args.predictor is twin_predictor
+    made = args.predictor()
+    assert isinstance(made, CachedPredictor) and made.predictor is predict

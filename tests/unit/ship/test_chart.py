@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.unit.ship.chart import (
+from harness.chart import (
     CHART,
     NAMESPACE,
     RELEASE,
@@ -496,7 +496,7 @@ def test_operator_down_alert_needs_the_service_monitor_it_keys_on() -> None:
 
 
 def test_notes_render() -> None:
-    from tests.unit.ship.chart import render_raw
+    from harness.chart import render_raw
 
     notes = render_raw({})["kvpilot/templates/NOTES.txt"]
     assert f"deployment/{FULLNAME}-operator" in notes

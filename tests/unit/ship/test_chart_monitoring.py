@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.unit.ship.chart import NAMESPACE, RELEASE, one, render
+from harness.chart import NAMESPACE, RELEASE, one, render
 
 pytest.importorskip("helm_python", reason="helm-python-sdk is not installed (pip install -e '.[test]')")
 

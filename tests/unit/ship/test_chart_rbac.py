@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.unit.ship.chart import ROOT, VALUE_SETS, Rendered, find, local_operator_args, render
+from harness.chart import ROOT, VALUE_SETS, Rendered, find, local_operator_args, render
 
 Permission = tuple[str, str, str]
 
@@ -300,7 +300,7 @@ def roll_out_a_change(kmock_api: Any, api: Any, name: str) -> None:
 def test_every_call_of_a_real_operator_run_is_granted(tmp_path: Path) -> None:
     """Run the real operator, with the chart's args, against KMock through a create and a change
     of an InferenceService, and hold every request it made against the chart's grants."""
-    kmock_api = pytest.importorskip("tests.support.kmock_api", reason="the KMock harness is not there yet")
+    kmock_api = pytest.importorskip("harness.kmock_api", reason="the KMock harness is not there yet")
 
     isvc = yaml.safe_load((ROOT / "examples" / "twin.yaml").read_text())
     isvc["metadata"]["namespace"] = "team-a"
@@ -340,7 +340,7 @@ def test_operator_works_with_only_the_chart_rbac(value_set: str, tmp_path: Path)
     """The operator, run with the chart's args, through a proxy that enforces the chart's RBAC
     for its ServiceAccount (403 for anything else): it still creates every child, writes status,
     posts Events and rolls a change out to its Deployment."""
-    kmock_api = pytest.importorskip("tests.support.kmock_api", reason="the KMock harness is not there yet")
+    kmock_api = pytest.importorskip("harness.kmock_api", reason="the KMock harness is not there yet")
     from tests.unit.ship.rbac_proxy import RbacProxy
 
     objects = render(value_set)
@@ -409,7 +409,7 @@ def test_every_call_of_the_real_tuner_is_granted(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    kmock_api = pytest.importorskip("tests.support.kmock_api", reason="the KMock harness is not there yet")
+    kmock_api = pytest.importorskip("harness.kmock_api", reason="the KMock harness is not there yet")
     pytest.importorskip(
         "kvpilot.tuner.adapters.kubernetes", reason="the tuner's kubernetes adapter is not there yet"
     )

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.unit.ship.chart import CHART, NAMESPACE, RELEASE, VALUE_SETS, find, one, render, validate_values
+from harness.chart import CHART, NAMESPACE, RELEASE, VALUE_SETS, find, one, render, validate_values
 
 helm_python = pytest.importorskip(
     "helm_python", reason="helm-python-sdk is not installed (pip install -e '.[test]')"

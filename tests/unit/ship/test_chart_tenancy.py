@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
+from harness.chart import NAMESPACE, VALUE_SETS, Rendered, find, one, render, validate_values
 from kvpilot.api.models import InferenceService
 from kvpilot.api.vocabulary import ENV_TUNER_STORAGE
 from kvpilot.operator.builders import RenderOptions, build_deployment
 from kvpilot.operator.builders.common import HTTP_PORT_NAME
-from tests.unit.ship.chart import NAMESPACE, VALUE_SETS, Rendered, find, one, render, validate_values
 
 helm_python = pytest.importorskip("helm_python", reason="helm-python-sdk is not installed (pip install -e '.[test]')")
 

@@ -15,8 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvpilot.api.vocabulary import WEBHOOK_PATH
-from tests.unit.ship.chart import (
+from harness.chart import (
     NAMESPACE,
     VALUE_SETS,
     Rendered,
@@ -26,6 +25,7 @@ from tests.unit.ship.chart import (
     render_raw,
     validate_values,
 )
+from kvpilot.api.vocabulary import WEBHOOK_PATH
 
 helm_python = pytest.importorskip("helm_python", reason="helm-python-sdk is not installed")
 x509 = pytest.importorskip("cryptography.x509", reason="cryptography is not installed (trustme's dependency)")

@@ -1,5 +1,6 @@
 """The import-linter contracts hold the layering docs/development.md describes: each import that would break
-it, added to a copy of the package, makes `lint-imports` fail on the contract that forbids it."""
+it, added to a copy of the packages (kvpilot, the harness, benchmarks and tests), makes `lint-imports`
+fail on the contract that forbids it."""
 
 from __future__ import annotations
 
@@ -28,7 +29,17 @@ BREAKS = [
     ("kvpilot/tuner/adapters/kubernetes.py", "import kvpilot.operator.reconcile", "layers"),
     ("kvpilot/twin/scheduler.py", "import kvpilot.twin.server.app", "the simulator core is free of HTTP"),
     ("kvpilot/api/models.py", "import kvpilot.twin.hardware", "layers"),
+    ("kvpilot/loadgen.py", "import kvpilot.api.slo", "layers"),
+    ("kvpilot/twin/offline.py", "import tests.support.tiny_device", "the product stands alone"),
+    ("kvpilot/api/models.py", "import benchmarks.twin_speed", "the product stands alone"),
+    ("kvpilot/tuner/jobs.py", "import harness.conformance.traces", "the product stands alone"),
+    ("benchmarks/twin_speed.py", "import tests.support.tiny_device", "benchmarks and the harness never import tests"),
+    ("harness/twin_process.py", "import tests.support.cel", "benchmarks and the harness never import tests"),
+    ("kvpilot/operator/builders/deployment.py", "import kvpilot.twin.hardware", "the operator never imports the twin"),
+    ("kvpilot/operator/runner.py", "from kvpilot.twin.admission import predict", "the operator never imports the twin"),
 ]
+# The packages the contracts name, copied as their Python files (benchmarks' data stays behind).
+PACKAGES = ("kvpilot", "harness", "benchmarks", "tests")
 
 
 def lint(tree: Path) -> subprocess.CompletedProcess[str]:
@@ -42,9 +53,14 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not LINT_IMPORTS.exists():
         pytest.fail(f"lint-imports is not installed next to {sys.executable} (make setup installs it)")
     tree = tmp_path_factory.mktemp("layering")
-    shutil.copytree(ROOT / "kvpilot", tree / "kvpilot", ignore=shutil.ignore_patterns("__pycache__"))
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, tree / package, ignore=_python_only)
     shutil.copy(ROOT / "pyproject.toml", tree / "pyproject.toml")
     return tree
+
+
+def _python_only(directory: str, names: list[str]) -> set[str]:
+    return {n for n in names if n == "__pycache__" or (not n.endswith(".py") and not (Path(directory) / n).is_dir())}
 
 
 def test_the_tree_as_it_is_keeps_every_contract(pristine: Path) -> None:

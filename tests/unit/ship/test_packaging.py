@@ -47,3 +47,28 @@ def test_the_extras_the_messages_name_exist() -> None:
     assert not {n for n in runtime if n.startswith("opentelemetry")}
     assert "opentelemetry-exporter-otlp-proto-grpc" not in {Requirement(r).name for r in extras["tracing"]}
     assert "matplotlib" not in runtime and "kubernetes" not in runtime
+
+
+def test_the_wheel_ships_the_device_profiles_and_no_harness(tmp_path: Path) -> None:
+    """The profiles `--device-profile` and `kvpilot twin calibrate` point at are package data; the oracle
+    harness, the tests and the benchmarks are not in the wheel."""
+    import zipfile
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for package in ("kvpilot", "harness", "benchmarks", "tests"):
+        shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
+    dist = tmp_path / "dist"
+    dist.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-c",
+         "import sys, setuptools.build_meta as b; print(b.build_wheel(sys.argv[1]))", str(dist)],
+        cwd=src, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = set(zipfile.ZipFile(dist / proc.stdout.strip().splitlines()[-1]).namelist())
+    data = "kvpilot/twin/calibration/data/"
+    assert {data + "profile.json", data + "served.json", data + "tiny-llama.json", data + "profile_icelake.json",
+            data + "profile_epyc.json", "kvpilot/loadgen.py", "kvpilot/api/gpus.py"} <= names
+    assert not {n for n in names if n.split("/")[0] in ("harness", "tests", "benchmarks") or "conformance" in n}

@@ -80,7 +80,7 @@ def test_invalid_service_names_the_field(tmp_path: Path, capsys: pytest.CaptureF
 
 
 def test_signals_unreachable_exit_code(capsys: pytest.CaptureFixture[str]) -> None:
-    from tests.support.prometheus import free_port
+    from harness.prometheus import free_port
 
     code = main(["slo", "signals", "--prometheus", f"http://127.0.0.1:{free_port()}", "--selector", "job=x", "--timeout", "2"])
     assert code == 2

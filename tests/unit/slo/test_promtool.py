@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from harness.prometheus import require_promtool
 from kvpilot.slo import yamltext
 from kvpilot.slo.objectives import SloTarget
 from kvpilot.slo.rules import rule_file_for
 from tests.promtool import generate
-from tests.support.prometheus import require_promtool
 
 PROMTOOL_DIR = Path(generate.__file__).parent
 

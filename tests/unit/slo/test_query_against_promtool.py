@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from harness.prometheus import require_promtool
 from kvpilot.cli import main
 from kvpilot.slo import promql, yamltext
-from tests.support.prometheus import require_promtool
 
 WINDOWS = [
     "5m", "600s", "1h30m", "1y2w3d4h5m6s7ms", "1ms", "292y", "5m0s", "01m",

@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from harness.prometheus import free_port
 from kvpilot.slo.objectives import SloTarget
 from kvpilot.slo.promql import Selector
 from kvpilot.slo.signals import (
@@ -22,7 +23,6 @@ from kvpilot.slo.signals import (
     read_signals,
     signal_queries,
 )
-from tests.support.prometheus import free_port
 
 SLO = SloTarget(namespace="local", name="local")
 SEL = Selector.for_job("twin")

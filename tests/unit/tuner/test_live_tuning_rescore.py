@@ -83,7 +83,7 @@ def test_each_grid_window_gets_the_loads_own_percentiles_of_the_requests_it_sent
         import live_tuning
     finally:
         sys.path.remove(str(SCRIPT.parent))
-    from tests.support.loadgen import LoadResult, RequestRecord
+    from kvpilot.loadgen import LoadResult, RequestRecord
 
     # 40 requests a second for 2 s: the first window's TTFTs 0.10-0.139 s, the second's 0.50-0.539 s.
     records = [RequestRecord(index=i, start=i / 40, ok=True, ttft=(0.1 if i < 40 else 0.5) + (i % 40) / 1000,

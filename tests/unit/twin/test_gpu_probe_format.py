@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchmarks.calibration import load_profile
+from kvpilot.twin.calibration.layers import load_profile
 from kvpilot.twin.hardware import resolve_gpu
 from kvpilot.twin.steptime import StepTimeModel, kernel_params_for, linear_layer_breakdown
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.calibration import load_profiles, nelder_mead, relative_errors
+from kvpilot.twin.calibration.fit import nelder_mead
+from kvpilot.twin.calibration.layers import load_profiles, relative_errors
 from kvpilot.twin.hardware import resolve_gpu
 from kvpilot.twin.models import resolve_model
 from kvpilot.twin.steptime import (

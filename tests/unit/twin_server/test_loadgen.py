@@ -6,8 +6,8 @@ from fractions import Fraction
 
 import pytest
 
-from tests.support.loadgen import LoadResult, RequestRecord, make_prompt, percentile, run_load_sync
-from tests.support.twin_process import free_port
+from harness.twin_process import free_port
+from kvpilot.loadgen import LoadResult, RequestRecord, make_prompt, percentile, run_load_sync
 
 
 def record(i: int, start: float, ttft: float | None, itls: list[float], ok: bool = True) -> RequestRecord:
@@ -76,7 +76,7 @@ def test_cancelling_a_run_cancels_its_requests():
 
     from aiohttp import web
 
-    from tests.support.loadgen import run_load
+    from kvpilot.loadgen import run_load
 
     async def main() -> tuple[int, int]:
         started = asyncio.Event()

@@ -135,7 +135,7 @@ def test_no_accept_header_gets_the_text_format_with_vllms_names(metrics):
 
 
 def test_prometheus_2_gets_openmetrics_with_underscores_for_colons(metrics):
-    from tests.support.prometheus import PROMETHEUS_2_ACCEPT
+    from harness.prometheus import PROMETHEUS_2_ACCEPT
 
     body, content_type = metrics.exposition(PROMETHEUS_2_ACCEPT)
     assert content_type == "application/openmetrics-text; version=1.0.0; charset=utf-8; escaping=underscores"
@@ -148,7 +148,7 @@ def test_prometheus_2_gets_openmetrics_with_underscores_for_colons(metrics):
 
 
 def test_prometheus_3_gets_openmetrics_with_vllms_names(metrics):
-    from tests.support.prometheus import PROMETHEUS_3_ACCEPT
+    from harness.prometheus import PROMETHEUS_3_ACCEPT
 
     body, content_type = metrics.exposition(PROMETHEUS_3_ACCEPT)
     assert content_type == "application/openmetrics-text; version=1.0.0; charset=utf-8; escaping=allow-utf-8"

@@ -205,7 +205,7 @@ def test_prefix_cache_counters_count_a_shared_system_prompt():
 def test_metrics_ignores_accept_and_metrics_slash_negotiates_as_vllm_does():
     """vLLM's GET /metrics is the instrumentator's route (text, names as declared, whatever the
     Accept header); /metrics/ reaches its prometheus_client mount, which negotiates and gzips."""
-    from tests.support.prometheus import PROMETHEUS_2_ACCEPT
+    from harness.prometheus import PROMETHEUS_2_ACCEPT
 
     async def body(srv, session, url):
         out = {}

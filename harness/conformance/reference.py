@@ -15,7 +15,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from kvpilot.twin.conformance.traces import Trace
+from harness.conformance.traces import Trace
 
 VLLM_VERSION = "0.32.0"
 WORKER = Path(__file__).with_name("vllm_worker.py")

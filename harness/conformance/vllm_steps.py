@@ -5,7 +5,7 @@ step by step.
 
 Runs inside the real-vLLM venv and imports nothing from kvpilot (the protocol is plain JSON lines).
 Each input line is `{"requests": [{"prompt_len", "max_tokens", "arrival_step"}, ...]}` (arrival steps
-count from 1, as in kvpilot.twin.conformance.replay); the answer is
+count from 1, as in harness.conformance.replay); the answer is
 `{"steps": [[tokens, requests, prefill_pairs, decode_kv_tokens, seconds], ...]}`, one row per engine
 step that ran a batch: what the step scheduled, in the twin's step-time terms (see
 kvpilot.twin.scheduler: a request given one token is a decode reading its whole context, one given
@@ -95,7 +95,7 @@ class Engine:
         self.rows = []
         k = 0
         j = 0
-        # Arrivals as kvpilot.twin.conformance.replay counts them: before the schedule() call numbered
+        # Arrivals as harness.conformance.replay counts them: before the schedule() call numbered
         # `arrival_step` (from 1), and an idle engine jumps to the next arrival.
         while j < len(pending) or self.engine.has_unfinished_requests():
             if not self.engine.has_unfinished_requests():

@@ -1,6 +1,6 @@
 """A real Prometheus server for tests: Debian's /usr/bin/prometheus on a free 127.0.0.1 port.
 
-    from tests.support.prometheus import PrometheusServer, prometheus_server  # fixture
+    from harness.prometheus import PrometheusServer, prometheus_server  # fixture
 
     with PrometheusServer(targets=["127.0.0.1:8001"]) as prom:
         prom.query("up")                  # -> the `data.result` list
@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.support.server_process import ServerProcess
+from harness.server_process import ServerProcess
 
 PROMETHEUS_BIN = os.environ.get("KVPILOT_PROMETHEUS", "/usr/bin/prometheus")
 # The Accept header Prometheus 2.x scrapes with (2.42, Debian 12's, seen on the wire): OpenMetrics

@@ -683,7 +683,7 @@ def operator_process(kubeconfig: Path, workdir: Path, *extra_args: str, ready_ti
         args.append("--all-namespaces")
     with log_path.open("wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                cwd=Path(__file__).resolve().parents[2])
+                                cwd=Path(__file__).resolve().parents[1])
     op = OperatorProcess(proc, metrics_port, log_path)
     try:
         def healthy() -> bool:

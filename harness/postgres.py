@@ -1,6 +1,6 @@
 """A real PostgreSQL server for tests: Debian's `initdb` and `postgres` on a free 127.0.0.1 port.
 
-    from tests.support.postgres import PostgresServer, postgres_server, postgres_url  # fixtures
+    from harness.postgres import PostgresServer, postgres_server, postgres_url  # fixtures
 
     with PostgresServer() as pg:
         url = pg.create_database("study")   # postgresql+psycopg://kvpilot:<password>@127.0.0.1:<port>/study
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.prometheus import free_port
-from tests.support.server_process import ServerProcess
+from harness.prometheus import free_port
+from harness.server_process import ServerProcess
 
 USER = "kvpilot"
 # Debian keeps the server binaries out of PATH, one directory per major version.

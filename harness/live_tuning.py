@@ -17,11 +17,11 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from kvpilot.loadgen import LoadResult, run_load
 from kvpilot.tuner.adapters.prometheus import PrometheusSignals
 from kvpilot.tuner.core.loop import Observer
 from kvpilot.tuner.core.objective import Measurement, Outcome
 from kvpilot.tuner.core.space import EngineParams
-from tests.support.loadgen import LoadResult, run_load
 
 EventLog = list[tuple[float, str, str, str]]  # (monotonic time, kind, a, b)
 

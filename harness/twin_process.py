@@ -1,6 +1,6 @@
 """Run `kvpilot twin serve` as a real subprocess, for integration tests.
 
-    from tests.support.twin_process import twin_server, FAST_TWIN_ARGS
+    from harness.twin_process import twin_server, FAST_TWIN_ARGS
 
     with twin_server(*FAST_TWIN_ARGS, "--max-num-batched-tokens", "512") as twin:
         twin.base_url        # http://127.0.0.1:PORT      (OpenAI client: base_url=twin.openai_url)
@@ -15,7 +15,7 @@ falls back to SIGKILL.  Every line the server logs is kept in `twin.log_path`.
 
 For pytest, import the fixture into a conftest.py (or a test module):
 
-    from tests.support.twin_process import twin_factory  # noqa: F401  (a fixture)
+    from harness.twin_process import twin_factory  # noqa: F401  (a fixture)
 
     def test_x(twin_factory):
         twin = twin_factory("--max-num-seqs", "8")   # started and healthy; stopped after the test
@@ -40,7 +40,7 @@ from typing import Any
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # A small model on a fast GPU: steps of a few milliseconds, so real-time tests take a few seconds.
 FAST_TWIN_ARGS: tuple[str, ...] = ("--model", "Qwen2.5-0.5B", "--gpu", "H100-80GB",

@@ -23,9 +23,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvpilot.twin.conformance.reference import require_vllm_env, vllm_env
-from tests.support.prometheus import free_port
-from tests.support.server_process import ServerProcess
+from harness.conformance.reference import require_vllm_env, vllm_env
+from harness.prometheus import free_port
+from harness.server_process import ServerProcess
 
 
 class VllmStartError(RuntimeError):

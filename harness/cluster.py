@@ -40,10 +40,10 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.support import kmock_api
-from tests.support.kmock_api import OperatorProcess, free_port, operator_process
+from harness import kmock_api
+from harness.kmock_api import OperatorProcess, free_port, operator_process
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 BUILD_SCRIPT = ROOT / "scripts" / "build-control-plane.sh"
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kwok")
 ADMIN_TOKEN = "kvpilot-test-admin-token"  # noqa: S105 - a throwaway cluster on 127.0.0.1

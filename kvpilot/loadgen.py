@@ -1,6 +1,6 @@
 """An asyncio load generator for OpenAI-compatible servers (the twin, or vLLM itself).
 
-    from tests.support.loadgen import run_load_sync
+    from kvpilot.loadgen import run_load_sync
 
     result = run_load_sync(twin.base_url, num_requests=40, rate=20.0, seed=7, max_tokens=16)
     result.fraction_ttft_at_most(0.5)          # Fraction(39, 40): exact, from every request

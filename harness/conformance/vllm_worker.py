@@ -4,7 +4,7 @@
 
 Runs inside the real-vLLM venv and imports nothing from kvpilot (kvpilot is not installed
 there): the protocol is plain JSON.  Each input line is a trace (`{"config": {...}, "requests":
-[...]}`, see kvpilot.twin.conformance.traces); each output line is `{"steps": [...]}` or
+[...]}`, see harness.conformance.traces); each output line is `{"steps": [...]}` or
 `{"error": "..."}`.  A step is one `schedule()` call: `{"step": k, "scheduled": {id: tokens},
 "preempted": [...], "resumed": [...], "finished": [...]}`, where `finished` lists the requests
 whose last token came out of that step's batch.

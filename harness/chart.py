@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "kvpilot"
 RELEASE = "kvp"
 NAMESPACE = "kvpilot-system"
@@ -171,7 +171,7 @@ def local_operator_args(chart_args: list[str], workdir: Path) -> list[str]:
     throwaway certificate written to `workdir` in place of the Secret the pod mounts."""
     import trustme
 
-    from tests.support.kmock_api import free_port
+    from harness.kmock_api import free_port
 
     cert = trustme.CA().issue_cert("127.0.0.1")
     cert_file, key_file = workdir / "webhook-tls.crt", workdir / "webhook-tls.key"

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpilot.twin.conformance.traces import Trace
+from harness.conformance.traces import Trace
 from kvpilot.twin.scheduler import WAITING, Request, Scheduler
 
 Step = dict[str, Any]
