@@ -25,8 +25,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CPU = "benchmarks/data/vllm-cpu"
 STATS = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "rps")
-EPYC = ("--profile", f"{CPU}/profile_epyc.json", "--served", f"{CPU}/served_epyc.json")
-MEASURED_COSTS = ("--profile", f"{CPU}/profile_measured_costs.json", "--served", f"{CPU}/served_measured_costs.json")
+PROFILES = "kvpilot/twin/calibration/data"
+EPYC = ("--profile", f"{PROFILES}/profile_epyc.json", "--served", f"{PROFILES}/served_epyc.json")
+MEASURED_COSTS = ("--profile", f"{PROFILES}/profile_measured_costs.json",
+                  "--served", f"{PROFILES}/served_measured_costs.json")
 
 
 def run(script: str, *args: str) -> str:
@@ -169,8 +171,21 @@ def speed() -> dict[str, str]:
     return {"twin.speed.work": f"{int(steps):,} engine steps for {int(requests):,} requests"}
 
 
+def gpu_serving() -> dict[str, str]:
+    """twin_vs_gpu_serving.py's medians on the shared real-GPU runs (../shared/data/gpu-serving, beside
+    the checkout as CI lays it; the leave-one-model-out figures need --fit, minutes, and are not here)."""
+    out = run("twin_vs_gpu_serving.py", "--traces", "none")
+    figures = {}
+    for label, key in (("whole-run rows", "whole"), ("every row", "every")):
+        e2e, _, _, ttft, _, p99, itl = re.search(rf"(?m)^\s+twin\s+{label}((?:\s+[\d.]+){{7}})$", out).group(1).split()
+        figures[f"gpu.serving.{key}"] = f"E2E {e2e}%, TTFT {ttft}% (p99 {p99}%), ITL {itl}%"
+    med, mx, n = re.search(r"dense models: median \|error\| ([\d.]+)%, max ([\d.]+)% \((\d+) configs\)", out).groups()
+    figures["gpu.serving.memory"] = f"{med}% (max {mx}%) on {n} dense-model configs"
+    return figures
+
+
 SOURCES: tuple[Callable[[], dict[str, str]], ...] = (replay_xeon, replay_epyc, replay_probe, memory, h200, live,
-                                                     speed)
+                                                     speed, gpu_serving)
 
 
 def figures() -> dict[str, str]:

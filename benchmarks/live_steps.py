@@ -162,7 +162,7 @@ def main() -> int:
                     help="--reprint the committed benchmarks/data/vllm-cpu/live_steps.json: seconds, no vLLM (CI)")
     args = ap.parse_args()
     if args.smoke or args.reprint:
-        return reprint(args.reprint or str(PROFILE.parent / "live_steps.json"))
+        return reprint(args.reprint or str(Path(__file__).resolve().parent / "data" / "vllm-cpu" / "live_steps.json"))
     if not args.configs:
         ap.error("give at least one TOKENS/SEQS config (or --reprint JSON)")
     if args.rate <= 0 or args.window <= 0 or args.warmup < 0:

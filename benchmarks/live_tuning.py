@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                          "regret table in seconds, no vLLM (CI)")
     args = ap.parse_args(argv)
     if args.smoke:
-        icelake = str(PROFILE.parent / "live_icelake.json")
+        icelake = str(Path(__file__).resolve().parent / "data" / "vllm-cpu" / "live_icelake.json")
         args.only, args.rate, args.window, args.repeats = "rescore", 2.5, 20.0, 2
         args.studies, args.grid, args.out = icelake, [icelake], os.devnull
     if args.load == "poisson" and args.rate <= 0:

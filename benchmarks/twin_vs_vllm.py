@@ -87,7 +87,7 @@ from harness.conformance.reference import (  # noqa: E402
     require_vllm_env,
 )
 from kvpilot.api import vllm as vllm_facts  # noqa: E402
-from kvpilot.twin.calibration import DATA, served  # noqa: E402
+from kvpilot.twin.calibration import DATA, TINY_MODEL_CONFIG, served  # noqa: E402
 from kvpilot.twin.calibration.probe import PROBE_DECODES, PROBE_PROMPTS, probe_scale, rescaled  # noqa: E402
 from kvpilot.twin.calibration.served import (  # noqa: E402
     BURST_PROMPT,
@@ -337,11 +337,11 @@ def measure_served(engine_cpus: str, seed: int) -> dict[str, Any]:
 
 def tiny_model() -> Any:
     """The tiny model's shapes: the real-vLLM venv's config.json, or without that venv the shapes
-    `make vllm-env` gives it, committed beside the recorded data (--twin-only, --refit, --smoke)."""
+    `make vllm-env` gives it, shipped with the calibration (--twin-only, --refit, --smoke)."""
     try:
         path = require_vllm_env()[1] / "config.json"
     except VllmEnvMissing:
-        path = DATA / "tiny-llama.config.json"
+        path = TINY_MODEL_CONFIG
     return load_model_config(path, name="tiny-llama")
 
 
@@ -820,7 +820,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(m not in MIXES for m in args.mixes):
         ap.error(f"--mixes: allowed {', '.join(MIXES)}")
     if args.smoke:
-        args.twin_only = str(DATA / "replay_xeon.json")
+        args.twin_only = str(Path(__file__).resolve().parent / "data" / "vllm-cpu" / "replay_xeon.json")
     try:
         if args.twin_only:
             return run_twin_only(args)

@@ -264,9 +264,10 @@ def median_errors(per_run: Iterable[dict[int, dict[str, float]]], stage: int | N
 
 # The step-time constants that real GPU serving decides and per-kernel profiles do not: the engine's
 # per-step host time left over once async scheduling overlaps it with the GPU, the launch floor of a
-# small fused kernel inside a CUDA graph, decode attention's share of HBM bandwidth, and the fused
-# MoE kernel's weight streaming.  `frontend_s` (HTTP, tokenizing, streaming) is fitted in closed form:
-# it shifts every TTFT and E2E by itself and changes nothing else.
+# small fused kernel inside a CUDA graph, decode attention's share of HBM bandwidth, a CUDA-graph
+# decode step's weight streaming against the profiles' one GEMM at a time, and the fused MoE
+# kernel's.  `frontend_s` (HTTP, tokenizing, streaming) shifts every TTFT and E2E by itself and
+# changes nothing else, so it is chosen over FRONTEND_GRID_MS without running anything again.
 SERVING_GRID: dict[str, tuple[float, ...]] = {
     "cpu_overhead_s": (1e-4, 3e-4),
     "elementwise_floor_s": (1.5e-6, 3e-6),

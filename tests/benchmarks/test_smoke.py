@@ -32,6 +32,7 @@ PRINTS = {
     "twin_speed": r"goal >= 300x real time: (MET|NOT MET)",
     "twin_tracing": r"on / off:\s+\d",
     "twin_vs_gpu": r"== attention per layer",
+    "twin_vs_gpu_serving": r"(?m)^\s+twin\s+whole-run rows(\s+[\d.]+){7}$",
     "twin_vs_vllm": r"(?m)^\s+itl_p99\s+\d+\.\d% \(max",
     "twin_vs_vllm_scheduler": r"(?m)^dp-interval\s+2\s+\d+",
     "validate_throughput": r'"validate_object_per_s": \d',
