@@ -139,7 +139,7 @@ def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
         def emit(type_: str, reason: str, message: str) -> None:
             kopf.event(body, type=type_, reason=reason, message=message)
 
-        # The status is written inside (not through kopf's patch after the handler): see reconcile.py.
+        # The status is written inside (not through kopf's patch after the handler): see the reconcile package.
         try:
             await reconcile_service(rt, dict(body), emit, logger)
         except RetryLater as exc:
