@@ -15,7 +15,6 @@ from kvpilot.api.vocabulary import ANNOTATION_CANARY, GROUP, PLURAL, VERSION
 from kvpilot.operator.builders.canary import is_canary
 from kvpilot.operator.builders.common import LABEL_ISVC, LABEL_MANAGED_BY, MANAGED_BY
 from kvpilot.operator.reconcile import (
-    RetryLater,
     Runtime,
     canary_deleted,
     reconcile_service,
@@ -139,12 +138,9 @@ def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
         def emit(type_: str, reason: str, message: str) -> None:
             kopf.event(body, type=type_, reason=reason, message=message)
 
-        # The status is written inside (not through kopf's patch after the handler): see the reconcile package.
-        try:
-            await reconcile_service(rt, dict(body), emit, logger)
-        except RetryLater as exc:
-            # The API server's Retry-After, where it asked for longer than our own delay.
-            raise kopf.TemporaryError(str(exc), delay=max(retry_delay, exc.retry_after or 0.0)) from None
+        # The status is written inside (not through kopf's patch after the handler): see the reconcile
+        # package.  A transient failure raises kopf.TemporaryError with its delay (Runtime.retry_later).
+        await reconcile_service(rt, dict(body), emit, logger)
 
     @kopf.on.event("apps", "v1", "deployments", registry=registry, id="track-rollout",
                    labels={LABEL_MANAGED_BY: MANAGED_BY})

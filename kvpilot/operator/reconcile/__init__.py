@@ -12,7 +12,7 @@ from kvpilot.operator.reconcile.canary_events import canary_deleted, track_canar
 from kvpilot.operator.reconcile.common import image_refusal, render_options, usable_last_good
 from kvpilot.operator.reconcile.pods import track_pod
 from kvpilot.operator.reconcile.rollout import track_rollout
-from kvpilot.operator.reconcile.runtime import Emit, EmitOn, HandleAgain, Logger, RetryLater, Runtime
+from kvpilot.operator.reconcile.runtime import Emit, EmitOn, HandleAgain, Logger, Runtime
 from kvpilot.operator.reconcile.service import reconcile_service
 from kvpilot.operator.reconcile.status import (
     STATUS_CONFLICT_ATTEMPTS,
@@ -29,7 +29,6 @@ __all__ = [
     "EmitOn",
     "HandleAgain",
     "Logger",
-    "RetryLater",
     "Runtime",
     "canary_deleted",
     "image_refusal",

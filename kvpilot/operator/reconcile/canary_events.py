@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import kopf
+
 from kvpilot.api.vocabulary import ANNOTATION_TUNING_TRIAL, CANARY_SUFFIX
 from kvpilot.operator.builders.canary import (
     CAPACITY_NOTE,
@@ -21,7 +23,7 @@ from kvpilot.operator.builders.status import rollout_of
 from kvpilot.operator.kube import ApiError, resource_path
 from kvpilot.operator.reconcile.canary import CanaryView, with_canary
 from kvpilot.operator.reconcile.common import with_log
-from kvpilot.operator.reconcile.runtime import EmitOn, Logger, RetryLater, Runtime
+from kvpilot.operator.reconcile.runtime import EmitOn, Logger, Runtime
 from kvpilot.operator.reconcile.service import reconcile_service
 from kvpilot.operator.reconcile.status import isvc_path, update_status
 
@@ -95,7 +97,7 @@ async def canary_deleted(rt: Runtime, deployment: dict[str, Any],
                     namespace, name)
         await reconcile_service(rt, parent, lambda type_, reason, message: emit_on(parent, type_, reason, message),
                                 logger)
-    except (ApiError, RetryLater) as exc:  # the next change of the object (or a restart) makes it
+    except (ApiError, kopf.TemporaryError) as exc:  # the next change of the object (or a restart) makes it
         logger.warning("canary of %s/%s not made again: %s", namespace, name, exc)
 
 

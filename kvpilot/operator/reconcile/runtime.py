@@ -1,5 +1,5 @@
 """What the handlers share in one operator process (`Runtime`): the per-InferenceService locks, the
-status basis, and the Deployment events to handle again; and the two exceptions that ask for a retry.
+status basis, and the Deployment events to handle again; and the retries it asks kopf for.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import kopf
 
 from kvpilot.operator.apply import MonitoringDiscovery
 from kvpilot.operator.kube import KubeClient
@@ -21,15 +23,6 @@ Logger = logging.Logger | logging.LoggerAdapter[Any]
 Emit = Callable[[str, str, str], None]
 # emit_on(object, type, reason, message): an Event on the object given.
 EmitOn = Callable[[dict[str, Any], str, str, str], None]
-
-
-class RetryLater(Exception):
-    """A transient failure outlasted the client's retries; kopf should run the handler again later,
-    not sooner than `retry_after` seconds where the API server asked for that."""
-
-    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
 
 
 class HandleAgain(Exception):
@@ -63,6 +56,11 @@ class Runtime:
 
     def __post_init__(self) -> None:
         self.discovery = MonitoringDiscovery(self.client, ttl=self.settings.discovery_ttl_seconds)
+
+    def retry_later(self, message: str, retry_after: float | None) -> kopf.TemporaryError:
+        """A transient failure outlasted the client's retries: kopf runs the handler again after
+        handler_retry_delay_seconds, or the API server's Retry-After where that is longer."""
+        return kopf.TemporaryError(message, delay=max(self.settings.handler_retry_delay_seconds, retry_after or 0.0))
 
     def lock_for(self, namespace: str, name: str) -> asyncio.Lock:
         return self.locks.setdefault(f"{namespace}/{name}", asyncio.Lock())

@@ -8,6 +8,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import kopf
+
 from kvpilot.api.models import EngineSpec, InferenceService
 from kvpilot.api.validation import validate_object
 from kvpilot.operator.apply import NotOwned, ensure, ensure_absent
@@ -30,7 +32,7 @@ from kvpilot.operator.builders.status import (
 from kvpilot.operator.kube import ApiError
 from kvpilot.operator.reconcile.canary import CanaryView, reconcile_canary, with_canary
 from kvpilot.operator.reconcile.common import image_refusal, render_options
-from kvpilot.operator.reconcile.runtime import Emit, Logger, RetryLater, Runtime
+from kvpilot.operator.reconcile.runtime import Emit, Logger, Runtime
 from kvpilot.operator.reconcile.status import ComputeStatus, degraded_only, update_status
 
 
@@ -230,7 +232,7 @@ STEPS: tuple[Step, ...] = (
 
 async def run_steps(p: Pass, steps: tuple[Step, ...] = STEPS) -> ComputeStatus:
     """Run the steps until one ends the pass: the status to write (p.result says how it went).  A child
-    not ours, or the API failing, ends it Degraded ApplyFailed; a transient failure raises RetryLater."""
+    not ours, or the API failing, ends it Degraded ApplyFailed; a transient failure raises kopf.TemporaryError."""
     try:
         for step in steps:
             if not await step(p):
@@ -244,7 +246,7 @@ async def run_steps(p: Pass, steps: tuple[Step, ...] = STEPS) -> ComputeStatus:
         p.emit("Warning", REASON_APPLY_FAILED, message)
         if exc.retriable:
             # The caller writes Degraded before kopf's retry, so the condition shows while we wait.
-            raise RetryLater(message, retry_after=exc.retry_after) from exc
+            raise p.rt.retry_later(message, exc.retry_after) from exc
         p.deployment = None
         p.end(degraded_only(REASON_APPLY_FAILED, message, p.generation), "error")
     if p.compute is None:
@@ -253,14 +255,14 @@ async def run_steps(p: Pass, steps: tuple[Step, ...] = STEPS) -> ComputeStatus:
 
 
 async def reconcile_service(rt: Runtime, body: dict[str, Any], emit: Emit, logger: Logger) -> None:
-    """Reconcile one InferenceService and write its status (raises RetryLater on transient failures)."""
+    """Reconcile one InferenceService and write its status (raises kopf.TemporaryError on transient failures)."""
     started = time.perf_counter()
     p = Pass(rt, body, emit, logger)
     try:
         async with rt.lock_for(p.namespace, p.name):
             rt.status_basis.pop(f"{p.namespace}/{p.name}", None)
             await _reconcile_and_write(p)
-    except RetryLater:
+    except kopf.TemporaryError:
         p.result = "retry"
         raise
     finally:
@@ -272,7 +274,7 @@ async def _reconcile_and_write(p: Pass) -> None:
     """The steps, then the status write; the Deployment the status was computed from is its basis."""
     try:
         compute = await run_steps(p)
-    except RetryLater as exc:
+    except kopf.TemporaryError as exc:
         p.result = "retry"
         await _write_status(p, degraded_only(REASON_APPLY_FAILED, str(exc), p.generation))
         raise
@@ -289,7 +291,7 @@ async def _write_status(p: Pass, compute: ComputeStatus) -> bool:
         return True
     except ApiError as exc:
         if exc.retriable:
-            raise RetryLater(f"writing the status failed: {exc}", retry_after=exc.retry_after) from exc
+            raise p.rt.retry_later(f"writing the status failed: {exc}", exc.retry_after) from exc
         p.logger.warning("status of %s/%s not written: %s", p.namespace, p.name, exc)
         return False
 
