@@ -45,12 +45,15 @@ class Runtime:
     skip_noted: set[str] = field(default_factory=set)
     # One lock per InferenceService (namespace/name): a reconcile and a Deployment event of the
     # same object never interleave (docs/architecture.md, "The reconcile and its status writes").
+    # NOTE: kopf serialises the handlers of one object only; this lock spans the parent, its Deployments and pods.
     locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     # namespace/name -> resourceVersion of the Deployment its status was last computed from: an
     # event for that same version (our own create or patch coming back) has nothing new to say.
+    # NOTE: read inside the lock (a reconcile holding it sets it), so not a kopf `when=` filter, which runs before.
     status_basis: dict[str, str] = field(default_factory=dict)
     # namespace/name -> the pending second try of a Deployment event whose handling failed, and the
     # failed tries so far (the delay grows with them; a success resets them).
+    # NOTE: kopf never runs an event handler again (errors ignored), and a change handler would annotate Deployments.
     event_retries: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     event_retry_attempts: dict[str, int] = field(default_factory=dict)
 

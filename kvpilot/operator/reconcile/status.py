@@ -62,6 +62,7 @@ async def update_status(rt: Runtime, namespace: str, name: str, compute: Compute
     returns the keys the operator owns; only what changed is written, with the resourceVersion it
     was computed from, so a concurrent writer's change is read and kept, never overwritten.
     `parent` is the object as the caller last read it (saves a read; a conflict reads it anew)."""
+    # NOTE: not kopf's `patch`: kopf applies it after the handler returns, outside the lock, with no resourceVersion.
     for _ in range(STATUS_CONFLICT_ATTEMPTS):
         if parent is None:
             parent = await rt.client.get_or_none(isvc_path(namespace, name))
