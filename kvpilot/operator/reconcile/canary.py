@@ -51,27 +51,12 @@ async def reconcile_canary(rt: Runtime, isvc: InferenceService, previous: dict[s
                             new_object: bool, emit: Emit, logger: Logger) -> CanaryView:
     """Create or patch `<name>-canary` while the kvpilot.dev/canary annotation asks for one; delete
     it otherwise (level-triggered: a restarted operator resumes or cleans up from the annotation)."""
-    request: CanaryRequest | None = None
-    try:
-        request = parse_canary(isvc.metadata.annotations)
-        manifest = build_canary_deployment(isvc, request, options) if request is not None else None
-    except InvalidCanary as exc:
-        told = previous.get("canary") or {}
-        if told.get("reason") != REASON_INVALID_CANARY or told.get("message") != str(exc):
-            emit("Warning", REASON_INVALID_CANARY, f"{exc}; no canary runs")
-        logger.warning("invalid canary annotation, no canary: %s", exc)
-        view = CanaryView(asked=True, trial=exc.trial, invalid=str(exc))
-        manifest = None
-    else:
-        view = CanaryView(asked=request is not None)
-    if manifest is None or request is None:
+    view, planned = _asked(isvc, previous, options, emit, logger)
+    if planned is None:
         if not new_object:
-            removed = await ensure_absent(rt.client, canary_ref(isvc))
-            if removed is not None:
-                why = "its annotation is not valid" if view.asked else f"the {ANNOTATION_CANARY} annotation is gone"
-                emit("Normal", "Deleted", f"Deleted Deployment {removed.name} (canary: {why})")
-                logger.info("deleted canary %s", removed.name)
+            await _remove(rt, isvc, view, emit, logger)
         return view
+    request, manifest = planned
     applied = await ensure(rt.client, manifest, likely_absent=new_object)
     if applied.action == "created":
         emit("Normal", "Created", f"Created Deployment {applied.name} (canary of trial {request.trial}; "
@@ -80,3 +65,28 @@ async def reconcile_canary(rt: Runtime, isvc: InferenceService, previous: dict[s
     elif applied.action == "updated":
         emit("Normal", "Updated", f"Updated Deployment {applied.name} (canary of trial {request.trial})")
     return CanaryView(asked=True, trial=request.trial, deployment=applied.live)
+
+
+def _asked(isvc: InferenceService, previous: dict[str, Any], options: RenderOptions, emit: Emit,
+           logger: Logger) -> tuple[CanaryView, tuple[CanaryRequest, dict[str, Any]] | None]:
+    """What the annotation asks for, and the canary to apply (None: none asked for, or the annotation refused)."""
+    try:
+        request = parse_canary(isvc.metadata.annotations)
+        if request is None:
+            return CanaryView(asked=False), None
+        return CanaryView(asked=True), (request, build_canary_deployment(isvc, request, options))
+    except InvalidCanary as exc:
+        told = previous.get("canary") or {}
+        if told.get("reason") != REASON_INVALID_CANARY or told.get("message") != str(exc):
+            emit("Warning", REASON_INVALID_CANARY, f"{exc}; no canary runs")
+        logger.warning("invalid canary annotation, no canary: %s", exc)
+        return CanaryView(asked=True, trial=exc.trial, invalid=str(exc)), None
+
+
+async def _remove(rt: Runtime, isvc: InferenceService, view: CanaryView, emit: Emit, logger: Logger) -> None:
+    """Delete the canary Deployment no annotation (or no valid one) asks for."""
+    removed = await ensure_absent(rt.client, canary_ref(isvc))
+    if removed is not None:
+        why = "its annotation is not valid" if view.asked else f"the {ANNOTATION_CANARY} annotation is gone"
+        emit("Normal", "Deleted", f"Deleted Deployment {removed.name} (canary: {why})")
+        logger.info("deleted canary %s", removed.name)

@@ -26,6 +26,7 @@ from kvpilot.operator.reconcile.common import with_log
 from kvpilot.operator.reconcile.runtime import EmitOn, Logger, Runtime
 from kvpilot.operator.reconcile.service import reconcile_service
 from kvpilot.operator.reconcile.status import isvc_path, update_status
+from kvpilot.operator.reconcile.tracking import owns
 
 
 def _parent_canary(parent: dict[str, Any]) -> CanaryRequest | None:
@@ -65,10 +66,8 @@ async def _update_canary(rt: Runtime, namespace: str, name: str, deployment: dic
     parent = parent or await rt.client.get_or_none(isvc_path(namespace, name))
     if parent is None:
         return False
-    owners = {ref.get("uid") for ref in deployment.get("metadata", {}).get("ownerReferences") or []
-              if ref.get("controller")}
     request = _parent_canary(parent)
-    if parent.get("metadata", {}).get("uid") not in owners or request is None or _trial_of(deployment) != request.trial:
+    if not owns(parent, deployment) or request is None or _trial_of(deployment) != request.trial:
         return False  # not ours, or a trial the reconcile is replacing or removing
     generation = (parent.get("status") or {}).get("observedGeneration")
     view = CanaryView(asked=True, trial=request.trial, deployment=deployment, problem=problem)
@@ -108,11 +107,7 @@ async def track_canary_pod(rt: Runtime, pod: dict[str, Any], emit_on: EmitOn,
     alone.  A pod scheduled after all clears Unschedulable."""
     failure = engine_failure(pod, crash_loop_restarts=rt.settings.crash_loop_restarts)
     pending = unschedulable(pod) if failure is None else None
-    conditions = {c.get("type"): c.get("status") for c in (pod.get("status") or {}).get("conditions") or []}
-    # Scheduled but not ready yet: the one time a pod event clears Unschedulable (once it is ready, the
-    # canary Deployment's own event says Ready).
-    scheduled = conditions.get("PodScheduled") == "True" and conditions.get("Ready") != "True"
-    if failure is None and pending is None and not scheduled:
+    if failure is None and pending is None and not _scheduled_not_ready(pod):
         return
     meta = pod.get("metadata", {})
     name, namespace = (meta.get("labels") or {}).get(LABEL_ISVC), meta.get("namespace")
@@ -123,6 +118,13 @@ async def track_canary_pod(rt: Runtime, pod: dict[str, Any], emit_on: EmitOn,
             await _track_canary_pod(rt, namespace, str(name), pod, failure, pending, emit_on, logger)
         except ApiError as exc:
             logger.warning("canary pod of %s/%s not handled yet: %s", namespace, name, exc)
+
+
+def _scheduled_not_ready(pod: dict[str, Any]) -> bool:
+    """Scheduled but not ready yet: the one time a pod event clears Unschedulable (once it is ready, the
+    canary Deployment's own event says Ready)."""
+    conditions = {c.get("type"): c.get("status") for c in (pod.get("status") or {}).get("conditions") or []}
+    return conditions.get("PodScheduled") == "True" and conditions.get("Ready") != "True"
 
 
 async def _track_canary_pod(rt: Runtime, namespace: str, name: str, pod: dict[str, Any], failure: EngineFailure | None,
@@ -136,19 +138,12 @@ async def _track_canary_pod(rt: Runtime, namespace: str, name: str, pod: dict[st
         return
     told = (parent.get("status") or {}).get("canary") or {}
     trial = _trial_of(deployment)
-    pod_name = str(pod.get("metadata", {}).get("name", ""))
-    if failure is not None:
-        if failure.cause_above:
-            failure = await with_log(rt, namespace, failure, logger)
-        problem = (failure.reason, f"canary of trial {trial} failed: {failure.describe()}; "
-                   "the stable track is left as it is")
-    elif pending is not None:
-        problem = (REASON_UNSCHEDULABLE, f"canary pod {pod_name} of trial {trial} cannot be scheduled: {pending}; "
-                   f"{CAPACITY_NOTE}")
+    problem: tuple[str, str] | None = None
+    if failure is not None or pending is not None:
+        problem = await _problem(rt, namespace, pod, trial, failure, pending, logger)
+    elif told.get("reason") != REASON_UNSCHEDULABLE:
+        return  # scheduled, and nothing to clear
     else:
-        if told.get("reason") != REASON_UNSCHEDULABLE:
-            return  # scheduled, and nothing to clear
-        problem = None
         parent = {**parent, "status": {**parent["status"], "canary": {**told, "reason": None}}}
     same = (told.get("reason") == (problem or ("",))[0] and told.get("trial") == trial
             and told.get("configHash") == rollout_of(deployment).config_hash)
@@ -157,3 +152,16 @@ async def _track_canary_pod(rt: Runtime, namespace: str, name: str, pod: dict[st
     if problem is not None and not same:
         emit_on(parent, "Warning", problem[0], problem[1])
         logger.warning("canary of %s/%s: %s", namespace, name, problem[1])
+
+
+async def _problem(rt: Runtime, namespace: str, pod: dict[str, Any], trial: int | None, failure: EngineFailure | None,
+                   pending: str | None, logger: Logger) -> tuple[str, str]:
+    """(reason, message) of a canary pod whose engine failed (in vLLM's words), or that cannot be scheduled."""
+    if failure is not None:
+        if failure.cause_above:
+            failure = await with_log(rt, namespace, failure, logger)
+        return (failure.reason, f"canary of trial {trial} failed: {failure.describe()}; "
+                "the stable track is left as it is")
+    pod_name = str(pod.get("metadata", {}).get("name", ""))
+    return (REASON_UNSCHEDULABLE, f"canary pod {pod_name} of trial {trial} cannot be scheduled: {pending}; "
+            f"{CAPACITY_NOTE}")
