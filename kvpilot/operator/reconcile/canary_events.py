@@ -130,12 +130,10 @@ def _scheduled_not_ready(pod: dict[str, Any]) -> bool:
 async def _track_canary_pod(rt: Runtime, namespace: str, name: str, pod: dict[str, Any], failure: EngineFailure | None,
                             pending: str | None, emit_on: EmitOn,
                             logger: Logger) -> None:
-    deployment = await rt.client.get_or_none(resource_path("apps/v1", "deployments", namespace, f"{name}{CANARY_SUFFIX}"))
-    if deployment is None or pod_config_hash(pod) != rollout_of(deployment).config_hash:
-        return  # a pod of a canary template already replaced
-    parent = await rt.client.get_or_none(isvc_path(namespace, name))
-    if parent is None:
+    found = await _canary_of(rt, namespace, name, pod)
+    if found is None:
         return
+    deployment, parent = found
     told = (parent.get("status") or {}).get("canary") or {}
     trial = _trial_of(deployment)
     problem: tuple[str, str] | None = None
@@ -145,13 +143,31 @@ async def _track_canary_pod(rt: Runtime, namespace: str, name: str, pod: dict[st
         return  # scheduled, and nothing to clear
     else:
         parent = {**parent, "status": {**parent["status"], "canary": {**told, "reason": None}}}
-    same = (told.get("reason") == (problem or ("",))[0] and told.get("trial") == trial
-            and told.get("configHash") == rollout_of(deployment).config_hash)
+    same = _told_already(told, problem, trial, deployment)
     if not await _update_canary(rt, namespace, name, deployment, problem, logger, parent=parent):
         return
     if problem is not None and not same:
         emit_on(parent, "Warning", problem[0], problem[1])
         logger.warning("canary of %s/%s: %s", namespace, name, problem[1])
+
+
+async def _canary_of(rt: Runtime, namespace: str, name: str,
+                     pod: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The canary Deployment this pod is of (as its template is now) and its InferenceService, or None."""
+    deployment = await rt.client.get_or_none(resource_path("apps/v1", "deployments", namespace, f"{name}{CANARY_SUFFIX}"))
+    if deployment is None or pod_config_hash(pod) != rollout_of(deployment).config_hash:
+        return None  # a pod of a canary template already replaced
+    parent = await rt.client.get_or_none(isvc_path(namespace, name))
+    if parent is None:
+        return None
+    return deployment, parent
+
+
+def _told_already(told: dict[str, Any], problem: tuple[str, str] | None, trial: int | None,
+                  deployment: dict[str, Any]) -> bool:
+    """status.canary says this problem already, of this trial and template (no second Event)."""
+    return (told.get("reason") == (problem or ("",))[0] and told.get("trial") == trial
+            and told.get("configHash") == rollout_of(deployment).config_hash)
 
 
 async def _problem(rt: Runtime, namespace: str, pod: dict[str, Any], trial: int | None, failure: EngineFailure | None,
