@@ -2,8 +2,8 @@
 
 `reconcile_service` (a created, changed or resumed InferenceService: service.py), `track_rollout`
 (each event of a managed Deployment: rollout.py), `track_pod` (each engine pod whose engine failed:
-pods.py), and the canary track's handlers (canary_events.py); `Runtime` (runtime.py) is what they
-share in one process.  Locks, retries and status writes: docs/architecture.md, "The reconcile and its
+pods.py; both judge by tracking.py), and the canary track's handlers (canary_events.py); `Runtime`
+(runtime.py) is what they share in one process.  Locks, retries and status writes: docs/architecture.md, "The reconcile and its
 status writes".
 """
 
