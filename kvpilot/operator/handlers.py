@@ -15,7 +15,6 @@ from kvpilot.api.vocabulary import ANNOTATION_CANARY, GROUP, PLURAL, VERSION
 from kvpilot.operator.builders.canary import is_canary
 from kvpilot.operator.builders.common import LABEL_ISVC, LABEL_MANAGED_BY, MANAGED_BY
 from kvpilot.operator.reconcile import (
-    RetryLater,
     Runtime,
     canary_deleted,
     reconcile_service,
@@ -105,12 +104,21 @@ def credentials(**kwargs: Any) -> kopf.ConnectionInfo:
     return info
 
 
+def emit_on(obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
+    """An Event on `obj` (kopf posts it)."""
+    kopf.event(kopf.Body(cast(kopf.RawBody, obj)), type=type_, reason=reason, message=message)
+
+
 def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
-    retry_delay = rt.settings.handler_retry_delay_seconds
+    _register_lifecycle(registry, rt)
+    _register_reconcile(registry, rt)
+    _register_children(registry, rt)
+    return registry
 
-    def emit_on(obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
-        kopf.event(kopf.Body(cast(kopf.RawBody, obj)), type=type_, reason=reason, message=message)
+
+def _register_lifecycle(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
+    """Start-up settings, the login, and the shutdown."""
 
     @kopf.on.startup(registry=registry, id="configure")
     def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -132,6 +140,11 @@ def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
         await rt.close()
         await rt.client.close()
 
+
+def _register_reconcile(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
+    """The InferenceService: reconciled when created, changed or resumed; forgotten when deleted."""
+    retry_delay = rt.settings.handler_retry_delay_seconds
+
     @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry, id="reconcile", backoff=retry_delay)
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry, id="reconcile", backoff=retry_delay)
     @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry, id="reconcile", backoff=retry_delay)
@@ -139,12 +152,20 @@ def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
         def emit(type_: str, reason: str, message: str) -> None:
             kopf.event(body, type=type_, reason=reason, message=message)
 
-        # The status is written inside (not through kopf's patch after the handler): see reconcile.py.
-        try:
-            await reconcile_service(rt, dict(body), emit, logger)
-        except RetryLater as exc:
-            # The API server's Retry-After, where it asked for longer than our own delay.
-            raise kopf.TemporaryError(str(exc), delay=max(retry_delay, exc.retry_after or 0.0)) from None
+        # The status is written inside (not through kopf's patch after the handler): see the reconcile
+        # package.  A transient failure raises kopf.TemporaryError with its delay (Runtime.retry_later).
+        await reconcile_service(rt, dict(body), emit, logger)
+
+    # No finalizer (a delete handler would add one): the children go with the garbage collector,
+    # and all that is left to do is to stop exporting the object's engine and drop its lock.
+    @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry, id="forget-deleted")
+    async def service_event(body: kopf.Body, type: str, **_: Any) -> None:
+        if type == "DELETED" and body.metadata.namespace and body.metadata.name:
+            rt.forget(body.metadata.namespace, body.metadata.name)
+
+
+def _register_children(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
+    """The managed Deployments (stable and canary) and the engine pods."""
 
     @kopf.on.event("apps", "v1", "deployments", registry=registry, id="track-rollout",
                    labels={LABEL_MANAGED_BY: MANAGED_BY})
@@ -176,12 +197,3 @@ def build_registry(rt: Runtime) -> kopf.OperatorRegistry:
             await track_canary_pod(rt, dict(body), emit_on, logger)
             return
         await track_pod(rt, dict(body), emit_on, logger)
-
-    # No finalizer (a delete handler would add one): the children go with the garbage collector,
-    # and all that is left to do is to stop exporting the object's engine and drop its lock.
-    @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry, id="forget-deleted")
-    async def service_event(body: kopf.Body, type: str, **_: Any) -> None:
-        if type == "DELETED" and body.metadata.namespace and body.metadata.name:
-            rt.forget(body.metadata.namespace, body.metadata.name)
-
-    return registry
