@@ -58,6 +58,7 @@ class Experiment:
     system_prompt_len: int
     question_len: int
     output_len: int
+    vllm_version: str = ""  # as the row gives it ("" or words: vLLM's current defaults)
     measured: dict[int, dict[str, float]] = field(default_factory=dict)  # stage -> metric -> ms
     published: dict[int, dict[str, float]] = field(default_factory=dict)  # BLIS's predictions
 
@@ -142,6 +143,7 @@ def _experiment(key: str, row: dict[str, str]) -> Experiment:
         system_prompt_len=_req_int(row, "wl_system_prompt_len"),
         question_len=_req_int(row, "wl_question_len"),
         output_len=_req_int(row, "wl_output_len"),
+        vllm_version=(row.get("vllm_version") or "").strip(),
     )
 
 
@@ -190,7 +192,7 @@ def engine_config(exp: Experiment, params: StepTimeParams | None = None) -> Engi
     return EngineConfig.resolve(
         model, gpu, max_num_batched_tokens=exp.max_num_batched_tokens, max_num_seqs=exp.max_num_seqs,
         max_model_len=mml, kv_cache_memory_bytes=kv_bytes, tensor_parallel_size=exp.tp,
-        step_time_params=params or params_for(gpu))
+        async_scheduling=_async_default(exp.vllm_version), step_time_params=params or params_for(gpu))
 
 
 def planned_blocks(exp: Experiment, max_model_len: int = 8192) -> int:
@@ -381,8 +383,10 @@ class TraceRun:
 
 
 def _async_default(version: str) -> bool:
-    nums = tuple(int(x) for x in re.findall(r"\d+", version)[:2])
-    return nums >= ASYNC_SCHEDULING_DEFAULT_SINCE
+    """Whether the vLLM release a run names schedules asynchronously by default (a version that
+    cannot be read, e.g. "v0.15.1 era" aside, is taken as a current release: on)."""
+    m = re.search(r"(\d+)\.(\d+)", version)
+    return m is None or (int(m.group(1)), int(m.group(2))) >= ASYNC_SCHEDULING_DEFAULT_SINCE
 
 
 # vLLM turned async scheduling on by default for GPUs in 0.14 (release notes); earlier releases
