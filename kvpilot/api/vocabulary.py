@@ -9,6 +9,10 @@ from __future__ import annotations
 import re
 from enum import StrEnum
 
+# The engine fields the tuner owns, camelCase as in spec.engine (and in a trial's params); kvpilot.api.tuned
+# declares them with their flags, types and limits.
+from kvpilot.api.tuned import TUNED_ENGINE_FIELDS as TUNED_ENGINE_FIELDS
+
 # ---- the resource -------------------------------------------------------------------------------
 GROUP = "kvpilot.dev"
 VERSION = "v1alpha1"
@@ -17,9 +21,6 @@ KIND = "InferenceService"
 PLURAL = "inferenceservices"
 SINGULAR = "inferenceservice"
 SHORT_NAMES = ("kvis",)
-
-# The engine fields the tuner owns, camelCase as in spec.engine (and in a trial's params).
-TUNED_ENGINE_FIELDS: tuple[str, ...] = ("maxNumBatchedTokens", "gpuMemoryUtilization", "maxNumSeqs")
 
 # ---- labels and annotations ---------------------------------------------------------------------
 LABEL_NAME = "app.kubernetes.io/name"
