@@ -19,15 +19,21 @@ import json
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from optuna.distributions import BaseDistribution, FloatDistribution, IntDistribution
 
 from kvpilot.api.engine import ServeDefaults, render_flags
-from kvpilot.api.vocabulary import TUNED_ENGINE_FIELDS
+from kvpilot.api.tuned import (
+    GPU_MEMORY_UTILIZATION,
+    MAX_NUM_BATCHED_TOKENS,
+    MAX_NUM_SEQS,
+    TUNED,
+    TUNED_ENGINE_FIELDS,
+)
 
 TUNED_FIELDS: tuple[str, ...] = TUNED_ENGINE_FIELDS
-PARAM_TOKENS, PARAM_GPU_UTIL, PARAM_SEQS = TUNED_FIELDS
+PARAM_TOKENS, PARAM_GPU_UTIL, PARAM_SEQS = MAX_NUM_BATCHED_TOKENS.name, GPU_MEMORY_UTILIZATION.name, MAX_NUM_SEQS.name
 
 GPU_UTIL_STEP = 0.01
 LOG2_PREFIX = "log2"  # pow2 resolution: the trial param is the exponent, e.g. log2maxNumSeqs
@@ -59,38 +65,29 @@ class EngineParams:
     max_num_seqs: int
 
     def __post_init__(self) -> None:
-        # Normalise the fraction to its 0.01 grid so equal configs compare (and hash) equal.
-        object.__setattr__(self, "gpu_memory_utilization", round(float(self.gpu_memory_utilization), 4))
-        object.__setattr__(self, "max_num_batched_tokens", int(self.max_num_batched_tokens))
-        object.__setattr__(self, "max_num_seqs", int(self.max_num_seqs))
+        # Each field as its declared type; a fraction rounded so equal configs compare (and hash) equal.
+        for f in TUNED:
+            value = f.type(getattr(self, f.attr))
+            object.__setattr__(self, f.attr, round(value, 4) if f.type is float else value)
 
     def as_spec(self) -> dict[str, Any]:
         """The `spec.engine` fields (camelCase, as on the wire)."""
-        return {
-            PARAM_TOKENS: self.max_num_batched_tokens,
-            PARAM_GPU_UTIL: self.gpu_memory_utilization,
-            PARAM_SEQS: self.max_num_seqs,
-        }
+        return {f.name: getattr(self, f.attr) for f in TUNED}
 
     def as_flags(self) -> list[str]:
         """The `vllm serve` / `kvpilot twin serve` flags, rendered by the API's engine codec."""
         return render_flags(self.as_spec())
 
     def label(self) -> str:
-        return (
-            f"tokens={self.max_num_batched_tokens} util={self.gpu_memory_utilization:.2f} "
-            f"seqs={self.max_num_seqs}"
-        )
+        """`tokens=2048 util=0.90 seqs=256`: logs, and the keys of benchmark results."""
+        return " ".join(f"{f.short}={f.shown(getattr(self, f.attr))}" for f in TUNED)
 
     @classmethod
     def from_spec(cls, engine: Mapping[str, Any]) -> EngineParams:
         """From a camelCase engine mapping (a trial's params, a spec.engine dict, user attrs)."""
         try:
-            return cls(
-                max_num_batched_tokens=int(engine[PARAM_TOKENS]),
-                gpu_memory_utilization=float(engine[PARAM_GPU_UTIL]),
-                max_num_seqs=int(engine[PARAM_SEQS]),
-            )
+            values: dict[str, Any] = {f.attr: f.type(engine[f.name]) for f in TUNED}
+            return cls(**values)
         except KeyError as exc:
             raise SpaceError(f"spec.engine.{exc.args[0]}", "is required for tuning") from None
         except (TypeError, ValueError) as exc:
@@ -107,9 +104,9 @@ class EngineParams:
 class SearchSpace:
     """Ranges for the three tuned fields, as in `spec.tuning.space` ([min, max] each)."""
 
-    max_num_batched_tokens: tuple[int, int] = (256, 16384)
-    gpu_memory_utilization: tuple[float, float] = (0.70, 0.95)
-    max_num_seqs: tuple[int, int] = (64, 1024)
+    max_num_batched_tokens: tuple[int, int] = cast(tuple[int, int], MAX_NUM_BATCHED_TOKENS.space)
+    gpu_memory_utilization: tuple[float, float] = GPU_MEMORY_UTILIZATION.space
+    max_num_seqs: tuple[int, int] = cast(tuple[int, int], MAX_NUM_SEQS.space)
     # Resolution: "log" draws any integer on a log scale; "pow2" draws powers of two only (the
     # benchmark grid's resolution, where every draw is a grid point and evaluations can be cached).
     scale: str = "log"
@@ -167,11 +164,8 @@ class SearchSpace:
             return getattr(space, snake, None)
 
         kwargs: dict[str, Any] = {}
-        for snake, camel, kind in (
-            ("max_num_batched_tokens", PARAM_TOKENS, int),
-            ("gpu_memory_utilization", PARAM_GPU_UTIL, float),
-            ("max_num_seqs", PARAM_SEQS, int),
-        ):
+        for f in TUNED:
+            snake, camel, kind = f.attr, f.name, f.type
             value = pick(snake, camel)
             if value is None:
                 continue
@@ -185,11 +179,7 @@ class SearchSpace:
         return cls(**kwargs)
 
     def as_spec(self) -> dict[str, list[float]]:
-        return {
-            PARAM_TOKENS: list(self.max_num_batched_tokens),
-            PARAM_GPU_UTIL: list(self.gpu_memory_utilization),
-            PARAM_SEQS: list(self.max_num_seqs),
-        }
+        return {f.name: list(getattr(self, f.attr)) for f in TUNED}
 
     def digest(self) -> str:
         """A short stable hash: a changed space is a new study, never a mix of two."""
