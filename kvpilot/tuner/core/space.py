@@ -36,6 +36,9 @@ TUNED_FIELDS: tuple[str, ...] = TUNED_ENGINE_FIELDS
 PARAM_TOKENS, PARAM_GPU_UTIL, PARAM_SEQS = MAX_NUM_BATCHED_TOKENS.name, GPU_MEMORY_UTILIZATION.name, MAX_NUM_SEQS.name
 
 GPU_UTIL_STEP = 0.01
+# The integer knobs: drawn on a log scale, or as powers of two (pow2 resolution).  The fraction is drawn
+# on a grid of util_step.
+_INTEGER = tuple(f for f in TUNED if f.type is int)
 LOG2_PREFIX = "log2"  # pow2 resolution: the trial param is the exponent, e.g. log2maxNumSeqs
 
 
@@ -124,12 +127,11 @@ class SearchSpace:
         """Every reason this space cannot be searched, as (field path, message)."""
         out: list[tuple[str, str]] = []
         base = "spec.tuning.space"
-        for name, (lo, hi), floor, ceil in (
-            (PARAM_TOKENS, self.max_num_batched_tokens, 1, None),
-            (PARAM_GPU_UTIL, self.gpu_memory_utilization, GPU_UTIL_STEP, 1.0),
-            (PARAM_SEQS, self.max_num_seqs, 1, None),
-        ):
-            path = f"{base}.{name}"
+        for f in TUNED:
+            lo, hi = getattr(self, f.attr)
+            # An integer knob from its legal minimum up; the fraction from one step up to 1.
+            floor, ceil = (GPU_UTIL_STEP, 1.0) if f.type is float else (f.low, None)
+            path = f"{base}.{f.name}"
             if not lo < hi:
                 out.append((path, f"needs [min, max] with min < max, got [{lo}, {hi}]"))
             if lo < floor:
@@ -139,9 +141,10 @@ class SearchSpace:
         if self.scale not in ("log", "pow2"):
             out.append((f"{base}.scale", f"must be 'log' or 'pow2', got {self.scale!r}"))
         if self.scale == "pow2":
-            for name, (lo, hi) in ((PARAM_TOKENS, self.max_num_batched_tokens), (PARAM_SEQS, self.max_num_seqs)):
+            for f in _INTEGER:
+                lo, hi = getattr(self, f.attr)
                 if _pow2_exponents(lo, hi) == (0, -1):
-                    out.append((f"{base}.{name}", f"[{lo}, {hi}] holds no power of two"))
+                    out.append((f"{base}.{f.name}", f"[{lo}, {hi}] holds no power of two"))
         if self.max_num_batched_tokens[1] < self.max_num_seqs[0]:
             out.append((
                 f"{base}.{PARAM_TOKENS}",
@@ -195,19 +198,16 @@ class SearchSpace:
         Token budget first, then the fraction, then the sequence cap: a knob drawn on its own (the
         start-up) is drawn in this order, so the start-up can keep the cap within the budget
         already drawn (`bounds`).  The token budget is still clamped up to the cap (`resolve`)."""
-        util_lo, util_hi = self._util_bounds()
-        util = FloatDistribution(util_lo, util_hi, step=self.util_step)
-        if self.scale == "pow2":
-            return {
-                LOG2_PREFIX + PARAM_TOKENS: IntDistribution(*_pow2_exponents(*self.max_num_batched_tokens)),
-                PARAM_GPU_UTIL: util,
-                LOG2_PREFIX + PARAM_SEQS: IntDistribution(*_pow2_exponents(*self.max_num_seqs)),
-            }
-        return {
-            PARAM_TOKENS: IntDistribution(*self.max_num_batched_tokens, log=True),
-            PARAM_GPU_UTIL: util,
-            PARAM_SEQS: IntDistribution(*self.max_num_seqs, log=True),
-        }
+        out: dict[str, BaseDistribution] = {}
+        for f in TUNED:
+            lo, hi = getattr(self, f.attr)
+            if f.type is float:
+                out[f.name] = FloatDistribution(*self._util_bounds(), step=self.util_step)
+            elif self.scale == "pow2":
+                out[LOG2_PREFIX + f.name] = IntDistribution(*_pow2_exponents(lo, hi))
+            else:
+                out[f.name] = IntDistribution(lo, hi, log=True)
+        return out
 
     def bounds(self) -> dict[str, str]:
         """Trial params that vLLM needs at most another: the sequence cap within the token budget
@@ -223,9 +223,9 @@ class SearchSpace:
     def resolve(self, raw: Mapping[str, Any]) -> EngineParams:
         """The engine a raw draw becomes: token budget clamped up to the sequence cap."""
         values = dict(raw)
-        for name in (PARAM_TOKENS, PARAM_SEQS):
-            if LOG2_PREFIX + name in values:
-                values[name] = 2 ** int(values.pop(LOG2_PREFIX + name))
+        for f in _INTEGER:
+            if LOG2_PREFIX + f.name in values:
+                values[f.name] = 2 ** int(values.pop(LOG2_PREFIX + f.name))
         p = EngineParams.from_spec(values)
         return EngineParams(max(p.max_num_batched_tokens, p.max_num_seqs), p.gpu_memory_utilization, p.max_num_seqs)
 

@@ -24,7 +24,7 @@ from kvpilot.api.models import EngineSpec, InferenceServiceSpec, TuningSpace
 from kvpilot.cli import main
 from kvpilot.operator.builders import canary
 from kvpilot.tuner.adapters.kubernetes import KubernetesApplier
-from kvpilot.tuner.core.space import TUNED_FIELDS, EngineParams, SearchSpace
+from kvpilot.tuner.core.space import LOG2_PREFIX, TUNED_FIELDS, EngineParams, SearchSpace
 
 
 def _schema() -> dict[str, Any]:
@@ -89,6 +89,9 @@ def test_engine_params_are_the_declared_fields() -> None:
     assert [type(v) for v in p.as_spec().values()] == [f.type for f in tuned.TUNED]
     assert SearchSpace().as_spec() == {f.name: list(f.space) for f in tuned.TUNED}
     assert p.label().split() == [f"{f.short}={f.shown(f.space[0])}" for f in tuned.TUNED]
+    for scale in ("log", "pow2"):
+        drawn = SearchSpace(scale=scale).distributions()
+        assert [name.removeprefix(LOG2_PREFIX) for name in drawn] == list(tuned.TUNED_ENGINE_FIELDS)
 
 
 def test_kvpilot_tune_takes_a_range_flag_for_each_declared_field(capsys: pytest.CaptureFixture[str]) -> None:
