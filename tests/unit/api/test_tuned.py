@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 import kvpilot
-from kvpilot.api import crd, engine, tuned, vocabulary
+from kvpilot.api import crd, engine, serving, tuned, vocabulary
 from kvpilot.api.models import EngineSpec, InferenceServiceSpec, TuningSpace
 from kvpilot.cli import main
 from kvpilot.operator.builders import canary
@@ -80,6 +80,14 @@ def test_the_rules_check_the_declared_limits(f: tuned.TunedField) -> None:
 
 def test_the_canary_annotation_takes_the_declared_fields_and_types() -> None:
     assert {f.name: f.type for f in tuned.TUNED} == canary._FIELD_TYPES
+
+
+def test_the_engine_command_line_and_engine_info_carry_each_declared_field() -> None:
+    spec = InferenceServiceSpec.model_validate({"model": "m", "replicas": 2})
+    flags = serving.typed_flags(spec)
+    for f in tuned.TUNED:  # always explicit: vLLM's value where the field is unset
+        assert flags[flags.index(f.flag) + 1] == engine.format_value(spec.engine.in_force(f))  # type: ignore[arg-type]
+    assert vocabulary.ENGINE_INFO_LABELS[2:-1] == tuple(f.attr for f in tuned.TUNED)
 
 
 def test_engine_params_are_the_declared_fields() -> None:
