@@ -13,10 +13,9 @@ from typing import Any
 
 import yaml
 
-from kvpilot.api import engine as engine_codec
-from kvpilot.api import rules, tracing, vllm
+from kvpilot.api import rules, tracing, tuned, vllm
 from kvpilot.api.models import InferenceServiceSpec, InferenceServiceStatus
-from kvpilot.api.vocabulary import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, TUNED_ENGINE_FIELDS, VERSION
+from kvpilot.api.vocabulary import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
 
 CRD_NAME = f"{PLURAL}.{GROUP}"
 CRD_FILENAME = f"{CRD_NAME}.yaml"
@@ -119,18 +118,9 @@ _CEL_RULES: dict[tuple[str, ...], list[dict[str, str]]] = {
             "message": f"{name}: min must be less than max",
             "fieldPath": f".{name}",
         }
-        for name in TUNED_ENGINE_FIELDS
+        for name in tuned.TUNED_ENGINE_FIELDS
     ],
 }
-
-_SPACE_LIMITS = {
-    "maxNumBatchedTokens": (1, engine_codec.MAX_BATCHED_TOKENS_LIMIT),
-    "maxNumSeqs": (1, engine_codec.MAX_NUM_SEQS_LIMIT),
-}
-_UTIL_DEFAULT = vllm.DEFAULT_GPU_MEMORY_UTILIZATION
-_TUNED_UTIL = (
-    f"(has(self.engine.gpuMemoryUtilization) ? self.engine.gpuMemoryUtilization : {_UTIL_DEFAULT!r})"
-)
 
 
 def _inside_space(name: str, value: str) -> str:
@@ -138,31 +128,60 @@ def _inside_space(name: str, value: str) -> str:
     return f"size({space}) != 2 || ({space}[0] <= {value} && {value} <= {space}[1])"
 
 
+def _cel(declared: tuned.TunedField, value: float) -> str:
+    return repr(declared.type(value))
+
+
+def _in_force(declared: tuned.TunedField) -> str:
+    """CEL for the field's value in force: vLLM's own when spec.engine leaves it unset."""
+    field = f"self.engine.{declared.name}"
+    if declared.unset_means is None:
+        return field
+    return f"(has({field}) ? {field} : {declared.unset_means!r})"
+
+
+def _space_limits(f: tuned.TunedField) -> dict[str, str]:
+    """The range of tuning.space.<f.name> lies inside the field's legal limits."""
+    above, below = (">", "<") if f.exclusive else (">=", "<=")
+    return {
+        "rule": f"size(self.{f.name}) != 2 || "
+        f"(self.{f.name}[0] {above} {_cel(f, f.low)} && self.{f.name}[1] {below} {_cel(f, f.high)})",
+        "message": f"{f.name} must lie inside {f.limits_text}",
+        "fieldPath": f".{f.name}",
+    }
+
+
+def _unset_inside_space(f: tuned.TunedField) -> list[dict[str, str]]:
+    """The rules of a field vLLM fills in when unset (and another field may override)."""
+    overridden = f"has(self.engine.{f.overridden_by}) || " if f.overridden_by else ""
+    out = [{
+        "rule": f"!self.tuning.enabled || {overridden}{_inside_space(f.name, _in_force(f))}",
+        "message": f"engine.{f.name} (vLLM's default {f.unset_means:g} when unset) is outside tuning.space.{f.name}",
+        "fieldPath": f".engine.{f.name}",
+    }]
+    if f.overridden_by:
+        out.append({
+            "rule": f"!self.tuning.enabled || !has(self.engine.{f.overridden_by})",
+            "message": f"the tuner adjusts {f.name}, which {f.overridden_by} overrides; "
+            f"unset {f.overridden_by} or disable tuning",
+            "fieldPath": f".engine.{f.overridden_by}",
+        })
+    return out
+
+
 # Tuning starts from the current engine, so the engine must sit inside the space it searches
-# (vLLM's default gpuMemoryUtilization stands in when the field is unset). These cross engine and
-# tuning, so they sit on spec; the size tests leave a malformed range to its schema error alone.
+# (vLLM's default stands in for a field left unset). These cross engine and tuning, so they sit
+# on spec; the size tests leave a malformed range to its schema error alone.
 _CEL_RULES[("spec",)] += [
     *(
         {
-            "rule": f"!self.tuning.enabled || {_inside_space(name, f'self.engine.{name}')}",
-            "message": f"engine.{name} is outside tuning.space.{name}; the tuner starts from the current value",
-            "fieldPath": f".engine.{name}",
+            "rule": f"!self.tuning.enabled || {_inside_space(f.name, _in_force(f))}",
+            "message": f"engine.{f.name} is outside tuning.space.{f.name}; the tuner starts from the current value",
+            "fieldPath": f".engine.{f.name}",
         }
-        for name in ("maxNumBatchedTokens", "maxNumSeqs")
+        for f in tuned.ALWAYS_SET
     ),
-    {
-        "rule": "!self.tuning.enabled || has(self.engine.kvCacheMemoryBytes) || "
-        + _inside_space("gpuMemoryUtilization", _TUNED_UTIL),
-        "message": "engine.gpuMemoryUtilization (vLLM's default "
-        f"{_UTIL_DEFAULT:g} when unset) is outside tuning.space.gpuMemoryUtilization",
-        "fieldPath": ".engine.gpuMemoryUtilization",
-    },
-    {
-        "rule": "!self.tuning.enabled || !has(self.engine.kvCacheMemoryBytes)",
-        "message": "the tuner adjusts gpuMemoryUtilization, which kvCacheMemoryBytes overrides; "
-        "unset kvCacheMemoryBytes or disable tuning",
-        "fieldPath": ".engine.kvCacheMemoryBytes",
-    },
+    *(rule for f in tuned.MAY_BE_UNSET for rule in _unset_inside_space(f)),
 ]
 _CEL_RULES[("spec",)] += [
     {
@@ -186,20 +205,8 @@ _CEL_RULES[("spec", "tuning", "budgetGate")] = [
     },
 ]
 _CEL_RULES[("spec", "tuning", "space")] += [
-    *(
-        {
-            "rule": f"size(self.{name}) != 2 || (self.{name}[0] >= {low} && self.{name}[1] <= {high})",
-            "message": f"{name} must lie inside [{low}, {high}]",
-            "fieldPath": f".{name}",
-        }
-        for name, (low, high) in _SPACE_LIMITS.items()
-    ),
-    {
-        "rule": "size(self.gpuMemoryUtilization) != 2 || "
-        "(self.gpuMemoryUtilization[0] > 0.0 && self.gpuMemoryUtilization[1] < 1.0)",
-        "message": "gpuMemoryUtilization must lie inside (0, 1)",
-        "fieldPath": ".gpuMemoryUtilization",
-    },
+    # Inclusive limits first, then exclusive ones (a fraction), each group in declaration order.
+    *(_space_limits(f) for f in sorted(tuned.TUNED, key=lambda f: f.exclusive)),
     {
         "rule": "size(self.maxNumBatchedTokens) != 2 || size(self.maxNumSeqs) != 2 || "
         "self.maxNumBatchedTokens[1] >= self.maxNumSeqs[0]",

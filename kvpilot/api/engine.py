@@ -13,13 +13,14 @@ from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from typing import Any
 
-from kvpilot.api import serve_args, tracing, vllm
+from kvpilot.api import serve_args, tracing, tuned, vllm
 
 GiB = 1 << 30
 
-# Bounds vLLM itself accepts (or that no real deployment goes past); the tuning space stays inside.
-MAX_BATCHED_TOKENS_LIMIT = 1 << 20
-MAX_NUM_SEQS_LIMIT = 1 << 16
+# Bounds vLLM itself accepts (or that no real deployment goes past); the tuned fields' are declared
+# with them in kvpilot.api.tuned.
+MAX_BATCHED_TOKENS_LIMIT = tuned.MAX_BATCHED_TOKENS_LIMIT
+MAX_NUM_SEQS_LIMIT = tuned.MAX_NUM_SEQS_LIMIT
 MAX_MODEL_LEN_LIMIT = 1 << 24
 # --kv-cache-memory-bytes is per GPU; the largest GPUs hold a few hundred GiB.
 MAX_KV_CACHE_MEMORY_BYTES = 1 << 40
@@ -42,14 +43,18 @@ class EngineFlag:
     def spec_path(self) -> str:
         return self.path or f"engine.{self.field}"
 
+    @classmethod
+    def of_tuned(cls, declared: tuned.TunedField) -> EngineFlag:
+        return cls(declared.name, declared.flag, declared.type)
+
 
 # The typed fields, in the order they are rendered.  shutdownTimeoutSeconds lives in spec.rollout and
 # the tracing fields in spec.observability.tracing, but they render as engine flags like the others.
 ENGINE_FLAGS: tuple[EngineFlag, ...] = (
-    EngineFlag("maxNumBatchedTokens", "--max-num-batched-tokens", int),
-    EngineFlag("gpuMemoryUtilization", "--gpu-memory-utilization", float),
+    EngineFlag.of_tuned(tuned.MAX_NUM_BATCHED_TOKENS),
+    EngineFlag.of_tuned(tuned.GPU_MEMORY_UTILIZATION),
     EngineFlag("kvCacheMemoryBytes", "--kv-cache-memory-bytes", int),
-    EngineFlag("maxNumSeqs", "--max-num-seqs", int),
+    EngineFlag.of_tuned(tuned.MAX_NUM_SEQS),
     EngineFlag("maxModelLen", "--max-model-len", int),
     EngineFlag("tensorParallelSize", "--tensor-parallel-size", int, ("-tp",)),
     EngineFlag("blockSize", "--block-size", int),

@@ -13,14 +13,13 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic.alias_generators import to_camel, to_snake
 
-from kvpilot.api import kube, rules, tracing, vllm, vocabulary
+from kvpilot.api import kube, rules, tracing, tuned, vllm, vocabulary
 from kvpilot.api.engine import (
     MAX_BATCHED_TOKENS_LIMIT,
     MAX_KV_CACHE_MEMORY_BYTES,
     MAX_MODEL_LEN_LIMIT,
-    MAX_NUM_SEQS_LIMIT,
     NOT_A_FLAG_PATTERN,
 )
 from kvpilot.api.slo import MIN_ERROR_BUDGET
@@ -51,21 +50,24 @@ class TwinSpec(_Wire):
     )
 
 
+def _tuned_field(declared: tuned.TunedField, description: str) -> Any:
+    """spec.engine.<declared.name>: its default and legal limits as kvpilot.api.tuned declares them."""
+    if declared.exclusive:
+        return Field(declared.default, gt=declared.low, lt=declared.high, description=description)
+    return Field(declared.default, ge=declared.low, le=declared.high, description=description)
+
+
 class EngineSpec(_Wire):
     kind: Literal["vllm", "twin"] = Field(
         "vllm", description="vllm runs the vLLM image; twin runs kvpilot's GPU-less engine twin with the same flags."
     )
     image: kube.ImageReference = Field(vllm.DEFAULT_IMAGE, description="vLLM container image (engine.kind vllm).")
-    max_num_batched_tokens: int = Field(
-        2048,
-        ge=1,
-        le=MAX_BATCHED_TOKENS_LIMIT,
+    max_num_batched_tokens: int = _tuned_field(
+        tuned.MAX_NUM_BATCHED_TOKENS,
         description="--max-num-batched-tokens: the per-step token budget, i.e. the chunked-prefill chunk size. Tuned.",
     )
-    gpu_memory_utilization: float | None = Field(
-        None,
-        gt=0,
-        lt=1,
+    gpu_memory_utilization: float | None = _tuned_field(
+        tuned.GPU_MEMORY_UTILIZATION,
         description=(
             "--gpu-memory-utilization: fraction of GPU memory vLLM may use (weights, activations, KV cache). "
             f"Unset means vLLM's default {vllm.DEFAULT_GPU_MEMORY_UTILIZATION}. Not together with kvCacheMemoryBytes. Tuned."
@@ -78,8 +80,8 @@ class EngineSpec(_Wire):
         description="--kv-cache-memory-bytes: a fixed KV-cache size per GPU (at most 1 TiB); overrides "
         "gpuMemoryUtilization, so not both.",
     )
-    max_num_seqs: int = Field(
-        256, ge=1, le=MAX_NUM_SEQS_LIMIT, description="--max-num-seqs: most sequences running at once. Tuned."
+    max_num_seqs: int = _tuned_field(
+        tuned.MAX_NUM_SEQS, description="--max-num-seqs: most sequences running at once. Tuned."
     )
     max_model_len: int | None = Field(
         None, ge=1, le=MAX_MODEL_LEN_LIMIT, description="--max-model-len: longest prompt plus output; unset = model's own."
@@ -104,13 +106,17 @@ class EngineSpec(_Wire):
     )
     twin: TwinSpec = Field(default_factory=TwinSpec, description="Settings for engine.kind twin only.")
 
+    def in_force(self, declared: tuned.TunedField) -> int | float | None:
+        """A tuned field as vLLM runs it: vLLM's value when the field is unset, None when another
+        field overrides it (gpuMemoryUtilization under kvCacheMemoryBytes)."""
+        if declared.overridden_by is not None and getattr(self, to_snake(declared.overridden_by)) is not None:
+            return None
+        value: int | float | None = getattr(self, declared.attr)
+        return declared.unset_means if value is None else value
+
     @property
     def effective_gpu_memory_utilization(self) -> float | None:
-        if self.kv_cache_memory_bytes is not None:
-            return None
-        if self.gpu_memory_utilization is None:
-            return vllm.DEFAULT_GPU_MEMORY_UTILIZATION
-        return self.gpu_memory_utilization
+        return self.in_force(tuned.GPU_MEMORY_UTILIZATION)
 
     @model_validator(mode="after")
     def _cross_fields(self) -> EngineSpec:
@@ -213,8 +219,10 @@ class SLOSpec(_Wire):
         return self
 
 
-def _range(default: list[Any], field: str) -> Any:
+def _range(declared: tuned.TunedField) -> Any:
     # default_factory keeps instances from sharing a list; the schema default is for the API server.
+    default: list[Any] = list(declared.space)
+    field = declared.name
     return Field(
         default_factory=lambda: list(default),
         json_schema_extra={"default": default},
@@ -225,9 +233,10 @@ def _range(default: list[Any], field: str) -> Any:
 
 
 class TuningSpace(_Wire):
-    max_num_batched_tokens: list[int] = _range([256, 16384], "maxNumBatchedTokens")
-    gpu_memory_utilization: list[float] = _range([0.70, 0.95], "gpuMemoryUtilization")
-    max_num_seqs: list[int] = _range([64, 1024], "maxNumSeqs")
+    # A [min, max] range for each tuned field (kvpilot.api.tuned); no docstring, the CRD would print it.
+    max_num_batched_tokens: list[int] = _range(tuned.MAX_NUM_BATCHED_TOKENS)
+    gpu_memory_utilization: list[float] = _range(tuned.GPU_MEMORY_UTILIZATION)
+    max_num_seqs: list[int] = _range(tuned.MAX_NUM_SEQS)
 
 
 Weekday = Literal["Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun"]

@@ -14,11 +14,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
+from pydantic.alias_generators import to_snake
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from kvpilot.api import engine as engine_codec
-from kvpilot.api import tracing, vllm
-from kvpilot.api.vocabulary import TUNED_ENGINE_FIELDS
+from kvpilot.api import tracing, tuned, vllm
 
 if TYPE_CHECKING:
     from kvpilot.api.models import (
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         RolloutSpec,
         SLOSpec,
         TracingSpec,
+        TuningSpace,
         TuningSpec,
     )
 
@@ -37,13 +38,6 @@ _TTFT_EDGES = frozenset(vllm.TTFT_BUCKETS)
 _ITL_EDGES = frozenset(vllm.ITL_BUCKETS)
 _TTFT_EDGES_TEXT = ", ".join(f"{e:g}" for e in vllm.TTFT_BUCKETS)
 _ITL_EDGES_TEXT = ", ".join(f"{e:g}" for e in vllm.ITL_BUCKETS)
-
-# Legal ranges of the tuned fields (the models' own bounds), used to check the tuning space.
-_SPACE_LIMITS: dict[str, tuple[float, float]] = {
-    "maxNumBatchedTokens": (1, engine_codec.MAX_BATCHED_TOKENS_LIMIT),
-    "gpuMemoryUtilization": (0.0, 1.0),  # exclusive at both ends, as the field itself
-    "maxNumSeqs": (1, engine_codec.MAX_NUM_SEQS_LIMIT),
-}
 
 
 def raise_issues(title: str, issues: list[Issue]) -> None:
@@ -129,14 +123,16 @@ def slo_issues(slo: SLOSpec) -> list[Issue]:
     return issues
 
 
+def _range_ok(declared: tuned.TunedField, bounds: list[Any]) -> bool:
+    low, high = bounds
+    return low < high and declared.legal(low) and declared.legal(high)
+
+
 def tuning_issues(tuning: TuningSpec) -> list[Issue]:
     space = tuning.space
-    tokens, util, seqs = space.max_num_batched_tokens, space.gpu_memory_utilization, space.max_num_seqs
     if (
-        1 <= tokens[0] < tokens[1] <= engine_codec.MAX_BATCHED_TOKENS_LIMIT
-        and 0.0 < util[0] < util[1] < 1.0
-        and 1 <= seqs[0] < seqs[1] <= engine_codec.MAX_NUM_SEQS_LIMIT
-        and tokens[1] >= seqs[0]
+        all(_range_ok(f, getattr(space, f.attr)) for f in tuned.TUNED)
+        and space.max_num_batched_tokens[1] >= space.max_num_seqs[0]
         and tuning.warmup_seconds < tuning.trial_seconds
         and tuning.storage is None
         and tuning.budget_gate is None
@@ -147,19 +143,13 @@ def tuning_issues(tuning: TuningSpec) -> list[Issue]:
                            budget_gate_issues(tuning.budget_gate)] if tuning.budget_gate is not None else []
     if tuning.storage is not None:
         issues.append((("storage",), f"removed: {STORAGE_REMOVED}", tuning.storage))
-    ranges = space.model_dump(by_alias=True)
-    for name in TUNED_ENGINE_FIELDS:
-        bounds = ranges[name]
+    for f in tuned.TUNED:
+        bounds = getattr(space, f.attr)
         low, high = bounds
-        legal_low, legal_high = _SPACE_LIMITS[name]
         if not low < high:
-            issues.append((("space", name), f"min must be less than max (got [{low}, {high}])", bounds))
-        elif name == "gpuMemoryUtilization" and not (legal_low < low and high < legal_high):
-            issues.append((("space", name), f"must lie inside (0, 1) (got [{low}, {high}])", bounds))
-        elif not (legal_low <= low and high <= legal_high):
-            issues.append(
-                (("space", name), f"must lie inside [{legal_low:g}, {legal_high:g}] (got [{low}, {high}])", bounds)
-            )
+            issues.append((("space", f.name), f"min must be less than max (got [{low}, {high}])", bounds))
+        elif not (f.legal(low) and f.legal(high)):
+            issues.append((("space", f.name), f"must lie inside {f.limits_text} (got [{low}, {high}])", bounds))
     if space.max_num_batched_tokens[1] < space.max_num_seqs[0]:
         issues.append(
             (
@@ -227,17 +217,12 @@ def rollout_issues(rollout: RolloutSpec) -> list[Issue]:
 
 def _engine_inside_space(spec: InferenceServiceSpec) -> bool:
     engine, space = spec.engine, spec.tuning.space
-    if engine.kv_cache_memory_bytes is not None:
-        return False
-    util = engine.gpu_memory_utilization
-    if util is None:
-        util = vllm.DEFAULT_GPU_MEMORY_UTILIZATION
-    tokens, utils, seqs = space.max_num_batched_tokens, space.gpu_memory_utilization, space.max_num_seqs
-    return (
-        tokens[0] <= engine.max_num_batched_tokens <= tokens[1]
-        and seqs[0] <= engine.max_num_seqs <= seqs[1]
-        and utils[0] <= util <= utils[1]
-    )
+    for f in tuned.TUNED:
+        value = engine.in_force(f)
+        low, high = getattr(space, f.attr)
+        if value is None or not low <= value <= high:
+            return False
+    return True
 
 
 def tracing_issues(t: TracingSpec) -> list[Issue]:
@@ -292,45 +277,35 @@ def spec_issues(spec: InferenceServiceSpec) -> list[Issue]:
             )
         )
     if tuning.enabled:
-        space = tuning.space
-        tokens_low, tokens_high = space.max_num_batched_tokens
-        if not tokens_low <= engine.max_num_batched_tokens <= tokens_high:
+        issues += _engine_space_issues(engine, tuning.space)
+    return issues
+
+
+def _engine_space_issues(engine: EngineSpec, space: TuningSpace) -> list[Issue]:
+    """Each tuned field of the engine outside its range (the tuner starts from the current value), or
+    overridden by a field the tuner does not adjust.  Fields left to vLLM last: their messages say more."""
+    issues: list[Issue] = []
+    for f in (*tuned.ALWAYS_SET, *tuned.MAY_BE_UNSET):
+        value = engine.in_force(f)
+        if value is None and f.overridden_by is not None:
             issues.append(
                 (
-                    ("engine", "maxNumBatchedTokens"),
-                    f"{engine.max_num_batched_tokens} is outside tuning.space.maxNumBatchedTokens "
-                    f"[{tokens_low}, {tokens_high}]; the tuner starts from the current value",
-                    engine.max_num_batched_tokens,
+                    ("engine", f.overridden_by),
+                    f"the tuner adjusts {f.name}, which {f.overridden_by} overrides; "
+                    f"unset {f.overridden_by} or disable tuning",
+                    getattr(engine, to_snake(f.overridden_by)),
                 )
             )
-        seqs_low, seqs_high = space.max_num_seqs
-        if not seqs_low <= engine.max_num_seqs <= seqs_high:
+            continue
+        low, high = getattr(space, f.attr)
+        if value is not None and not low <= value <= high:
+            unset = " (vLLM's default, as the field is unset)" if getattr(engine, f.attr) is None else ""
             issues.append(
                 (
-                    ("engine", "maxNumSeqs"),
-                    f"{engine.max_num_seqs} is outside tuning.space.maxNumSeqs [{seqs_low}, {seqs_high}]",
-                    engine.max_num_seqs,
+                    ("engine", f.name),
+                    f"{value} is outside tuning.space.{f.name} [{low}, {high}]{unset}; "
+                    "the tuner starts from the current value",
+                    value,
                 )
             )
-        if engine.kv_cache_memory_bytes is not None:
-            issues.append(
-                (
-                    ("engine", "kvCacheMemoryBytes"),
-                    "the tuner adjusts gpuMemoryUtilization, which kvCacheMemoryBytes overrides; "
-                    "unset kvCacheMemoryBytes or disable tuning",
-                    engine.kv_cache_memory_bytes,
-                )
-            )
-        else:
-            util = engine.effective_gpu_memory_utilization
-            util_low, util_high = space.gpu_memory_utilization
-            if util is not None and not util_low <= util <= util_high:
-                issues.append(
-                    (
-                        ("engine", "gpuMemoryUtilization"),
-                        f"{util} is outside tuning.space.gpuMemoryUtilization [{util_low}, {util_high}]"
-                        + (" (vLLM's default, as the field is unset)" if engine.gpu_memory_utilization is None else ""),
-                        util,
-                    )
-                )
     return issues

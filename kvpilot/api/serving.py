@@ -8,6 +8,7 @@ from typing import Any
 
 from kvpilot.api.engine import render_flags
 from kvpilot.api.models import EngineSpec, InferenceServiceSpec
+from kvpilot.api.tuned import TUNED
 
 
 def typed_values(spec: InferenceServiceSpec, engine: EngineSpec | None = None) -> dict[str, Any]:
@@ -16,11 +17,9 @@ def typed_values(spec: InferenceServiceSpec, engine: EngineSpec | None = None) -
     engine = engine or spec.engine
     tracing = spec.observability.tracing
     return {
-        "maxNumBatchedTokens": engine.max_num_batched_tokens,
-        # Always explicit (vLLM's default when unset), so status and hash show what really runs.
-        "gpuMemoryUtilization": engine.effective_gpu_memory_utilization,
+        # The tuned fields always explicit (vLLM's value when unset), so status and hash show what really runs.
+        **{f.name: engine.in_force(f) for f in TUNED},
         "kvCacheMemoryBytes": engine.kv_cache_memory_bytes,
-        "maxNumSeqs": engine.max_num_seqs,
         "maxModelLen": engine.max_model_len,
         "tensorParallelSize": engine.tensor_parallel_size,
         "blockSize": engine.block_size,

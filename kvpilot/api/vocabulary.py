@@ -9,6 +9,11 @@ from __future__ import annotations
 import re
 from enum import StrEnum
 
+# The engine fields the tuner owns, camelCase as in spec.engine (and in a trial's params); kvpilot.api.tuned
+# declares them with their flags, types and limits.
+from kvpilot.api.tuned import TUNED
+from kvpilot.api.tuned import TUNED_ENGINE_FIELDS as TUNED_ENGINE_FIELDS
+
 # ---- the resource -------------------------------------------------------------------------------
 GROUP = "kvpilot.dev"
 VERSION = "v1alpha1"
@@ -17,9 +22,6 @@ KIND = "InferenceService"
 PLURAL = "inferenceservices"
 SINGULAR = "inferenceservice"
 SHORT_NAMES = ("kvis",)
-
-# The engine fields the tuner owns, camelCase as in spec.engine (and in a trial's params).
-TUNED_ENGINE_FIELDS: tuple[str, ...] = ("maxNumBatchedTokens", "gpuMemoryUtilization", "maxNumSeqs")
 
 # ---- labels and annotations ---------------------------------------------------------------------
 LABEL_NAME = "app.kubernetes.io/name"
@@ -185,9 +187,8 @@ METRIC_ROLLBACKS_TOTAL = "kvpilot_rollbacks_total"
 METRIC_ENGINE_INFO = "kvpilot_engine_info"
 METRIC_ADMISSION_REVIEWS_TOTAL = "kvpilot_admission_reviews_total"
 # kvpilot_engine_info's labels, as the dashboard reads them.
-ENGINE_INFO_LABELS: tuple[str, ...] = (
-    "namespace", "name", "max_num_batched_tokens", "gpu_memory_utilization", "max_num_seqs", "config_hash",
-)
+# The tuned fields' labels are their snake_case names (max_num_batched_tokens, ...).
+ENGINE_INFO_LABELS: tuple[str, ...] = ("namespace", "name", *(f.attr for f in TUNED), "config_hash")
 METRIC_TUNING_TRIALS_TOTAL = "kvpilot_tuning_trials_total"
 METRIC_TUNING_BEST_VALUE = "kvpilot_tuning_best_value"
 METRIC_TUNING_CURRENT_TRIAL = "kvpilot_tuning_current_trial"

@@ -9,6 +9,7 @@ import os
 import sys
 from typing import Any
 
+from kvpilot.api.tuned import TUNED
 from kvpilot.api.vocabulary import ENV_TUNER_STORAGE
 from kvpilot.twin.calibration import CPU_PROFILE
 
@@ -107,9 +108,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--report", default=None,
                    help="report file: .html, or .png/.pdf/.svg for the plots alone (default out/STUDY.html, "
                         "one per study; '' for none)")
-    p.add_argument("--tokens", metavar="MIN:MAX", help="maxNumBatchedTokens range (default 256:16384)")
-    p.add_argument("--util", metavar="MIN:MAX", help="gpuMemoryUtilization range (default 0.70:0.95)")
-    p.add_argument("--seqs", metavar="MIN:MAX", help="maxNumSeqs range (default 64:1024)")
+    for f in TUNED:
+        p.add_argument(f"--{f.short}", metavar="MIN:MAX", help=f"{f.name} range (default {f.space[0]:g}:{f.space[1]:g})")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     live = p.add_argument_group("live (--local)")
     live.add_argument("--prometheus", metavar="URL", help="Prometheus that scrapes the engine")

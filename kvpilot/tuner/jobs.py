@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 from optuna.trial import FrozenTrial
 
+from kvpilot.api.tuned import TUNED
 from kvpilot.api.vocabulary import TrialStrategy
 from kvpilot.tuner.core.objective import SLO, Goal, Measurement, Outcome, infeasible, score
 from kvpilot.tuner.core.space import EngineParams, SearchSpace
@@ -51,12 +52,10 @@ def parse_range(text: str, flag: str, kind: type) -> tuple[Any, Any]:
 
 def space_from_args(args: argparse.Namespace) -> SearchSpace:
     kw: dict[str, Any] = {}
-    if args.tokens:
-        kw["max_num_batched_tokens"] = parse_range(args.tokens, "--tokens", int)
-    if args.util:
-        kw["gpu_memory_utilization"] = parse_range(args.util, "--util", float)
-    if args.seqs:
-        kw["max_num_seqs"] = parse_range(args.seqs, "--seqs", int)
+    for f in TUNED:
+        text = getattr(args, f.short)
+        if text:
+            kw[f.attr] = parse_range(text, f"--{f.short}", f.type)
     try:
         return SearchSpace(**kw)
     except ValueError as exc:

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from kvpilot.api.conditions import set_condition
 from kvpilot.api.models import EngineSpec, InferenceService
+from kvpilot.api.tuned import TUNED
 from kvpilot.api.vocabulary import (
     ANNOTATION_CANARY,
     ANNOTATION_TUNING_TRIAL,
@@ -46,8 +47,7 @@ REASON_CANARY_READY = Reason.CANARY_READY.value
 REASON_CANARY_PROGRESSING = Reason.CANARY_PROGRESSING.value
 
 # The JSON type each tuned field must have in the annotation (an int is a float too; a bool is neither).
-_FIELD_TYPES: dict[str, type] = {"maxNumBatchedTokens": int, "gpuMemoryUtilization": float, "maxNumSeqs": int}
-assert tuple(_FIELD_TYPES) == TUNED_ENGINE_FIELDS
+_FIELD_TYPES: dict[str, type] = {f.name: f.type for f in TUNED}
 
 CAPACITY_NOTE = ("a canary needs one replica's resources beyond the stable replicas (like maxSurge 1): "
                  "free them, or use spec.tuning.trialStrategy: rolling")

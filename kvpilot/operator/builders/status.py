@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from kvpilot.api.conditions import find_condition, now_rfc3339, set_condition
 from kvpilot.api.engine import format_value
 from kvpilot.api.models import EngineSpec
+from kvpilot.api.tuned import TUNED
 from kvpilot.api.vocabulary import ANNOTATION_CONFIG_HASH, ANNOTATION_ENGINE, ConditionType, Reason
 
 READY, PROGRESSING, DEGRADED = ConditionType.READY.value, ConditionType.PROGRESSING.value, ConditionType.DEGRADED.value
@@ -108,14 +109,9 @@ def engine_info(rollout: Rollout) -> dict[str, str] | None:
         engine = EngineSpec.model_validate(rollout.engine)
     except ValidationError:
         return None
-    utilization = engine.effective_gpu_memory_utilization
-    return {
-        "max_num_batched_tokens": str(engine.max_num_batched_tokens),
-        # Empty (no label) when kvCacheMemoryBytes sizes the KV cache instead.
-        "gpu_memory_utilization": "" if utilization is None else format_value(utilization),
-        "max_num_seqs": str(engine.max_num_seqs),
-        "config_hash": rollout.config_hash,
-    }
+    # Empty (no label) for a tuned field another overrides: gpuMemoryUtilization under kvCacheMemoryBytes.
+    labels = {f.attr: "" if (value := engine.in_force(f)) is None else format_value(value) for f in TUNED}
+    return {**labels, "config_hash": rollout.config_hash}
 
 
 def rolled_back_at(previous: dict[str, Any] | None, generation: int | None) -> bool:

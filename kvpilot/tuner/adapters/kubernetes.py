@@ -16,6 +16,7 @@ from typing import Any, cast
 
 from kvpilot.api.conditions import find_condition, now_rfc3339, set_condition
 from kvpilot.api.models import EngineSpec
+from kvpilot.api.tuned import TUNED
 from kvpilot.api.vocabulary import (
     ANNOTATION_CANARY,
     ANNOTATION_TUNING_TRIAL,
@@ -94,8 +95,8 @@ class KubernetesApplier:
     def current(self) -> EngineParams:
         """The tuned fields in force: the spec's, with the API's defaults for those it leaves out."""
         engine = EngineSpec.model_validate((self.get().get("spec") or {}).get("engine") or {})
-        return EngineParams(engine.max_num_batched_tokens, engine.effective_gpu_memory_utilization or 0.0,
-                            engine.max_num_seqs)
+        # A field another overrides (gpuMemoryUtilization under kvCacheMemoryBytes) reads 0.
+        return EngineParams.from_spec({f.name: engine.in_force(f) or 0 for f in TUNED})
 
     def body(self, params: EngineParams, trial: int | None) -> dict[str, Any]:
         """The server-side apply body: the tuned fields and the trial annotation, nothing else."""

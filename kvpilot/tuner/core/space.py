@@ -19,17 +19,26 @@ import json
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from optuna.distributions import BaseDistribution, FloatDistribution, IntDistribution
 
 from kvpilot.api.engine import ServeDefaults, render_flags
-from kvpilot.api.vocabulary import TUNED_ENGINE_FIELDS
+from kvpilot.api.tuned import (
+    GPU_MEMORY_UTILIZATION,
+    MAX_NUM_BATCHED_TOKENS,
+    MAX_NUM_SEQS,
+    TUNED,
+    TUNED_ENGINE_FIELDS,
+)
 
 TUNED_FIELDS: tuple[str, ...] = TUNED_ENGINE_FIELDS
-PARAM_TOKENS, PARAM_GPU_UTIL, PARAM_SEQS = TUNED_FIELDS
+PARAM_TOKENS, PARAM_GPU_UTIL, PARAM_SEQS = MAX_NUM_BATCHED_TOKENS.name, GPU_MEMORY_UTILIZATION.name, MAX_NUM_SEQS.name
 
 GPU_UTIL_STEP = 0.01
+# The integer knobs: drawn on a log scale, or as powers of two (pow2 resolution).  The fraction is drawn
+# on a grid of util_step.
+_INTEGER = tuple(f for f in TUNED if f.type is int)
 LOG2_PREFIX = "log2"  # pow2 resolution: the trial param is the exponent, e.g. log2maxNumSeqs
 
 
@@ -59,38 +68,29 @@ class EngineParams:
     max_num_seqs: int
 
     def __post_init__(self) -> None:
-        # Normalise the fraction to its 0.01 grid so equal configs compare (and hash) equal.
-        object.__setattr__(self, "gpu_memory_utilization", round(float(self.gpu_memory_utilization), 4))
-        object.__setattr__(self, "max_num_batched_tokens", int(self.max_num_batched_tokens))
-        object.__setattr__(self, "max_num_seqs", int(self.max_num_seqs))
+        # Each field as its declared type; a fraction rounded so equal configs compare (and hash) equal.
+        for f in TUNED:
+            value = f.type(getattr(self, f.attr))
+            object.__setattr__(self, f.attr, round(value, 4) if f.type is float else value)
 
     def as_spec(self) -> dict[str, Any]:
         """The `spec.engine` fields (camelCase, as on the wire)."""
-        return {
-            PARAM_TOKENS: self.max_num_batched_tokens,
-            PARAM_GPU_UTIL: self.gpu_memory_utilization,
-            PARAM_SEQS: self.max_num_seqs,
-        }
+        return {f.name: getattr(self, f.attr) for f in TUNED}
 
     def as_flags(self) -> list[str]:
         """The `vllm serve` / `kvpilot twin serve` flags, rendered by the API's engine codec."""
         return render_flags(self.as_spec())
 
     def label(self) -> str:
-        return (
-            f"tokens={self.max_num_batched_tokens} util={self.gpu_memory_utilization:.2f} "
-            f"seqs={self.max_num_seqs}"
-        )
+        """`tokens=2048 util=0.90 seqs=256`: logs, and the keys of benchmark results."""
+        return " ".join(f"{f.short}={f.shown(getattr(self, f.attr))}" for f in TUNED)
 
     @classmethod
     def from_spec(cls, engine: Mapping[str, Any]) -> EngineParams:
         """From a camelCase engine mapping (a trial's params, a spec.engine dict, user attrs)."""
         try:
-            return cls(
-                max_num_batched_tokens=int(engine[PARAM_TOKENS]),
-                gpu_memory_utilization=float(engine[PARAM_GPU_UTIL]),
-                max_num_seqs=int(engine[PARAM_SEQS]),
-            )
+            values: dict[str, Any] = {f.attr: f.type(engine[f.name]) for f in TUNED}
+            return cls(**values)
         except KeyError as exc:
             raise SpaceError(f"spec.engine.{exc.args[0]}", "is required for tuning") from None
         except (TypeError, ValueError) as exc:
@@ -107,9 +107,9 @@ class EngineParams:
 class SearchSpace:
     """Ranges for the three tuned fields, as in `spec.tuning.space` ([min, max] each)."""
 
-    max_num_batched_tokens: tuple[int, int] = (256, 16384)
-    gpu_memory_utilization: tuple[float, float] = (0.70, 0.95)
-    max_num_seqs: tuple[int, int] = (64, 1024)
+    max_num_batched_tokens: tuple[int, int] = cast(tuple[int, int], MAX_NUM_BATCHED_TOKENS.space)
+    gpu_memory_utilization: tuple[float, float] = GPU_MEMORY_UTILIZATION.space
+    max_num_seqs: tuple[int, int] = cast(tuple[int, int], MAX_NUM_SEQS.space)
     # Resolution: "log" draws any integer on a log scale; "pow2" draws powers of two only (the
     # benchmark grid's resolution, where every draw is a grid point and evaluations can be cached).
     scale: str = "log"
@@ -127,12 +127,11 @@ class SearchSpace:
         """Every reason this space cannot be searched, as (field path, message)."""
         out: list[tuple[str, str]] = []
         base = "spec.tuning.space"
-        for name, (lo, hi), floor, ceil in (
-            (PARAM_TOKENS, self.max_num_batched_tokens, 1, None),
-            (PARAM_GPU_UTIL, self.gpu_memory_utilization, GPU_UTIL_STEP, 1.0),
-            (PARAM_SEQS, self.max_num_seqs, 1, None),
-        ):
-            path = f"{base}.{name}"
+        for f in TUNED:
+            lo, hi = getattr(self, f.attr)
+            # An integer knob from its legal minimum up; the fraction from one step up to 1.
+            floor, ceil = (GPU_UTIL_STEP, 1.0) if f.type is float else (f.low, None)
+            path = f"{base}.{f.name}"
             if not lo < hi:
                 out.append((path, f"needs [min, max] with min < max, got [{lo}, {hi}]"))
             if lo < floor:
@@ -142,9 +141,10 @@ class SearchSpace:
         if self.scale not in ("log", "pow2"):
             out.append((f"{base}.scale", f"must be 'log' or 'pow2', got {self.scale!r}"))
         if self.scale == "pow2":
-            for name, (lo, hi) in ((PARAM_TOKENS, self.max_num_batched_tokens), (PARAM_SEQS, self.max_num_seqs)):
+            for f in _INTEGER:
+                lo, hi = getattr(self, f.attr)
                 if _pow2_exponents(lo, hi) == (0, -1):
-                    out.append((f"{base}.{name}", f"[{lo}, {hi}] holds no power of two"))
+                    out.append((f"{base}.{f.name}", f"[{lo}, {hi}] holds no power of two"))
         if self.max_num_batched_tokens[1] < self.max_num_seqs[0]:
             out.append((
                 f"{base}.{PARAM_TOKENS}",
@@ -167,11 +167,8 @@ class SearchSpace:
             return getattr(space, snake, None)
 
         kwargs: dict[str, Any] = {}
-        for snake, camel, kind in (
-            ("max_num_batched_tokens", PARAM_TOKENS, int),
-            ("gpu_memory_utilization", PARAM_GPU_UTIL, float),
-            ("max_num_seqs", PARAM_SEQS, int),
-        ):
+        for f in TUNED:
+            snake, camel, kind = f.attr, f.name, f.type
             value = pick(snake, camel)
             if value is None:
                 continue
@@ -185,11 +182,7 @@ class SearchSpace:
         return cls(**kwargs)
 
     def as_spec(self) -> dict[str, list[float]]:
-        return {
-            PARAM_TOKENS: list(self.max_num_batched_tokens),
-            PARAM_GPU_UTIL: list(self.gpu_memory_utilization),
-            PARAM_SEQS: list(self.max_num_seqs),
-        }
+        return {f.name: list(getattr(self, f.attr)) for f in TUNED}
 
     def digest(self) -> str:
         """A short stable hash: a changed space is a new study, never a mix of two."""
@@ -205,19 +198,16 @@ class SearchSpace:
         Token budget first, then the fraction, then the sequence cap: a knob drawn on its own (the
         start-up) is drawn in this order, so the start-up can keep the cap within the budget
         already drawn (`bounds`).  The token budget is still clamped up to the cap (`resolve`)."""
-        util_lo, util_hi = self._util_bounds()
-        util = FloatDistribution(util_lo, util_hi, step=self.util_step)
-        if self.scale == "pow2":
-            return {
-                LOG2_PREFIX + PARAM_TOKENS: IntDistribution(*_pow2_exponents(*self.max_num_batched_tokens)),
-                PARAM_GPU_UTIL: util,
-                LOG2_PREFIX + PARAM_SEQS: IntDistribution(*_pow2_exponents(*self.max_num_seqs)),
-            }
-        return {
-            PARAM_TOKENS: IntDistribution(*self.max_num_batched_tokens, log=True),
-            PARAM_GPU_UTIL: util,
-            PARAM_SEQS: IntDistribution(*self.max_num_seqs, log=True),
-        }
+        out: dict[str, BaseDistribution] = {}
+        for f in TUNED:
+            lo, hi = getattr(self, f.attr)
+            if f.type is float:
+                out[f.name] = FloatDistribution(*self._util_bounds(), step=self.util_step)
+            elif self.scale == "pow2":
+                out[LOG2_PREFIX + f.name] = IntDistribution(*_pow2_exponents(lo, hi))
+            else:
+                out[f.name] = IntDistribution(lo, hi, log=True)
+        return out
 
     def bounds(self) -> dict[str, str]:
         """Trial params that vLLM needs at most another: the sequence cap within the token budget
@@ -233,9 +223,9 @@ class SearchSpace:
     def resolve(self, raw: Mapping[str, Any]) -> EngineParams:
         """The engine a raw draw becomes: token budget clamped up to the sequence cap."""
         values = dict(raw)
-        for name in (PARAM_TOKENS, PARAM_SEQS):
-            if LOG2_PREFIX + name in values:
-                values[name] = 2 ** int(values.pop(LOG2_PREFIX + name))
+        for f in _INTEGER:
+            if LOG2_PREFIX + f.name in values:
+                values[f.name] = 2 ** int(values.pop(LOG2_PREFIX + f.name))
         p = EngineParams.from_spec(values)
         return EngineParams(max(p.max_num_batched_tokens, p.max_num_seqs), p.gpu_memory_utilization, p.max_num_seqs)
 
