@@ -19,7 +19,7 @@ import sys
 import threading
 import uuid
 from argparse import Namespace
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,12 +64,6 @@ def fail_tuner(api: KMockAPI, method: str, path: str, *faults: Fault) -> FaultRu
     """Fault the tuner's own requests only (the test's helpers and stand-ins talk to KMock too)."""
     return api.fail(method, path, *faults, agent=AGENT)
 
-
-
-@pytest.fixture(scope="module")
-def api() -> Iterator[KMockAPI]:
-    with KMockAPI() as server:
-        yield server
 
 
 class Waits:
