@@ -60,6 +60,7 @@ sys.path.insert(0, str(ROOT.parent))
 
 import optuna  # noqa: E402
 
+from harness.tuning_world import World  # noqa: E402
 from kvpilot.api.vocabulary import Track, TrialStrategy  # noqa: E402
 from kvpilot.tuner.adapters.offline import TwinEvaluator, TwinTarget  # noqa: E402
 from kvpilot.tuner.core.loop import ApplyFailed, LiveSettings, LiveTuner, Observer, TrialEvent  # noqa: E402
@@ -174,42 +175,27 @@ def burn_of(score: float) -> float:
 
 
 # -- the simulated two-track service ---------------------------------------------------------------
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-        self.listeners: list[Callable[[float, float], None]] = []
-
-    def monotonic(self) -> float:
-        return self.t
-
-    def sleep(self, seconds: float) -> None:
-        t0, self.t = self.t, self.t + max(seconds, 0.0)
-        for fn in self.listeners:
-            fn(t0, self.t)
-
-
-class SimService:
-    """Applier, CanaryApplier and TrackSignals over the calibrated model."""
+class SimService(World):
+    """The shared fake tuning world's two tracks, virtual clock and rollouts (harness.tuning_world), with
+    the calibrated model's signals: Applier, CanaryApplier and TrackSignals."""
 
     def __init__(self, model: Model, load: Callable[[float], float], seed: int) -> None:
-        self.model, self.load = model, load
-        self.clock = Clock()
-        self.engine: EngineParams = START
-        self.canary: EngineParams | None = None
-        self.rng = random.Random(seed)
+        self.model = model
         self._shocks: dict[int, float] = {}
         self.shock_rng = random.Random(seed * 7919 + 1)
         self.incumbent: Callable[[], EngineParams] = lambda: START
         self.total = self.exposed = 0.0
-        self.clock.listeners.append(self._serve)
+        super().__init__(engine=START, load=load, canary_weight=WEIGHT, canary_startup_s=ROLLOUT_S,
+                         rollout_s=ROLLOUT_S, seed=seed)
+        self.rng = random.Random(seed)
 
     # -- requests and who served them
-    def _serve(self, t0: float, t1: float) -> None:
+    def _serve(self, t: float) -> None:
+        t0, self._last = self._last, t
         step = 30.0
-        t = t0
-        while t < t1 - 1e-9:
-            dt = min(step, t1 - t)
-            rate = self.load(t + dt / 2)
+        while t0 < t - 1e-9:
+            dt = min(step, t - t0)
+            rate = self.load(t0 + dt / 2)
             n = rate * dt
             ref = self.model.score(self.incumbent(), rate)
             share = WEIGHT if self.canary is not None else 0.0
@@ -219,7 +205,7 @@ class SimService:
                 if self.model.score(eng, rate) > WORSE * ref:
                     self.exposed += n * f
             self.total += n
-            t += dt
+            t0 += dt
 
     def shock(self, t: float) -> float:
         k = int(t // SHOCK_EVERY_S)
@@ -227,28 +213,15 @@ class SimService:
             self._shocks[k] = self.shock_rng.gauss(0.0, SHOCK_SIGMA)
         return self._shocks[k]
 
-    # -- Applier / CanaryApplier
-    def current(self) -> EngineParams:
-        return self.engine
-
-    def _check(self, p: EngineParams) -> None:
-        if self.model.table.get(p) is None:
-            raise ApplyFailed("StartupFailed", f"the twin cannot start {p.label()}")
+    # -- Applier / CanaryApplier: the world's, but an engine already in force is no rollout
+    def _refuse(self, params: EngineParams) -> None:
+        if self.model.table.get(params) is None:
+            raise ApplyFailed("StartupFailed", f"the twin cannot start {params.label()}")
 
     def apply(self, params: EngineParams, trial: int | None) -> None:
         if params == self.engine:
             return
-        self._check(params)
-        self.clock.sleep(ROLLOUT_S)
-        self.engine = params
-
-    def start_canary(self, params: EngineParams, trial: int) -> None:
-        self._check(params)
-        self.clock.sleep(ROLLOUT_S)
-        self.canary = params
-
-    def stop_canary(self) -> None:
-        self.canary = None
+        super().apply(params, trial)
 
     # -- signals
     def _window(self, p: EngineParams, window_s: float, share: float) -> Measurement:

@@ -649,6 +649,18 @@ class OperatorProcess:
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read().decode()
 
+    def assert_alive(self) -> None:
+        assert self.proc.poll() is None, f"operator died:\n{self.log()[-4000:]}"
+
+    def assert_no_errors_logged(self) -> None:
+        """No error or critical line, and no traceback, in its JSON log."""
+        errors = [line for line in self.log().splitlines()
+                  if json.loads(line).get("severity") in ("error", "critical") or "Traceback" in line]
+        assert errors == [], "\n".join(errors[:5])
+
+    def assert_stops_cleanly(self) -> None:
+        assert self.stop() == 0, f"operator did not shut down cleanly:\n{self.log()[-4000:]}"
+
     def stop(self, timeout: float = 15.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)

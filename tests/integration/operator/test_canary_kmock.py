@@ -28,20 +28,16 @@ TUNED = {"maxNumBatchedTokens": 4096, "gpuMemoryUtilization": 0.85, "maxNumSeqs"
 
 
 @pytest.fixture(scope="module")
-def api() -> Iterator[KMockAPI]:
-    with KMockAPI() as server:
-        yield server
+def operator_args() -> tuple[str, ...]:
+    return ("--crash-loop-restarts", "2")
 
 
 @pytest.fixture(scope="module")
-def operator(api: KMockAPI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
-    with kopf_operator(api, tmp_path_factory.mktemp("operator"), "--crash-loop-restarts", "2") as op:
-        yield op
-        assert op.proc.poll() is None, f"operator died:\n{op.log()[-4000:]}"
-        errors = [line for line in op.log().splitlines()
-                  if json.loads(line).get("severity") in ("error", "critical") or "Traceback" in line]
-        assert errors == [], "\n".join(errors[:5])
-        assert op.stop() == 0, f"operator did not shut down cleanly:\n{op.log()[-4000:]}"
+def operator(operator: OperatorProcess) -> Iterator[OperatorProcess]:
+    yield operator
+    operator.assert_alive()
+    operator.assert_no_errors_logged()
+    operator.assert_stops_cleanly()
 
 
 def dep_path(name: str) -> str:

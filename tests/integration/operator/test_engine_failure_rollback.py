@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from harness.kmock_api import Fault, KMockAPI, OperatorProcess, kopf_operator, wait_for
+from harness.kmock_api import Fault, KMockAPI, OperatorProcess, wait_for
 from kvpilot.operator import rbac
 from tests.support.vllm_text import KV_SHORT, startup_failure_log, termination_message
 
@@ -27,18 +27,15 @@ CRASH_LOOP_RESTARTS = 2
 
 
 @pytest.fixture(scope="module")
-def api() -> Iterator[KMockAPI]:
-    with KMockAPI() as server:
-        yield server
+def operator_args() -> tuple[str, ...]:
+    return ("--crash-loop-restarts", str(CRASH_LOOP_RESTARTS))
 
 
 @pytest.fixture(scope="module")
-def operator(api: KMockAPI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
-    with kopf_operator(api, tmp_path_factory.mktemp("operator"),
-                       "--crash-loop-restarts", str(CRASH_LOOP_RESTARTS)) as op:
-        yield op
-        assert op.proc.poll() is None, f"operator died:\n{op.log()[-4000:]}"
-        assert op.stop() == 0, f"operator did not shut down cleanly:\n{op.log()[-4000:]}"
+def operator(operator: OperatorProcess) -> Iterator[OperatorProcess]:
+    yield operator
+    operator.assert_alive()
+    operator.assert_stops_cleanly()
 
 
 def dep_path(name: str) -> str:

@@ -23,7 +23,6 @@ from harness.kmock_api import (
     Fault,
     KMockAPI,
     OperatorProcess,
-    kopf_operator,
     operator_process,
     wait_for,
 )
@@ -47,16 +46,14 @@ ALL_TRIES_OF_ONE_CALL = 4
 
 
 @pytest.fixture(scope="module")
-def api() -> Iterator[KMockAPI]:
-    with KMockAPI() as server:
-        yield server
+def operator_args() -> tuple[str, ...]:
+    return FLAGS
 
 
 @pytest.fixture(scope="module")
-def operator(api: KMockAPI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
-    with kopf_operator(api, tmp_path_factory.mktemp("operator"), *FLAGS) as op:
-        yield op
-        assert op.proc.poll() is None, f"operator died:\n{op.log()[-4000:]}"
+def operator(operator: OperatorProcess) -> Iterator[OperatorProcess]:
+    yield operator
+    operator.assert_alive()
 
 
 def requests_to(api: KMockAPI, method: str, path: str) -> list[float]:

@@ -23,17 +23,10 @@ NS = "serving"
 
 
 @pytest.fixture(scope="module")
-def api() -> Iterator[KMockAPI]:
-    with KMockAPI() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def operator(api: KMockAPI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
-    with kopf_operator(api, tmp_path_factory.mktemp("operator")) as op:
-        yield op
-        assert op.proc.poll() is None, f"operator died:\n{op.log()[-4000:]}"
-        assert op.stop() == 0, f"operator did not shut down cleanly:\n{op.log()[-4000:]}"
+def operator(operator: OperatorProcess) -> Iterator[OperatorProcess]:
+    yield operator
+    operator.assert_alive()
+    operator.assert_stops_cleanly()
 
 
 def make(name: str, namespace: str = NS, **spec: Any) -> dict[str, Any]:

@@ -21,25 +21,13 @@ from typing import Any
 
 import pytest
 
-from harness.kmock_api import KMockAPI, OperatorProcess, free_port, kopf_operator, wait_for
+from harness.kmock_api import KMockAPI, OperatorProcess, free_port, wait_for
 from harness.prometheus import PrometheusServer, require_prometheus
 
 pytestmark = pytest.mark.integration
 
 NS = "tuning"
 REPO = Path(__file__).resolve().parents[3]
-
-
-@pytest.fixture(scope="module")
-def api() -> Iterator[KMockAPI]:
-    with KMockAPI() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def operator(api: KMockAPI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
-    with kopf_operator(api, tmp_path_factory.mktemp("operator")) as op:
-        yield op
 
 
 def _isvc(name: str, enabled: bool, **tuning: Any) -> dict[str, Any]:

@@ -6,7 +6,7 @@ Nothing here runs the operator: `RolloutPlayer` plays its part of the contract t
 (status.observedGeneration and Progressing=False/RolloutComplete for the new generation, see
 `rollout_state`; the real operator against the same applier is tests/.../test_kubernetes_applier.py),
 and records every generation's engine, i.e. every rollout a trial cost.  The loop runs on a
-virtual clock (tests/unit/tuner/world.py) with signals read from the engine in KMock's spec, so
+virtual clock (harness/tuning_world.py) with signals read from the engine in KMock's spec, so
 only the API calls take real time.  Waits the client asks for are recorded, not slept: Retry-After
 is checked by what the client asked to wait and by the order of the requests KMock recorded.
 """
@@ -19,7 +19,7 @@ import sys
 import threading
 import uuid
 from argparse import Namespace
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from optuna.trial import TrialState
 from prometheus_client import CollectorRegistry
 
 from harness.kmock_api import Fault, FaultRule, KMockAPI, wait_for
+from harness.tuning_world import VirtualClock, default_latency
 from kvpilot.api.vocabulary import ANNOTATION_TUNING_TRIAL, FIELD_MANAGER_TUNER
 from kvpilot.tuner.adapters.kubernetes import KubernetesApplier
 from kvpilot.tuner.core.loop import ApplyFailed, LiveSettings, LiveTuner, SignalsUnavailable
@@ -39,7 +40,6 @@ from kvpilot.tuner.core.study import TunerStudy
 from kvpilot.tuner.incluster import Worker
 from kvpilot.tuner.kubeapi import ApiError, KubeAPI, RetryPolicy
 from kvpilot.tuner.observe import TunerMetrics
-from tests.unit.tuner.world import FakeClock, default_latency
 
 pytestmark = pytest.mark.integration
 
@@ -64,12 +64,6 @@ def fail_tuner(api: KMockAPI, method: str, path: str, *faults: Fault) -> FaultRu
     """Fault the tuner's own requests only (the test's helpers and stand-ins talk to KMock too)."""
     return api.fail(method, path, *faults, agent=AGENT)
 
-
-
-@pytest.fixture(scope="module")
-def api() -> Iterator[KMockAPI]:
-    with KMockAPI() as server:
-        yield server
 
 
 class Waits:
@@ -153,7 +147,7 @@ class Writes:
 
 class KubeSignals:
     """Signals from the engine in force in KMock's spec (so a config the tuner failed to put back
-    burns on): BAD burns, anything else is judged by world.py's latency model at a steady load."""
+    burns on): BAD burns, anything else is judged by harness/tuning_world.py's latency model at a steady load."""
 
     selector = ""
 
@@ -211,7 +205,7 @@ def live_tuner(api: KMockAPI, kube: KubeAPI, name: str, storage: Any, signals: K
                        seed=0, n_trials=settings.max_trials)
     study.enqueue(START, "current")
     applier = KubernetesApplier(kube, NS, name, timeout_s=30, poll_s=0.02)
-    return LiveTuner(study, applier, signals, settings, clock=FakeClock())
+    return LiveTuner(study, applier, signals, settings, clock=VirtualClock())
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
@@ -314,7 +308,7 @@ class ScriptedWorker(Worker):
         return KubeSignals(self.kmock, self.name)
 
     def _clock(self) -> Any:
-        return FakeClock()
+        return VirtualClock()
 
 
 def test_a_worker_stopped_while_it_waits_to_start_again_ends(api: KMockAPI, tmp_path: Path) -> None:

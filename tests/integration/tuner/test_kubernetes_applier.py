@@ -15,7 +15,7 @@ import attrs
 import pytest
 
 import harness.kmock_api as kmock_api
-from harness.kmock_api import KMockAPI, OperatorProcess, kopf_operator, tuner_client, wait_for
+from harness.kmock_api import KMockAPI, OperatorProcess, wait_for
 from kvpilot.api.vocabulary import ANNOTATION_TUNING_TRIAL as TRIAL_ANNOTATION
 from kvpilot.api.vocabulary import FIELD_MANAGER_TUNER as FIELD_MANAGER
 from kvpilot.api.vocabulary import TuningPhase
@@ -51,17 +51,6 @@ def api() -> Iterator[KMockAPI]:
             yield server
     finally:
         mp.undo()
-
-
-@pytest.fixture(scope="module")
-def operator(api: KMockAPI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
-    with kopf_operator(api, tmp_path_factory.mktemp("operator")) as op:
-        yield op
-
-
-@pytest.fixture(scope="module")
-def client(api: KMockAPI, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    return tuner_client(api, tmp_path_factory.mktemp("kube"), NS)
 
 
 def dep_path(name: str) -> str:

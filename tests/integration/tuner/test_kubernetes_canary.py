@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from harness.kmock_api import KMockAPI, OperatorProcess, kopf_operator, tuner_client, wait_for
+from harness.kmock_api import KMockAPI, OperatorProcess, wait_for
 from kvpilot.api.vocabulary import ANNOTATION_CANARY
 from kvpilot.tuner.adapters.kubernetes import KubernetesCanaryApplier
 from kvpilot.tuner.core.loop import ApplyFailed
@@ -24,23 +23,6 @@ from tests.support.vllm_text import KV_SHORT, startup_failure_log, termination_m
 pytestmark = pytest.mark.integration
 
 NS = "tuning"
-
-
-@pytest.fixture(scope="module")
-def api() -> Iterator[KMockAPI]:
-    with KMockAPI() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def operator(api: KMockAPI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
-    with kopf_operator(api, tmp_path_factory.mktemp("operator")) as op:
-        yield op
-
-
-@pytest.fixture(scope="module")
-def client(api: KMockAPI, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    return tuner_client(api, tmp_path_factory.mktemp("kube"), NS)
 
 
 def dep_path(name: str) -> str:

@@ -10,6 +10,7 @@ from zoneinfo import ZoneInfo
 import pytest
 from pydantic import ValidationError
 
+from harness.tuning_world import World
 from kvpilot.api import InferenceService
 from kvpilot.api.models import BudgetGate, TuningSpec
 from kvpilot.api.validation import validate_object
@@ -26,7 +27,6 @@ from kvpilot.tuner.core.loop import LiveSettings, LiveTuner, Observer
 from kvpilot.tuner.core.objective import SLO, Goal, Outcome
 from kvpilot.tuner.core.space import EngineParams, SearchSpace
 from kvpilot.tuner.core.study import TunerStudy
-from tests.unit.tuner.world import World
 
 UTC = dt.UTC
 BERLIN = ZoneInfo("Europe/Berlin")

@@ -1,4 +1,4 @@
-"""Canary trials in the live loop, on the two-track fake world with a virtual clock (see world.py)."""
+"""Canary trials in the live loop, on the two-track fake world with a virtual clock (harness/tuning_world.py)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from harness.tuning_world import World
 from kvpilot.api.vocabulary import TrialStrategy
 from kvpilot.tuner.core.loop import LiveSettings, LiveTuner, Observer, TrialEvent
 from kvpilot.tuner.core.objective import SLO, Goal, Outcome
 from kvpilot.tuner.core.sequential import PairedSPRT, SequentialSettings, Verdict
 from kvpilot.tuner.core.space import EngineParams, SearchSpace
 from kvpilot.tuner.core.study import KIND_REMEASURE, TunerStudy
-from tests.unit.tuner.world import World
 
 START = EngineParams(2048, 0.90, 256)  # score 0.55 on the fake world (ITL-bound)
 BETTER = EngineParams(512, 0.90, 256)  # score 0.475: about 14% better

@@ -1,4 +1,4 @@
-"""The live loop's safety rules, on a fake world with a virtual clock (see world.py)."""
+"""The live loop's safety rules, on a fake world with a virtual clock (harness/tuning_world.py)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from dataclasses import dataclass, field, replace
 import pytest
 from optuna.trial import TrialState
 
+from harness.tuning_world import World
 from kvpilot.tuner.core.loop import LiveSettings, LiveTuner, Observer, mean_measurement
 from kvpilot.tuner.core.objective import SLO, Goal, Measurement, Outcome
 from kvpilot.tuner.core.space import EngineParams, SearchSpace
 from kvpilot.tuner.core.study import KIND_REMEASURE, Incumbent, TunerStudy
-from tests.unit.tuner.world import World
 
 START = EngineParams(2048, 0.90, 256)
 SETTINGS = LiveSettings(warmup_s=60, window_s=300, poll_s=15, pause_poll_s=10, max_trials=6)

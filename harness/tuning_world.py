@@ -1,8 +1,12 @@
-"""A small fake world for the live loop: a virtual clock, an engine whose latency follows its
-config and the offered load, and a signal source that can go dark.  Two tracks for canary
-trials: a canary engine beside the stable one takes `canary_weight` of the requests, and the
-world counts the requests each engine served (`served`).  Time only moves when the
-loop sleeps, so a 10-minute trial runs in microseconds and every event has an exact time."""
+"""The fake tuning world the live loop's tests and benchmarks drive: a virtual clock, an engine whose
+latency follows its config and the offered load, and a signal source that can go dark.  Two tracks for
+canary trials: a canary engine beside the stable one takes `canary_weight` of the requests, and the
+world counts the requests each engine served (`served`).  Time only moves when the loop sleeps, so a
+10-minute trial runs in microseconds and every event has an exact time.
+
+`World` is the tuner's Applier, CanaryApplier and TrackSignals at once; a benchmark with a latency
+model of its own subclasses it and replaces the signals (`_refuse` decides which engines cannot start).
+"""
 
 from __future__ import annotations
 
@@ -16,7 +20,9 @@ from kvpilot.tuner.core.objective import Measurement
 from kvpilot.tuner.core.space import EngineParams
 
 
-class FakeClock:
+class VirtualClock:
+    """The tuner's Clock: time moves only when someone sleeps; each listener hears the new time."""
+
     def __init__(self) -> None:
         self.t = 0.0
         self.listeners: list[Callable[[float], None]] = []
@@ -44,10 +50,11 @@ def default_latency(p: EngineParams, load: float) -> tuple[float, float]:
 @dataclass
 class World:
     engine: EngineParams
-    clock: FakeClock = field(default_factory=FakeClock)
+    clock: VirtualClock = field(default_factory=VirtualClock)
     load: Callable[[float], float] = lambda t: 5.0
     dark: list[tuple[float, float]] = field(default_factory=list)  # Prometheus down in [a, b)
     oom_above: float = 0.93  # util above this "runs out of memory" at start-up
+    rollout_s: float = 30.0  # how long `apply` takes
     burning: Callable[[EngineParams], bool] = lambda p: False
     latency: Callable[[EngineParams, float], tuple[float, float]] = default_latency
     applies: list[tuple[float, EngineParams, int | None]] = field(default_factory=list)
@@ -88,8 +95,7 @@ class World:
         assert not self.is_dark(), "a canary was started while signals were dark"
         assert self.canary is None, "a second canary"
         self.canary_starts.append((self.clock.t, params, trial))
-        if params.gpu_memory_utilization > self.oom_above:
-            raise ApplyFailed("OutOfMemory", f"{params.gpu_memory_utilization} leaves no room for activations")
+        self._refuse(params)
         self.clock.sleep(self.canary_startup_s)
         self.canary = params
 
@@ -104,10 +110,14 @@ class World:
     def apply(self, params: EngineParams, trial: int | None) -> None:
         assert not self.is_dark(), "the engine was changed while signals were dark"
         self.applies.append((self.clock.t, params, trial))
+        self._refuse(params)
+        self.clock.sleep(self.rollout_s)  # the rollout takes a while
+        self.engine = params
+
+    def _refuse(self, params: EngineParams) -> None:
+        """Raise ApplyFailed for an engine that cannot start (here: one that leaves no room for activations)."""
         if params.gpu_memory_utilization > self.oom_above:
             raise ApplyFailed("OutOfMemory", f"{params.gpu_memory_utilization} leaves no room for activations")
-        self.clock.sleep(30)  # the rollout takes a while
-        self.engine = params
 
     # -- SignalSource ----------------------------------------------------------------
     def is_dark(self) -> bool:
