@@ -167,7 +167,7 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
     lag = engine.config.async_scheduling
     add = sched.add
     bs = engine.config.block_size
-    run = engine._run_step
+    run = engine.run_step
     usable = sched.usable_blocks or 1
     # Indexed by engine step; steps count from 1, so index 0 is a placeholder.
     trace = Trace(engine, batch, float(window), [], [0.0], [0.0], [0], [])
@@ -283,7 +283,10 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
             continue
         if now >= limit:
             break
-        duration, scheduled, finished, _pre, tokens, steady, g, sampled = run()
+        outcome = run()
+        duration, scheduled, finished = outcome.duration_s, outcome.scheduled, outcome.finished
+        tokens, steady, g, sampled = (outcome.total_num_scheduled_tokens, outcome.num_steady, outcome.gaps,
+                                      outcome.num_sampled)
         starts.append(now)
         now += duration
         ends.append(now)

@@ -9,6 +9,7 @@ block pool".
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 from itertools import count
 
 WAITING, RUNNING, FINISHED = 0, 1, 2
@@ -52,6 +53,28 @@ class Request:
         self.held: dict[int, tuple] | None = None
         self.user: object = None  # free slot for the driver (offline runner bookkeeping)
         self.own_key = ""  # cache key of its own blocks, unique per scheduler (set by Scheduler.add)
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """What one scheduled step did (`Scheduler.step`), and what it lasted once the engine priced it.
+
+    `req.sched` holds the tokens scheduled for each request in `scheduled`, negated when the request
+    sampled a token this step.  Token times are step indices on the request (the scheduler has no
+    clock): `num_steady` counts tokens whose previous token came at the end of the step before,
+    `gaps` lists (previous step, this step) for the other non-first tokens.
+    """
+
+    scheduled: list[Request]
+    finished: list[Request]  # reached max_tokens this step (released now, or after the next schedule if async)
+    total_num_scheduled_tokens: int
+    num_preemptions: int
+    prefill_pairs: float  # sum over prefill chunks of (query token, key token) pairs: attention work
+    decode_kv_tokens: int  # KV tokens the decodes read
+    num_sampled: int  # requests that sampled a token
+    num_steady: int
+    gaps: list[tuple[int, int]]
+    duration_s: float = 0.0  # set by Engine.run_step
 
 
 def _sample(req: Request, k: int, finished: list[Request], gaps: list[tuple[int, int]]) -> int:
@@ -349,15 +372,9 @@ class Scheduler:
         return preempted, True
 
     # -- the step ---------------------------------------------------------------------------
-    def step(self, k: int) -> tuple[list[Request], list[Request], int, int, float, int, int, int, list[tuple[int, int]]]:
-        """Schedule step `k` (>= 1) and apply its outcome.
-
-        Returns (scheduled, finished, tokens, preemptions, prefill_pairs, decode_kv_tokens,
-        sampled, steady, gaps).  `req.sched` holds the tokens scheduled for each request,
-        negated when the request sampled a token this step.  Token times are kept as step
-        indices on the request (the scheduler has no clock): `steady` counts tokens whose
-        previous token came at the end of step k-1, `gaps` lists (previous step, k) for the other
-        non-first tokens.  Finished requests release their blocks after the step, as in vLLM.
+    def step(self, k: int) -> StepOutcome:
+        """Schedule step `k` (>= 1), apply it and say what it did (a `StepOutcome`).  Finished
+        requests release their blocks after the step, as in vLLM.
 
         Requests are updated as they are scheduled (one pass, the hot loop of every
         simulation).  That is safe because nothing later in the step reads an earlier request:
@@ -553,8 +570,8 @@ class Scheduler:
         if finished_now:
             self._retire(finished_now)
         self._wave_step = self._wave_step + 1 if (self.running or self.waiting) else 0
-        return (scheduled, finished, self.max_num_batched_tokens - budget, preempted, pairs, decode_kv, sampled,
-                steady, gaps)
+        return StepOutcome(scheduled, finished, self.max_num_batched_tokens - budget, preempted, pairs, decode_kv,
+                           sampled, steady, gaps)
 
     def _retire(self, finished: list[Request]) -> None:
         """Free finished requests' slots and blocks (vLLM's update_from_output)."""
