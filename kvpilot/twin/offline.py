@@ -282,14 +282,16 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
         steadies.append(outcome.num_steady)
         in_system.append(len(scheduler.running) + len(scheduler.waiting))
         tokens_total += outcome.total_num_scheduled_tokens
-        if outcome.gaps:
-            gaps.extend(outcome.gaps)
+        new_gaps = outcome.gaps
+        if new_gaps:
+            gaps.extend(new_gaps)
         usage = 1.0 - scheduler.num_free / usable
         usage_area += usage * duration
         if usage > usage_max:
             usage_max = usage
-        if outcome.finished:
-            done.extend(outcome.finished)
+        finished = outcome.finished
+        if finished:
+            done.extend(finished)
         if watch is not None and now >= measure_from_s:
             if frontend is not None and frontend.pending:  # its misses are known once its round is streamed
                 frontend.pending_obs.append((k, outcome))

@@ -484,79 +484,12 @@ class Scheduler:
                 num_steady += _sample(req, k, finished, gaps)
             i += 1
 
+        outcome = StepOutcome(scheduled, finished, 0, num_preemptions, prefill_pairs, decode_kv_tokens, num_sampled,
+                              num_steady, gaps)
         # New requests only in a step that preempted nothing.
         if not num_preemptions:
-            max_num_seqs = self.max_num_seqs
-            watermark_blocks = self.watermark_blocks
-            while waiting and budget > 0 and len(running) < max_num_seqs:
-                req = waiting[0]
-                num_hit_blocks = num_idle_hits = 0
-                if prefix_caching and (req.prefix_key is not None or req.num_preemptions):
-                    num_hit_blocks, num_idle_hits = self._prefix_hits(req)
-                num_computed_tokens = num_hit_blocks * block_size
-                num_tokens = req.num_tokens
-                num_new_tokens = num_tokens - num_computed_tokens
-                if defer and num_new_tokens > 1:
-                    break
-                if cap_prefill and num_new_tokens > threshold:
-                    num_new_tokens = threshold
-                if num_new_tokens > budget:
-                    num_new_tokens = budget
-                total = num_computed_tokens + num_new_tokens
-                # vLLM applies the watermark only while some request runs: an idle engine
-                # admits whatever fits, or a prompt longer than (pool - watermark) never starts.
-                free = self.num_free - num_idle_hits - (watermark_blocks if running else 0)
-                num_new_blocks = (total + block_size - 1) // block_size - num_hit_blocks
-                if self.reserve_full_isl:
-                    if (num_tokens + block_size - 1) // block_size - num_hit_blocks > free:
-                        break
-                elif num_new_blocks > free:
-                    break
-                waiting.popleft()
-                if num_hit_blocks:
-                    cache, queue = self.cache, self.queue
-                    prefix_blocks = req.prefix_blocks
-                    for block_index in range(num_hit_blocks):
-                        key: tuple = (req.own_key, block_index)
-                        if block_index < prefix_blocks:
-                            found = self._lookup((req.prefix_key, block_index))
-                            assert found is not None  # _prefix_hits found it
-                            key = found
-                            self._hold(req, block_index, key)
-                        refs = cache[key]
-                        if refs == 0:
-                            del queue[key]
-                        cache[key] = refs + 1
-                    self.num_free -= num_idle_hits
-                if prefix_caching and not req.num_preemptions:
-                    # vLLM's prefix-cache stats count every new request's lookup (a preempted
-                    # request's second lookup is recorded apart).
-                    self.prefix_query_tokens += num_tokens
-                    self.prefix_hit_tokens += num_computed_tokens
-                req.shared = num_hit_blocks
-                req.num_blocks = num_hit_blocks
-                self._take(num_new_blocks)
-                req.num_blocks += num_new_blocks
-                if prefix_caching and req.prefix_key is not None and req.register_ok:
-                    self._register(req, total)
-                req.status = RUNNING
-                running.append(req)
-                # -- apply (as in the running loop) --
-                req.sched = num_new_tokens
-                append(req)
-                budget -= num_new_tokens
-                req.num_computed = total
-                if num_new_tokens == 1:
-                    decode_kv_tokens += total
-                else:
-                    prefill_pairs += num_new_tokens * (num_computed_tokens + (num_new_tokens + 1) * 0.5)
-                if req.step_scheduled < 0:
-                    req.step_scheduled = k
-                if total == num_tokens:
-                    num_sampled += 1
-                    req.sched = -num_new_tokens
-                    num_steady += _sample(req, k, finished, gaps)
-
+            if waiting:
+                budget = self._schedule_waiting(outcome, k, budget, defer, cap_prefill, threshold)
             if not defer:
                 self._prefill_capacity_bound = bool(waiting)
 
@@ -570,8 +503,97 @@ class Scheduler:
         if finished_now:
             self._retire(finished_now)
         self._wave_step = self._wave_step + 1 if (self.running or self.waiting) else 0
-        return StepOutcome(scheduled, finished, self.max_num_batched_tokens - budget, num_preemptions, prefill_pairs, decode_kv_tokens,
-                           num_sampled, num_steady, gaps)
+        outcome.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
+        return outcome
+
+    def _schedule_waiting(self, outcome: StepOutcome, k: int, budget: int, defer: bool, cap_prefill: bool,
+                          threshold: int) -> int:
+        """Admit waiting requests into step `k` (vLLM's loop over the waiting queue), adding them to
+        `outcome`; returns the token budget left."""
+        block_size = self.block_size
+        prefix_caching = self.enable_prefix_caching
+        running, waiting = self.running, self.waiting
+        append, finished, gaps = outcome.scheduled.append, outcome.finished, outcome.gaps
+        prefill_pairs, decode_kv_tokens = outcome.prefill_pairs, outcome.decode_kv_tokens
+        num_sampled, num_steady = outcome.num_sampled, outcome.num_steady
+        max_num_seqs = self.max_num_seqs
+        watermark_blocks = self.watermark_blocks
+        while waiting and budget > 0 and len(running) < max_num_seqs:
+            req = waiting[0]
+            num_hit_blocks = num_idle_hits = 0
+            if prefix_caching and (req.prefix_key is not None or req.num_preemptions):
+                num_hit_blocks, num_idle_hits = self._prefix_hits(req)
+            num_computed_tokens = num_hit_blocks * block_size
+            num_tokens = req.num_tokens
+            num_new_tokens = num_tokens - num_computed_tokens
+            if defer and num_new_tokens > 1:
+                break
+            if cap_prefill and num_new_tokens > threshold:
+                num_new_tokens = threshold
+            if num_new_tokens > budget:
+                num_new_tokens = budget
+            total = num_computed_tokens + num_new_tokens
+            # vLLM applies the watermark only while some request runs: an idle engine
+            # admits whatever fits, or a prompt longer than (pool - watermark) never starts.
+            free = self.num_free - num_idle_hits - (watermark_blocks if running else 0)
+            num_new_blocks = (total + block_size - 1) // block_size - num_hit_blocks
+            if self.reserve_full_isl:
+                if (num_tokens + block_size - 1) // block_size - num_hit_blocks > free:
+                    break
+            elif num_new_blocks > free:
+                break
+            waiting.popleft()
+            if num_hit_blocks:
+                self._hold_hits(req, num_hit_blocks, num_idle_hits)
+            if prefix_caching and not req.num_preemptions:
+                # vLLM's prefix-cache stats count every new request's lookup (a preempted
+                # request's second lookup is recorded apart).
+                self.prefix_query_tokens += num_tokens
+                self.prefix_hit_tokens += num_computed_tokens
+            req.shared = num_hit_blocks
+            req.num_blocks = num_hit_blocks
+            self._take(num_new_blocks)
+            req.num_blocks += num_new_blocks
+            if prefix_caching and req.prefix_key is not None and req.register_ok:
+                self._register(req, total)
+            req.status = RUNNING
+            running.append(req)
+            # -- apply (as in the running loop) --
+            req.sched = num_new_tokens
+            append(req)
+            budget -= num_new_tokens
+            req.num_computed = total
+            if num_new_tokens == 1:
+                decode_kv_tokens += total
+            else:
+                prefill_pairs += num_new_tokens * (num_computed_tokens + (num_new_tokens + 1) * 0.5)
+            if req.step_scheduled < 0:
+                req.step_scheduled = k
+            if total == num_tokens:
+                num_sampled += 1
+                req.sched = -num_new_tokens
+                num_steady += _sample(req, k, finished, gaps)
+        outcome.prefill_pairs, outcome.decode_kv_tokens = prefill_pairs, decode_kv_tokens
+        outcome.num_sampled, outcome.num_steady = num_sampled, num_steady
+        return budget
+
+    def _hold_hits(self, req: Request, num_hit_blocks: int, num_idle_hits: int) -> None:
+        """An admitted request takes the cached blocks its prefix hit (`_prefix_hits`): a reference
+        each, out of the free queue the `num_idle_hits` unreferenced ones."""
+        cache, queue = self.cache, self.queue
+        prefix_blocks = req.prefix_blocks
+        for block_index in range(num_hit_blocks):
+            key: tuple = (req.own_key, block_index)
+            if block_index < prefix_blocks:
+                found = self._lookup((req.prefix_key, block_index))
+                assert found is not None  # _prefix_hits found it
+                key = found
+                self._hold(req, block_index, key)
+            refs = cache[key]
+            if refs == 0:
+                del queue[key]
+            cache[key] = refs + 1
+        self.num_free -= num_idle_hits
 
     def _retire(self, finished: list[Request]) -> None:
         """Free finished requests' slots and blocks (vLLM's update_from_output)."""
