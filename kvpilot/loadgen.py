@@ -212,6 +212,21 @@ async def _one_request(session: aiohttp.ClientSession, url: str, body: dict[str,
         record.error = f"{type(exc).__name__}: {exc}"
 
 
+def _request_body(text: str, endpoint: Endpoint, model: str | None, max_tokens: int, ignore_eos: bool,
+                  extra_body: dict[str, Any] | None) -> dict[str, Any]:
+    """One streaming request's JSON body: `text` as the prompt, or as the user's message."""
+    body: dict[str, Any] = {"max_tokens": max_tokens, "stream": True, "ignore_eos": ignore_eos,
+                            "stream_options": {"include_usage": True}}
+    if model is not None:
+        body["model"] = model
+    if endpoint == "completions":
+        body["prompt"] = text
+    else:
+        body["messages"] = [{"role": "user", "content": text}]
+    body.update(extra_body or {})
+    return body
+
+
 async def run_load(base_url: str, *, num_requests: int, rate: float | None = None,
                    concurrency: int | None = None, seed: int = 0, endpoint: Endpoint = "completions",
                    model: str | None = None, prompt_words: int = 32,
@@ -236,18 +251,6 @@ async def run_load(base_url: str, *, num_requests: int, rate: float | None = Non
     path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
     url = base_url.rstrip("/") + path
 
-    def body_for(i: int) -> dict[str, Any]:
-        body: dict[str, Any] = {"max_tokens": max_tokens, "stream": True, "ignore_eos": ignore_eos,
-                                "stream_options": {"include_usage": True}}
-        if model is not None:
-            body["model"] = model
-        if endpoint == "completions":
-            body["prompt"] = make_text(i)
-        else:
-            body["messages"] = [{"role": "user", "content": make_text(i)}]
-        body.update(extra_body or {})
-        return body
-
     records: list[RequestRecord] = []
     # No client-side queueing: it would distort TTFT.
     connector = aiohttp.TCPConnector(limit=0, force_close=not keepalive)
@@ -259,8 +262,8 @@ async def run_load(base_url: str, *, num_requests: int, rate: float | None = Non
         def launch(i: int) -> asyncio.Task[None]:
             rec = RequestRecord(index=i, start=time.monotonic() - t0)
             records.append(rec)
-            return asyncio.create_task(_one_request(session, url, body_for(i), endpoint, rec, t0,
-                                                    request_timeout_s))
+            body = _request_body(make_text(i), endpoint, model, max_tokens, ignore_eos, extra_body)
+            return asyncio.create_task(_one_request(session, url, body, endpoint, rec, t0, request_timeout_s))
 
         async def open_loop() -> None:
             assert rate is not None

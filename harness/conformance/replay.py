@@ -48,7 +48,8 @@ def replay_twin(trace: Trace) -> list[Step]:
                                            f"g{r['prefix_group']}" if blocks else None, blocks)
             sched.add(req)
         before = {rid: (req.status, req.num_preemptions) for rid, req in sched.requests.items()}
-        scheduled, finished, *_ = sched.step(k)
+        outcome = sched.step(k)
+        scheduled, finished = outcome.scheduled, outcome.finished
         steps.append({
             "step": k,
             "scheduled": {req.request_id: abs(req.sched) for req in scheduled},

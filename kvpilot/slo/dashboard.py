@@ -180,9 +180,16 @@ def _stat(title: str, expr: str, unit: str, thresholds: list[tuple[str, float | 
 
 def _panels(src: _Source) -> list[dict[str, Any]]:
     lay = _Layout()
+    _service_level_panels(lay, src)
+    _engine_panels(lay, src)
+    _tuning_panels(lay, src)
+    return lay.panels
+
+
+def _service_level_panels(lay: _Layout, src: _Source) -> None:
+    """The SLIs' p99s, error budgets and burn rates."""
     rate = "$__rate_interval"
     pods = src.pods
-
     lay.row("Service level")
     for sli in SLIS:
         short = SLI_SHORT[sli]
@@ -219,6 +226,11 @@ def _panels(src: _Source) -> list[dict[str, Any]]:
                             "the dashed lines are the page thresholds.",
                             [_dashed_red("page (1h)"), _dashed_red("page (6h)")]), 12, 8)
 
+
+def _engine_panels(lay: _Layout, src: _Source) -> None:
+    """vLLM's own gauges and rates, per replica."""
+    rate = "$__rate_interval"
+    pods = src.pods
     lay.row("Engine")
     lay.add(_timeseries("KV cache usage", [
         _target(f"{vllm.METRIC_KV_USAGE}{{{pods.render()}}} or {vllm.METRIC_KV_USAGE_LEGACY}{{{pods.render()}}}",
@@ -235,6 +247,11 @@ def _panels(src: _Source) -> list[dict[str, Any]]:
         _target(promql.quantile("e2e", q, pods, rate), f"p{round(q * 100)}", chr(ord("A") + i))
         for i, q in enumerate((0.5, 0.9, 0.99))], "s"), 12, 8)
 
+
+def _tuning_panels(lay: _Layout, src: _Source) -> None:
+    """The engine config in force, the tuning trials and the canary's tracks."""
+    rate = "$__rate_interval"
+    pods = src.pods
     lay.row("Configuration and tuning")
     lay.add({
         "type": "table",
@@ -280,7 +297,6 @@ def _panels(src: _Source) -> list[dict[str, Any]]:
         _target(f"sum by (strategy) (increase({metric}{{{kv}}}[1h]))", f"{{{{strategy}}}} {what}", next(refs))
         for metric, what in TUNING_BY_STRATEGY], "short",
         "Trials started, promoted, pruned (fast burn) and rolled back per hour, by trial strategy."), 8, 8)
-    return lay.panels
 
 
 def _variables(target: SloTarget | None) -> list[dict[str, Any]]:

@@ -111,6 +111,13 @@ def register(subparsers: Any) -> None:
     for f in TUNED:
         p.add_argument(f"--{f.short}", metavar="MIN:MAX", help=f"{f.name} range (default {f.space[0]:g}:{f.space[1]:g})")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    _add_live_arguments(p)
+    p.set_defaults(handler=_tune)
+    _register_tuner(subparsers)
+
+
+def _add_live_arguments(p: argparse.ArgumentParser) -> None:
+    """`kvpilot tune --local`'s own flags."""
     live = p.add_argument_group("live (--local)")
     live.add_argument("--prometheus", metavar="URL", help="Prometheus that scrapes the engine")
     live.add_argument("--selector", default="", help="extra PromQL label matchers, e.g. job=\"vllm\"")
@@ -147,8 +154,10 @@ def register(subparsers: Any) -> None:
                            "(a wrong URL, no scrape, no traffic); 0 waits forever (default %(default)s)")
     live.add_argument("--keep-running", action="store_true", help="leave the engine running at the end")
     live.add_argument("engine_command", nargs=argparse.REMAINDER, help="after --: the engine command")
-    p.set_defaults(handler=_tune)
 
+
+def _register_tuner(subparsers: Any) -> None:
+    """`kvpilot tuner`, the in-cluster tuner."""
     t = subparsers.add_parser(
         "tuner",
         help="run the in-cluster tuner for every InferenceService with spec.tuning.enabled",

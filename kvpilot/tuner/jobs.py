@@ -298,13 +298,12 @@ def _twin_accuracy(target: Any, evaluator: Any, st: TunerStudy, params: EnginePa
     return lines
 
 
-def tune_offline(args: argparse.Namespace) -> int:
-    import optuna
+def _offline_inputs(args: argparse.Namespace) -> tuple[SLO, Any, Any, EngineParams]:
+    """The flags checked: the SLO, the workload, the twin (`TwinTarget`) and vLLM's defaults on it,
+    which `vllm serve` would start; a UsageError for anything else."""
+    from kvpilot.tuner.adapters.offline import parse_workload
+    from kvpilot.twin.memory import EngineStartupError
 
-    from kvpilot.tuner.adapters.offline import StartupFailed, TwinEvaluator, parse_workload
-    from kvpilot.tuner.core.search import run_joined, run_offline
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     slo = SLO.parse(args.slo)
     try:
         workload = parse_workload(args.workload)
@@ -315,8 +314,6 @@ def tune_offline(args: argparse.Namespace) -> int:
     if args.tensor_parallel_size < 1:
         raise UsageError(f"--tensor-parallel-size: must be >= 1, got {args.tensor_parallel_size}")
     target = twin_target(args)
-    from kvpilot.twin.memory import EngineStartupError
-
     try:
         defaults = target.vllm_defaults()
         target.engine_config(defaults).validate()  # what `vllm serve` refuses before loading
@@ -324,16 +321,18 @@ def tune_offline(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     except EngineStartupError as exc:  # e.g. heads not divisible by --tensor-parallel-size
         raise UsageError(str(exc)) from None
-    space = space_from_args(args)
-    goal = Goal(args.goal)
-    evaluator = TwinEvaluator(target, workload, slo, seed=args.seed, probe_s=args.probe_seconds,
-                              warmup_s=args.probe_seconds / 5)
+    return slo, workload, target, defaults
+
+
+def _offline_objective(args: argparse.Namespace, goal: Goal, slo: SLO,
+                       evaluator: Any) -> Callable[[EngineParams], Outcome]:
+    """A trial's outcome on the twin: the capacity search, or the SLO ratio at --rate."""
+    from kvpilot.tuner.adapters.offline import StartupFailed
+    from kvpilot.twin.memory import EngineStartupError
 
     def evaluate(params: EngineParams) -> Outcome:
         if goal is Goal.CAPACITY:
             return evaluator.evaluate(params)
-        from kvpilot.twin.memory import EngineStartupError
-
         try:
             s = evaluator.run(params, args.rate)
         except EngineStartupError as exc:
@@ -344,6 +343,13 @@ def tune_offline(args: argparse.Namespace) -> int:
         m = Measurement(ttft_p99=s.ttft_p99, itl_p99=s.itl_p99, request_rate=args.rate)
         return score(goal, m, slo)
 
+    return evaluate
+
+
+def _open_offline_study(args: argparse.Namespace, target: Any, workload: Any, slo: SLO, goal: Goal,
+                        space: SearchSpace, defaults: EngineParams) -> tuple[TunerStudy, str, Path | None, int]:
+    """The study these inputs name (opened or resumed, vLLM's defaults queued first), its name, the
+    report's path and the trials finished before; printed: what is tuned and where the study is."""
     inputs = identity(model=target.model, gpu=target.gpu, device=_device_input(target),
                       maxModelLen=target.max_model_len,
                       tensorParallelSize=target.tensor_parallel_size, workload=workload,
@@ -371,8 +377,15 @@ def tune_offline(args: argparse.Namespace) -> int:
         print(f"joined as worker {worker_id()}: the study's budget is {args.trials} trials, whichever process "
               f"measures them; a trial without a heartbeat for {args.grace_period} s is measured again",
               file=sys.stderr)
+    return st, name, report, already
 
+
+def _run_offline_study(args: argparse.Namespace, st: TunerStudy, evaluate: Callable[[EngineParams], Outcome],
+                       already: int) -> None:
+    """Run the budget (in this process, or in --workers forked ones) behind a progress bar."""
     from tqdm import tqdm
+
+    from kvpilot.tuner.core.search import run_joined, run_offline
 
     bar = tqdm(total=args.trials, initial=min(already, args.trials), unit="trial", file=sys.stderr,
                disable=args.quiet, dynamic_ncols=True)
@@ -392,6 +405,32 @@ def tune_offline(args: argparse.Namespace) -> int:
             run_workers(st, evaluate, args, bar)
     finally:
         bar.close()
+
+
+def _offline_report_facts(args: argparse.Namespace, target: Any, workload: Any, slo: SLO, goal: Goal, name: str,
+                          accuracy: list[str]) -> list[tuple[str, str]]:
+    """The report's facts: what was tuned, for what, and what the value means."""
+    value_is = (f"capacity: the highest arrival rate (req/s) sustained in steady state with both p99s within "
+                f"the SLO ({args.probe_seconds:g} s of arrivals per rate, the first {args.probe_seconds / 5:g} s "
+                "not measured, two request sequences; higher is better)" if goal is Goal.CAPACITY
+                else f"the worse of p99 TTFT / SLO and p99 ITL / SLO at {args.rate:g} req/s (lower is better)")
+    return [
+        ("Model and GPU", f"{target.model} on {target.gpu}, tensor parallel size {target.tensor_parallel_size}, "
+                          f"max model length {target.max_model_len}"),
+        ("Workload", f"{workload.name}: {workload.prompt} prompt / {workload.output} output "
+                     f"tokens, {workload.arrival} arrivals (cv {workload.cv:g})"),
+        ("SLO", f"p99 TTFT <= {slo.ttft_seconds:g} s, p99 ITL <= {slo.itl_seconds:g} s"),
+        ("Goal", goal.value),
+        ("Value", value_is),
+        ("Study", f"{name} in {redacted(args.storage)}"),
+        *([("Twin accuracy", " ".join(line.strip() for line in accuracy))] if accuracy else []),
+    ]
+
+
+def _offline_answer(args: argparse.Namespace, st: TunerStudy, target: Any, workload: Any, slo: SLO, goal: Goal,
+                    evaluator: Any, name: str, report: Path | None) -> int:
+    """Print the trials, the twin's accuracy and the recommended engine block (and write the report);
+    1 when no config is recommended."""
     table = trials_table(st)
     print(table)
     if goal is Goal.CAPACITY:
@@ -414,27 +453,31 @@ def tune_offline(args: argparse.Namespace) -> int:
     if report is not None:
         from kvpilot.tuner.report import write_report
 
-        value_is = (f"capacity: the highest arrival rate (req/s) sustained in steady state with both p99s within "
-                    f"the SLO ({args.probe_seconds:g} s of arrivals per rate, the first {args.probe_seconds / 5:g} s "
-                    "not measured, two request sequences; higher is better)" if goal is Goal.CAPACITY
-                    else f"the worse of p99 TTFT / SLO and p99 ITL / SLO at {args.rate:g} req/s (lower is better)")
-        facts = [
-            ("Model and GPU", f"{target.model} on {target.gpu}, tensor parallel size {target.tensor_parallel_size}, "
-                              f"max model length {target.max_model_len}"),
-            ("Workload", f"{workload.name}: {workload.prompt} prompt / {workload.output} output "
-                         f"tokens, {workload.arrival} arrivals (cv {workload.cv:g})"),
-            ("SLO", f"p99 TTFT <= {slo.ttft_seconds:g} s, p99 ITL <= {slo.itl_seconds:g} s"),
-            ("Goal", goal.value),
-            ("Value", value_is),
-            ("Study", f"{name} in {redacted(args.storage)}"),
-            *([("Twin accuracy", " ".join(line.strip() for line in accuracy))] if accuracy else []),
-        ]
+        facts = _offline_report_facts(args, target, workload, slo, goal, name, accuracy)
         out = write_report(st, report, f"kvpilot tune: {target.model} on {target.gpu}, {workload.name}",
                            yml, table, facts=facts)
         print(f"\nreport: {out}", file=sys.stderr)
     print()
     print(yml, end="")
     return 0
+
+
+def tune_offline(args: argparse.Namespace) -> int:
+    """`kvpilot tune --offline`: the flags checked, the study opened, its budget run on the twin, the answer printed."""
+    import optuna
+
+    from kvpilot.tuner.adapters.offline import TwinEvaluator
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    slo, workload, target, defaults = _offline_inputs(args)
+    space = space_from_args(args)
+    goal = Goal(args.goal)
+    evaluator = TwinEvaluator(target, workload, slo, seed=args.seed, probe_s=args.probe_seconds,
+                              warmup_s=args.probe_seconds / 5)
+    evaluate = _offline_objective(args, goal, slo, evaluator)
+    st, name, report, already = _open_offline_study(args, target, workload, slo, goal, space, defaults)
+    _run_offline_study(args, st, evaluate, already)
+    return _offline_answer(args, st, target, workload, slo, goal, evaluator, name, report)
 
 
 # --- local, live ------------------------------------------------------------------------

@@ -17,11 +17,11 @@ from kvpilot.api.engine import serve_defaults
 from kvpilot.twin.hardware import GpuSpec
 from kvpilot.twin.memory import EngineStartupError, MemoryPlan, kv_dtype_bytes, plan_memory
 from kvpilot.twin.models import ModelSpec
-from kvpilot.twin.scheduler import Request, Scheduler
+from kvpilot.twin.scheduler import Request, Scheduler, StepOutcome
 from kvpilot.twin.steptime import StepTimeModel, StepTimeParams
 
 __all__ = [
-    "Engine", "EngineConfig", "EngineStartupError", "RequestOutput", "StepOutput",
+    "Engine", "EngineConfig", "EngineStartupError", "RequestOutput", "StepOutcome", "StepOutput",
 ]
 
 JITTER_SEED = 20261202  # the step-time jitter's stream (StepTimeParams.step_jitter)
@@ -214,6 +214,7 @@ class Engine:
         # StepTimeParams.engine_request_s: requests added since the last step are taken in before it.
         self._intake_s = self.step_model.params.engine_request_s
         self._taken_in = 0
+        self._step_time = self.step_model.step_time  # bound once: run_step is the simulation's hot loop
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_tokens: int, max_tokens: int, arrival_time: float = 0.0, *,
@@ -254,38 +255,43 @@ class Engine:
         return self.scheduler.kv_cache_usage()
 
     # -- the step -------------------------------------------------------------------------------
-    def _run_step(self) -> tuple[float, list[Request], list[Request], int, int, int, list[tuple[int, int]], int]:
-        """Schedule, apply and price one step: (duration, scheduled, finished, preemptions,
-        tokens, steady, gaps, sampled); see Scheduler.step."""
+    def run_step(self) -> StepOutcome:
+        """Schedule, apply and price one step: its `StepOutcome`, `duration_s` set.  The fast path
+        for a driver that keeps its own clock and reads the requests (offline.drive); `step()` is
+        the same step as vLLM's engine reports it."""
         k = self.num_steps + 1  # step indices start at 1 (the scheduler relies on it)
         self.num_steps = k
-        scheduled, finished, tokens, preempted, pairs, decode_kv, sampled, steady, gaps = self.scheduler.step(k)
-        if self.scheduler.only_finishing():
+        scheduler = self.scheduler
+        outcome = scheduler.step(k)
+        if outcome.finished and scheduler.only_finishing():  # (only a step that finished some can leave those)
             # Async scheduling: vLLM's next schedule() would be empty and run no batch; the
             # engine goes idle as soon as this step's output is processed.
-            self.scheduler.flush()
+            scheduler.flush()
         # vLLM computes logits for every scheduled request (a partial prefill's are discarded).
-        n = len(scheduled)
-        duration = self.step_model.step_time(tokens, n, n, pairs, decode_kv)
+        num_reqs = len(outcome.scheduled)
+        duration = self._step_time(outcome.total_num_scheduled_tokens, num_reqs, num_reqs, outcome.prefill_pairs,
+                                   outcome.decode_kv_tokens)
         if self._jitter is not None:
             rng, mu, sigma = self._jitter
             duration *= rng.lognormvariate(mu, sigma)
         if self._intake_s:
-            added = self.scheduler.num_added
-            duration += (added - self._taken_in) * self._intake_s
-            self._taken_in = added
-        return duration, scheduled, finished, preempted, tokens, steady, gaps, sampled
+            num_added = scheduler.num_added
+            duration += (num_added - self._taken_in) * self._intake_s
+            self._taken_in = num_added
+        outcome.duration_s = duration
+        return outcome
 
     def step(self) -> StepOutput:
         s = self.scheduler
         queries, hits = s.prefix_query_tokens, s.prefix_hit_tokens
-        duration, scheduled, _finished, preempted, tokens, _steady, _gaps, _sampled = self._run_step()
+        outcome = self.run_step()
         outputs = []
-        for req in scheduled:
+        for req in outcome.scheduled:
             sampled = req.sched < 0
             outputs.append(RequestOutput(
                 req.request_id, 1 if sampled else 0, req.finish_reason is not None,
                 req.finish_reason, req.prompt_tokens, min(req.num_computed, req.prompt_tokens),
             ))
-        return StepOutput(duration, outputs, len(s.running), len(s.waiting), s.kv_cache_usage(), preempted, tokens,
+        return StepOutput(outcome.duration_s, outputs, len(s.running), len(s.waiting), s.kv_cache_usage(),
+                          outcome.num_preemptions, outcome.total_num_scheduled_tokens,
                           s.prefix_query_tokens - queries, s.prefix_hit_tokens - hits)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import time
 from bisect import bisect_left, bisect_right
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from statistics import NormalDist
 from typing import Any
@@ -25,7 +26,8 @@ from kvpilot.api import vllm as vllm_facts
 from kvpilot.api.histogram import cumulative_counts, read_quantile
 from kvpilot.api.slo import SLO
 from kvpilot.twin.engine import Engine, EngineConfig
-from kvpilot.twin.scheduler import Request
+from kvpilot.twin.frontend import ServingFrontend
+from kvpilot.twin.scheduler import Request, StepOutcome
 from kvpilot.twin.workload import RequestBatch, Workload
 
 
@@ -127,16 +129,93 @@ class Trace:
     itl_missed: bool = False
 
 
+class _MissWatch:
+    """`drive`'s early stop: more misses than 1% of what will be observed from `measure_from_s` on
+    and that p99 cannot come back under the SLO."""
+
+    __slots__ = ("slo_ttft", "slo_itl", "measure_from_s", "arrivals", "first_measured", "ttft_budget",
+                 "itl_budget", "ttft_miss", "itl_miss", "delivered", "seen_gaps")
+
+    def __init__(self, slo: SLO, measure_from_s: float, arrivals: list[float], outputs: list[int],
+                 delivered: list[float], seen_gaps: list[float] | None) -> None:
+        self.slo_ttft, self.slo_itl = slo.ttft_seconds, slo.itl_seconds
+        self.measure_from_s = measure_from_s
+        self.arrivals = arrivals
+        measured = [i for i in range(len(arrivals)) if arrivals[i] >= measure_from_s]
+        self.ttft_budget = int(0.01 * len(measured))
+        self.first_measured = bisect_left(arrivals, measure_from_s)
+        self.itl_budget = int(0.01 * sum(max(outputs[i] - 1, 0) for i in measured))
+        self.ttft_miss = self.itl_miss = 0
+        self.delivered = delivered  # when each step's tokens reached the clients
+        self.seen_gaps = seen_gaps  # with the frontend as a server: the gap a client read before them
+
+    def observe(self, k: int, outcome: StepOutcome) -> None:
+        """Count step k's misses, once the time its tokens reached the clients is known."""
+        delivered, slo_itl = self.delivered, self.slo_itl
+        seen = delivered[k]
+        for req in outcome.scheduled:
+            if (req.step_first_token == k and req.arrival_time >= self.measure_from_s
+                    and seen - req.arrival_time > self.slo_ttft):
+                self.ttft_miss += 1
+        if (self.seen_gaps[k] if self.seen_gaps is not None else seen - delivered[k - 1]) > slo_itl:
+            self.itl_miss += outcome.num_steady
+        for a, b in outcome.gaps:
+            if delivered[b] - delivered[a] > slo_itl:
+                self.itl_miss += 1
+
+    def count_late(self, now: float, waiting: Iterable[Request], num_added: int, frontend: bool) -> None:
+        """Requests still waiting for their first token longer than the SLO are misses already."""
+        slo_ttft, measure_from_s = self.slo_ttft, self.measure_from_s
+        late = sum(1 for r in waiting if r.arrival_time >= measure_from_s and now - r.arrival_time > slo_ttft)
+        if frontend:  # and those the frontend has not handed to the scheduler yet
+            late += max(0, bisect_right(self.arrivals, now - slo_ttft, lo=num_added)
+                        - max(num_added, self.first_measured))
+        if self.ttft_miss + late > self.ttft_budget:
+            self.ttft_miss += late
+
+    @property
+    def ttft_missed(self) -> bool:
+        return self.ttft_miss > self.ttft_budget
+
+    @property
+    def itl_missed(self) -> bool:
+        return self.itl_miss > self.itl_budget
+
+
+class _Sends:
+    """A request batch as `drive` sends it: plain lists, prompt + output lengths clipped to
+    `max_model_len` (the output is shortened), as a benchmark client sizes its requests."""
+
+    __slots__ = ("arrivals", "prompts", "outputs", "prefix_keys", "prefix_tokens", "block_size")
+
+    def __init__(self, batch: RequestBatch, max_model_len: int, block_size: int) -> None:
+        prompts = np.minimum(batch.prompt_tokens, max_model_len - 1)
+        self.outputs: list[int] = np.maximum(1, np.minimum(batch.output_tokens, max_model_len - prompts)).tolist()
+        self.prompts: list[int] = prompts.tolist()
+        self.arrivals: list[float] = batch.arrival_s.tolist()
+        self.prefix_keys = batch.prefix_keys
+        self.prefix_tokens = batch.prefix_tokens.tolist() if batch.prefix_tokens is not None else None
+        self.block_size = block_size
+
+    def request(self, i: int) -> Request:
+        """The i-th request, as the engine's scheduler takes it."""
+        keys, prefix_tokens, prompt_tokens = self.prefix_keys, self.prefix_tokens, self.prompts[i]
+        if keys is not None and keys[i] and prefix_tokens is not None:
+            prefix_blocks = min(prefix_tokens[i], prompt_tokens) // self.block_size
+            return Request(str(i), prompt_tokens, self.outputs[i], self.arrivals[i],
+                           keys[i] if prefix_blocks else None, prefix_blocks)
+        return Request(str(i), prompt_tokens, self.outputs[i], self.arrivals[i])
+
+
 def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None, max_sim_time_s: float | None = None,
           stop_on_miss: SLO | None = None, measure_from_s: float = 0.0) -> Trace:
     """Serve a request batch through `engine` on a virtual clock: requests that arrived by the start
     of a step are queued before it (as vLLM's engine core adds requests between steps), a step lasts
     what the step-time model says, and a step's tokens exist at its end.  A request arrives at the
     engine `frontend_s` (of the step-time constants) after it is sent.  Where the constants model the
-    serving frontend as a server (`frontend_request_s`, `frontend_prompt_token_s`, `frontend_step_s`,
-    `frontend_token_s`: a device profile fitted through vLLM's HTTP API), requests wait for it to
-    admit them and each step's tokens for it to stream them, in time order; TTFT and token gaps are
-    then read at the clients (`Trace.delivered`), not at the step ends.
+    serving frontend as a server (`ServingFrontend`), requests wait for it to admit them and each
+    step's tokens for it to stream them, in time order; TTFT and token gaps are then read at the
+    clients (`Trace.delivered`), not at the step ends.
 
     Prompt + output lengths are clipped to `max_model_len` (the output is shortened), as a benchmark
     client sizes its requests.  The run stops at `max_sim_time_s` of virtual time (default: 3x the
@@ -145,198 +224,87 @@ def drive(engine: Engine, batch: RequestBatch, *, window_s: float | None = None,
     SLO: that p99 cannot come back under it, and over-capacity runs, whose queues grow without
     bound, are the slow ones.
     """
-    mml = engine.max_model_len
-    arrivals = batch.arrival_s.tolist()
-    # When the scheduler can see each request: its send time plus the serving frontend's latency
-    # (StepTimeParams.frontend_s, 0 but for served-engine device profiles); TTFT still counts from the send.
-    params = engine.step_model.params
-    delay = params.frontend_s
-    queues = params.frontend_queues
-    # With the frontend as a server, each request's ready time is set as it is admitted (admit_until).
-    ready = [0.0] * len(arrivals) if queues else [a + delay for a in arrivals] if delay else arrivals
-    prompts_a = np.minimum(batch.prompt_tokens, mml - 1)
-    outputs = np.maximum(1, np.minimum(batch.output_tokens, mml - prompts_a)).tolist()
-    prompts = prompts_a.tolist()
-    keys = batch.prefix_keys
-    ptoks = batch.prefix_tokens.tolist() if batch.prefix_tokens is not None else None
-    n = len(arrivals)
-    window = window_s if window_s is not None else (arrivals[-1] if n else 0.0)
+    sends = _Sends(batch, engine.max_model_len, engine.config.block_size)
+    arrivals, num_requests = sends.arrivals, len(batch)
+    window = window_s if window_s is not None else (arrivals[-1] if num_requests else 0.0)
     limit = max_sim_time_s if max_sim_time_s is not None else 3.0 * window + 300.0
-
-    sched = engine.scheduler
-    lag = engine.config.async_scheduling
-    add = sched.add
-    bs = engine.config.block_size
-    run = engine._run_step
-    usable = sched.usable_blocks or 1
+    scheduler, run_step, add = engine.scheduler, engine.run_step, engine.scheduler.add
+    lag, usable = engine.config.async_scheduling, scheduler.usable_blocks or 1
     # Indexed by engine step; steps count from 1, so index 0 is a placeholder.
     trace = Trace(engine, batch, float(window), [], [0.0], [0.0], [0], [])
     starts, ends, steadies, gaps, done = trace.starts, trace.ends, trace.steadies, trace.gaps, trace.done
-    # The frontend server (see StepTimeParams.frontend_request_s): the first `admitted` requests have
-    # had their admission service, in send order (without the server, every request has: its ready
-    # time is known); `fe_free` is when the server is next idle.
-    delivered = [0.0] if queues else ends
-    trace.delivered = delivered
-    # The gap a client reads before each step's tokens (see Trace.step_gaps); with the frontend as a
-    # server, a round of several steps' outputs streamed at once spreads its gap over them.
-    seen_gaps: list[float] = [0.0]
-    trace.seen_gaps = seen_gaps if queues else None
-    c_req, c_step, c_tok = params.frontend_request_s, params.frontend_step_s, params.frontend_token_s
-    c_prompt = params.frontend_prompt_token_s
-    admitted = 0 if queues else n
-    fe_free = 0.0
-    # Output rounds.  vLLM's API server takes each step's output from the engine core as it comes,
-    # but a request's stream merges the outputs it has not yet sent (RequestOutputCollector), and
-    # the client reads what has arrived in one go: a frontend behind the engine streams several
-    # steps' tokens in one event per request.  So a step that ends while the server is busy waits,
-    # with every later step that ends before the server frees (`round_start`), and the round costs
-    # `frontend_step_s` a step but `frontend_token_s` once per request with tokens in it.
-    pending: list[int] = []  # steps of the waiting round that sampled tokens
-    silent: list[int] = []  # steps in it that sampled none (they deliver nothing, but keep step order)
-    pending_reqs: set[int] = set()
-    pending_obs: list[tuple[int, list[Request], int, list[tuple[int, int]]]] = []
-    round_start = 0.0
-    last_round = 0.0  # when the frontend last delivered tokens
-
-    def admit_until(t: float) -> None:
-        nonlocal admitted, fe_free
-        while admitted < n and arrivals[admitted] <= t:
-            a = arrivals[admitted]
-            fe_free = (a if a > fe_free else fe_free) + c_req + c_prompt * prompts[admitted]
-            ready[admitted] = fe_free + delay
-            admitted += 1
-
-    def close_round(start: float, tokens: int | None = None) -> None:
-        """Stream the waiting round from `start`: `tokens` events (default: one per request in it)."""
-        nonlocal fe_free, last_round
-        # frontend_s is counted once, on the way in (ready): it is a latency, not server time.
-        t = start + c_step * len(pending) + c_tok * (len(pending_reqs) if tokens is None else tokens)
-        share = (t - last_round) / len(pending)
-        for k in pending:
-            delivered[k] = t
-            seen_gaps[k] = share
-        for k in silent:
-            delivered[k] = t
-        fe_free = last_round = t
-        pending.clear()
-        silent.clear()
-        pending_reqs.clear()
-        if pending_obs:
-            for ob in pending_obs:
-                observe(*ob)
-            pending_obs.clear()
-
+    params = engine.step_model.params
+    frontend = ServingFrontend(params, arrivals, sends.prompts) if params.frontend_queues else None
+    if frontend is not None:
+        ready, num_admitted = frontend.ready, 0
+        trace.delivered, trace.seen_gaps = frontend.delivered, frontend.seen_gaps
+    else:  # every request's ready time is known: its send plus the frontend's latency (frontend_s)
+        delay = params.frontend_s
+        ready, num_admitted = [a + delay for a in arrivals] if delay else arrivals, num_requests
+        trace.delivered = ends
+    watch = None if stop_on_miss is None else _MissWatch(
+        stop_on_miss, measure_from_s, arrivals, sends.outputs, trace.delivered, trace.seen_gaps)
+    if frontend is not None and watch is not None:
+        frontend.observe = watch.observe
     in_system = trace.in_system
-    # The early stop's tallies: more misses than 1% of what will be observed and the p99 is over.
-    watch = stop_on_miss is not None
-    slo_ttft = stop_on_miss.ttft_seconds if stop_on_miss else 0.0
-    slo_itl = stop_on_miss.itl_seconds if stop_on_miss else 0.0
-    measured = [i for i in range(n) if arrivals[i] >= measure_from_s] if watch else []
-    ttft_budget = int(0.01 * len(measured))
-    first_measured = bisect_left(arrivals, measure_from_s)
-    itl_budget = int(0.01 * sum(max(outputs[i] - 1, 0) for i in measured))
-    ttft_miss = itl_miss = 0
-
-    def observe(k: int, scheduled: list[Request], steady: int, g: list[tuple[int, int]]) -> None:
-        """Count step k's misses, once the time its tokens reached the clients is known."""
-        nonlocal ttft_miss, itl_miss
-        seen = delivered[k]
-        for req in scheduled:
-            if req.step_first_token == k and req.arrival_time >= measure_from_s and seen - req.arrival_time > slo_ttft:
-                ttft_miss += 1
-        if (seen_gaps[k] if queues else seen - delivered[k - 1]) > slo_itl:
-            itl_miss += steady
-        for a, b in g:
-            if delivered[b] - delivered[a] > slo_itl:
-                itl_miss += 1
-
-    usage_area = usage_max = 0.0
-    tokens_total = 0
-    now = 0.0
-    i = 0
+    usage_area, usage_max, tokens_total, now = 0.0, 0.0, 0, 0.0
+    num_added = 0  # requests handed to the scheduler, in send order
     while True:
-        if queues:
-            if pending and round_start <= now:
-                close_round(round_start)
-            if not pending:  # requests sent after a waiting round's first output queue behind it
-                admit_until(now)
+        if frontend is not None:
+            frontend.catch_up(now)
+            num_admitted = frontend.num_admitted
         # Async scheduling: the step about to run was scheduled when the previous one started, so it
         # takes in only the requests that had reached the engine by then (vLLM's engine core reads its
         # input queue between schedule() calls); an idle engine schedules what arrives at once.
-        cutoff = starts[-1] if lag and ends[-1] == now and (sched.running or sched.waiting) else now
-        while i < admitted and ready[i] <= cutoff:
-            if keys is not None and keys[i] and ptoks is not None:
-                pk = keys[i]
-                pb = min(ptoks[i], prompts[i]) // bs
-                add(Request(str(i), prompts[i], outputs[i], arrivals[i], pk if pb else None, pb))
-            else:
-                add(Request(str(i), prompts[i], outputs[i], arrivals[i]))
-            i += 1
-        if not (sched.running or sched.waiting):
-            if pending:  # no step will join the waiting round: it is streamed when the server frees
-                close_round(round_start)
+        cutoff = starts[-1] if lag and ends[-1] == now and (scheduler.running or scheduler.waiting) else now
+        while num_added < num_admitted and ready[num_added] <= cutoff:
+            add(sends.request(num_added))
+            num_added += 1
+        if not (scheduler.running or scheduler.waiting):
+            if frontend is not None and frontend.pending:  # no step will join the waiting round
+                frontend.close_round(frontend.round_start)  # it is streamed when the server frees
                 continue
-            if i >= n:
+            if num_added >= num_requests:
                 break
             # Idle: on to the next request's readiness (its send, where the frontend has not seen it yet).
-            now = ready[i] if i < admitted else arrivals[i]
+            now = ready[num_added] if num_added < num_admitted else arrivals[num_added]
             continue
         if now >= limit:
             break
-        duration, scheduled, finished, _pre, tokens, steady, g, sampled = run()
+        outcome = run_step()
+        duration = outcome.duration_s
         starts.append(now)
         now += duration
         ends.append(now)
         k = len(ends) - 1
-        if queues:
-            if pending and round_start <= now:
-                close_round(round_start)
-            if not pending:
-                # Requests sent during the step are admitted before its output is streamed.
-                admit_until(now)
-            delivered.append(math.nan)
-            seen_gaps.append(0.0)
-            if sampled:
-                pending.append(k)
-                if fe_free > now:  # the server is busy: the output waits, in a round that starts when it frees
-                    pending_reqs.update(id(r) for r in scheduled if r.sched < 0)
-                    if len(pending) == 1:
-                        round_start = fe_free
-                else:  # a round of this step alone (the common case)
-                    close_round(now, sampled)
-            elif pending:
-                silent.append(k)
-            else:
-                delivered[k] = delivered[k - 1]
-        steadies.append(steady)
-        in_system.append(len(sched.running) + len(sched.waiting))
-        tokens_total += tokens
-        if g:
-            gaps.extend(g)
-        u = 1.0 - sched.num_free / usable
-        usage_area += u * duration
-        if u > usage_max:
-            usage_max = u
+        if frontend is not None:
+            frontend.stream(k, now, outcome)
+        steadies.append(outcome.num_steady)
+        in_system.append(len(scheduler.running) + len(scheduler.waiting))
+        tokens_total += outcome.total_num_scheduled_tokens
+        new_gaps = outcome.gaps
+        if new_gaps:
+            gaps.extend(new_gaps)
+        usage = 1.0 - scheduler.num_free / usable
+        usage_area += usage * duration
+        if usage > usage_max:
+            usage_max = usage
+        finished = outcome.finished
         if finished:
             done.extend(finished)
-        if watch and now >= measure_from_s:
-            if pending:  # this step waits in the round: its misses are known once it is streamed
-                pending_obs.append((k, scheduled, steady, g))
+        if watch is not None and now >= measure_from_s:
+            if frontend is not None and frontend.pending:  # its misses are known once its round is streamed
+                frontend.pending_obs.append((k, outcome))
             else:
-                observe(k, scheduled, steady, g)
+                watch.observe(k, outcome)
             if not k % 32:
-                # Requests still waiting for their first token longer than the SLO are misses already.
-                late = sum(1 for r in sched.waiting if r.arrival_time >= measure_from_s and now - r.arrival_time > slo_ttft)
-                if queues:  # and those the frontend has not handed to the scheduler yet
-                    late += max(0, bisect_right(arrivals, now - slo_ttft, lo=i) - max(i, first_measured))
-                if ttft_miss + late > ttft_budget:
-                    ttft_miss += late
-            if ttft_miss > ttft_budget or itl_miss > itl_budget:
+                watch.count_late(now, scheduler.waiting, num_added, frontend is not None)
+            if watch.ttft_missed or watch.itl_missed:
                 trace.stopped = True
-                trace.ttft_missed, trace.itl_missed = ttft_miss > ttft_budget, itl_miss > itl_budget
+                trace.ttft_missed, trace.itl_missed = watch.ttft_missed, watch.itl_missed
                 break
-    if pending:
-        close_round(round_start)
+    if frontend is not None:
+        frontend.finish()
     trace.usage_area, trace.usage_max, trace.tokens_total = usage_area, usage_max, tokens_total
     return trace
 

@@ -9,6 +9,7 @@ block pool".
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 from itertools import count
 
 WAITING, RUNNING, FINISHED = 0, 1, 2
@@ -52,6 +53,28 @@ class Request:
         self.held: dict[int, tuple] | None = None
         self.user: object = None  # free slot for the driver (offline runner bookkeeping)
         self.own_key = ""  # cache key of its own blocks, unique per scheduler (set by Scheduler.add)
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """What one scheduled step did (`Scheduler.step`), and what it lasted once the engine priced it.
+
+    `req.sched` holds the tokens scheduled for each request in `scheduled`, negated when the request
+    sampled a token this step.  Token times are step indices on the request (the scheduler has no
+    clock): `num_steady` counts tokens whose previous token came at the end of the step before,
+    `gaps` lists (previous step, this step) for the other non-first tokens.
+    """
+
+    scheduled: list[Request]
+    finished: list[Request]  # reached max_tokens this step (released now, or after the next schedule if async)
+    total_num_scheduled_tokens: int
+    num_preemptions: int
+    prefill_pairs: float  # sum over prefill chunks of (query token, key token) pairs: attention work
+    decode_kv_tokens: int  # KV tokens the decodes read
+    num_sampled: int  # requests that sampled a token
+    num_steady: int
+    gaps: list[tuple[int, int]]
+    duration_s: float = 0.0  # set by Engine.run_step
 
 
 def _sample(req: Request, k: int, finished: list[Request], gaps: list[tuple[int, int]]) -> int:
@@ -332,32 +355,26 @@ class Scheduler:
         """Give a running request the blocks to hold `total` tokens, preempting the LAST running
         request until they fit (vLLM's FCFS policy).  Returns (preemptions, scheduled): not
         scheduled when the request had to preempt itself."""
-        bs = self.block_size
-        need = (total + bs - 1) // bs - req.num_blocks
+        block_size = self.block_size
+        num_new_blocks = (total + block_size - 1) // block_size - req.num_blocks
         running = self.running
-        preempted = 0
-        while need > self.num_free:
+        num_preempted = 0
+        while num_new_blocks > self.num_free:
             victim = running.pop()
             self._preempt(victim)
-            preempted += 1
+            num_preempted += 1
             if victim is req:
-                return preempted, False
-        self._take(need)
-        req.num_blocks += need
+                return num_preempted, False
+        self._take(num_new_blocks)
+        req.num_blocks += num_new_blocks
         if self.enable_prefix_caching and req.prefix_key is not None and req.register_ok:
             self._register(req, total)
-        return preempted, True
+        return num_preempted, True
 
     # -- the step ---------------------------------------------------------------------------
-    def step(self, k: int) -> tuple[list[Request], list[Request], int, int, float, int, int, int, list[tuple[int, int]]]:
-        """Schedule step `k` (>= 1) and apply its outcome.
-
-        Returns (scheduled, finished, tokens, preemptions, prefill_pairs, decode_kv_tokens,
-        sampled, steady, gaps).  `req.sched` holds the tokens scheduled for each request,
-        negated when the request sampled a token this step.  Token times are kept as step
-        indices on the request (the scheduler has no clock): `steady` counts tokens whose
-        previous token came at the end of step k-1, `gaps` lists (previous step, k) for the other
-        non-first tokens.  Finished requests release their blocks after the step, as in vLLM.
+    def step(self, k: int) -> StepOutcome:
+        """Schedule step `k` (>= 1), apply it and say what it did (a `StepOutcome`).  Finished
+        requests release their blocks after the step, as in vLLM.
 
         Requests are updated as they are scheduled (one pass, the hot loop of every
         simulation).  That is safe because nothing later in the step reads an earlier request:
@@ -366,7 +383,7 @@ class Scheduler:
         """
         self._k = k
         budget = self.max_num_batched_tokens
-        bs = self.block_size
+        block_size = self.block_size
         running, waiting = self.running, self.waiting
         # --prefill-schedule-interval N, as vLLM's data-parallel engine core applies it: on
         # steps off the N-step cadence (counted from when the engine last went idle), hold back
@@ -375,32 +392,32 @@ class Scheduler:
         interval = self.prefill_schedule_interval
         defer = (interval > 1 and self._wave_step % interval != 0 and not self._prefill_capacity_bound
                  and any(r.sched < 0 for r in running))
-        thr = self.long_prefill_token_threshold
-        eligible = len(running) + len(waiting)
-        cap = thr > 0 and eligible > 1
-        if cap and self.long_prefill_token_threshold_adaptive:
+        threshold = self.long_prefill_token_threshold
+        num_eligible = len(running) + len(waiting)
+        cap_prefill = threshold > 0 and num_eligible > 1
+        if cap_prefill and self.long_prefill_token_threshold_adaptive:
             # --long-prefill-token-threshold-adaptive: never below a fair share of the budget.
-            thr = max(thr, budget // eligible)
-        prefix = self.enable_prefix_caching
+            threshold = max(threshold, budget // num_eligible)
+        prefix_caching = self.enable_prefix_caching
         scheduled: list[Request] = []
         finished: list[Request] = []
         gaps: list[tuple[int, int]] = []
         append = scheduled.append
-        preempted = 0
-        pairs = 0.0
-        decode_kv = 0
-        sampled = 0
-        steady = 0
-        prev = k - 1
+        num_preemptions = 0
+        prefill_pairs = 0.0
+        decode_kv_tokens = 0
+        num_sampled = 0
+        num_steady = 0
+        prev_step = k - 1
 
         i = 0
-        nrun = len(running)
-        while i < nrun and budget > 0:
+        num_running = len(running)
+        while i < num_running and budget > 0:
             req = running[i]
-            computed = req.num_computed
+            num_computed_tokens = req.num_computed
             num_tokens = req.num_tokens
-            n = num_tokens - computed
-            if n == 1:
+            num_new_tokens = num_tokens - num_computed_tokens
+            if num_new_tokens == 1:
                 # A decode (or the last token of a prompt): the common case, kept short.
                 if req.num_output >= req.max_tokens or (defer and req.sched > 0):
                     # Async scheduling: its last token is in flight; vLLM skips it (it keeps its
@@ -408,138 +425,71 @@ class Scheduler:
                     # the last token of a prompt, held back by --prefill-schedule-interval.
                     i += 1
                     continue
-                if num_tokens > req.num_blocks * bs:
-                    pre, ok = self._grow(req, num_tokens)
-                    if pre:
-                        preempted += pre
-                        nrun = len(running)
-                    if not ok:
+                if num_tokens > req.num_blocks * block_size:
+                    num_preempted, can_schedule = self._grow(req, num_tokens)
+                    if num_preempted:
+                        num_preemptions += num_preempted
+                        num_running = len(running)
+                    if not can_schedule:
                         break
                 append(req)
                 budget -= 1
                 req.num_computed = num_tokens
-                decode_kv += num_tokens
-                sampled += 1
+                decode_kv_tokens += num_tokens
+                num_sampled += 1
                 req.num_tokens = num_tokens + 1
-                out = req.num_output + 1
-                req.num_output = out
+                num_output = req.num_output + 1
+                req.num_output = num_output
                 req.sched = -1
-                last = req.step_last_token
-                if last == prev:  # k >= 1, so prev >= 0: a request with no token yet never matches
-                    steady += 1
+                last_token_step = req.step_last_token
+                if last_token_step == prev_step:  # k >= 1, so prev_step >= 0: a request with no token yet never matches
+                    num_steady += 1
                     req.step_chained = k
-                elif last < 0:
+                elif last_token_step < 0:
                     req.step_first_token = k
                 else:
-                    gaps.append((last, k))
+                    gaps.append((last_token_step, k))
                 req.step_last_token = k
-                if out >= req.max_tokens:
+                if num_output >= req.max_tokens:
                     finished.append(req)
                 i += 1
                 continue
             if defer and req.sched > 0:
                 i += 1  # a prefill chunk held back by --prefill-schedule-interval
                 continue
-            if cap and n > thr:
-                n = thr
-            if n > budget:
-                n = budget
-            total = computed + n
-            if total > req.num_blocks * bs:
-                pre, ok = self._grow(req, total)
-                if pre:
-                    preempted += pre
-                    nrun = len(running)
-                if not ok:
+            if cap_prefill and num_new_tokens > threshold:
+                num_new_tokens = threshold
+            if num_new_tokens > budget:
+                num_new_tokens = budget
+            total = num_computed_tokens + num_new_tokens
+            if total > req.num_blocks * block_size:
+                num_preempted, can_schedule = self._grow(req, total)
+                if num_preempted:
+                    num_preemptions += num_preempted
+                    num_running = len(running)
+                if not can_schedule:
                     break
-            elif prefix and req.prefix_key is not None and req.shared < req.prefix_blocks:
+            elif prefix_caching and req.prefix_key is not None and req.shared < req.prefix_blocks:
                 # vLLM caches the blocks this step fills even when it needs no new block: a
                 # request admitted later in this very step hits them.
                 self._register(req, total)
-            req.sched = n
+            req.sched = num_new_tokens
             append(req)
-            budget -= n
+            budget -= num_new_tokens
             req.num_computed = total
-            pairs += n * (computed + (n + 1) * 0.5)
+            prefill_pairs += num_new_tokens * (num_computed_tokens + (num_new_tokens + 1) * 0.5)
             if total == num_tokens:
-                sampled += 1
-                req.sched = -n
-                steady += _sample(req, k, finished, gaps)
+                num_sampled += 1
+                req.sched = -num_new_tokens
+                num_steady += _sample(req, k, finished, gaps)
             i += 1
 
+        outcome = StepOutcome(scheduled, finished, 0, num_preemptions, prefill_pairs, decode_kv_tokens, num_sampled,
+                              num_steady, gaps)
         # New requests only in a step that preempted nothing.
-        if not preempted:
-            max_seqs = self.max_num_seqs
-            wm = self.watermark_blocks
-            while waiting and budget > 0 and len(running) < max_seqs:
-                req = waiting[0]
-                hits = idle = 0
-                if prefix and (req.prefix_key is not None or req.num_preemptions):
-                    hits, idle = self._prefix_hits(req)
-                computed = hits * bs
-                num_tokens = req.num_tokens
-                n = num_tokens - computed
-                if defer and n > 1:
-                    break
-                if cap and n > thr:
-                    n = thr
-                if n > budget:
-                    n = budget
-                total = computed + n
-                # vLLM applies the watermark only while some request runs: an idle engine
-                # admits whatever fits, or a prompt longer than (pool - watermark) never starts.
-                free = self.num_free - idle - (wm if running else 0)
-                need = (total + bs - 1) // bs - hits
-                if self.reserve_full_isl:
-                    if (num_tokens + bs - 1) // bs - hits > free:
-                        break
-                elif need > free:
-                    break
-                waiting.popleft()
-                if hits:
-                    cache, q = self.cache, self.queue
-                    pb = req.prefix_blocks
-                    for j in range(hits):
-                        kk: tuple = (req.own_key, j)
-                        if j < pb:
-                            found = self._lookup((req.prefix_key, j))
-                            assert found is not None  # _prefix_hits found it
-                            kk = found
-                            self._hold(req, j, kk)
-                        c = cache[kk]
-                        if c == 0:
-                            del q[kk]
-                        cache[kk] = c + 1
-                    self.num_free -= idle
-                if prefix and not req.num_preemptions:
-                    # vLLM's prefix-cache stats count every new request's lookup (a preempted
-                    # request's second lookup is recorded apart).
-                    self.prefix_query_tokens += num_tokens
-                    self.prefix_hit_tokens += computed
-                req.shared = hits
-                req.num_blocks = hits
-                self._take(need)
-                req.num_blocks += need
-                if prefix and req.prefix_key is not None and req.register_ok:
-                    self._register(req, total)
-                req.status = RUNNING
-                running.append(req)
-                # -- apply (as in the running loop) --
-                req.sched = n
-                append(req)
-                budget -= n
-                req.num_computed = total
-                if n == 1:
-                    decode_kv += total
-                else:
-                    pairs += n * (computed + (n + 1) * 0.5)
-                if req.step_scheduled < 0:
-                    req.step_scheduled = k
-                if total == num_tokens:
-                    sampled += 1
-                    req.sched = -n
-                    steady += _sample(req, k, finished, gaps)
-
+        if not num_preemptions:
+            if waiting:
+                budget = self._schedule_waiting(outcome, k, budget, defer, cap_prefill, threshold)
             if not defer:
                 self._prefill_capacity_bound = bool(waiting)
 
@@ -553,8 +503,97 @@ class Scheduler:
         if finished_now:
             self._retire(finished_now)
         self._wave_step = self._wave_step + 1 if (self.running or self.waiting) else 0
-        return (scheduled, finished, self.max_num_batched_tokens - budget, preempted, pairs, decode_kv, sampled,
-                steady, gaps)
+        outcome.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
+        return outcome
+
+    def _schedule_waiting(self, outcome: StepOutcome, k: int, budget: int, defer: bool, cap_prefill: bool,
+                          threshold: int) -> int:
+        """Admit waiting requests into step `k` (vLLM's loop over the waiting queue), adding them to
+        `outcome`; returns the token budget left."""
+        block_size = self.block_size
+        prefix_caching = self.enable_prefix_caching
+        running, waiting = self.running, self.waiting
+        append, finished, gaps = outcome.scheduled.append, outcome.finished, outcome.gaps
+        prefill_pairs, decode_kv_tokens = outcome.prefill_pairs, outcome.decode_kv_tokens
+        num_sampled, num_steady = outcome.num_sampled, outcome.num_steady
+        max_num_seqs = self.max_num_seqs
+        watermark_blocks = self.watermark_blocks
+        while waiting and budget > 0 and len(running) < max_num_seqs:
+            req = waiting[0]
+            num_hit_blocks = num_idle_hits = 0
+            if prefix_caching and (req.prefix_key is not None or req.num_preemptions):
+                num_hit_blocks, num_idle_hits = self._prefix_hits(req)
+            num_computed_tokens = num_hit_blocks * block_size
+            num_tokens = req.num_tokens
+            num_new_tokens = num_tokens - num_computed_tokens
+            if defer and num_new_tokens > 1:
+                break
+            if cap_prefill and num_new_tokens > threshold:
+                num_new_tokens = threshold
+            if num_new_tokens > budget:
+                num_new_tokens = budget
+            total = num_computed_tokens + num_new_tokens
+            # vLLM applies the watermark only while some request runs: an idle engine
+            # admits whatever fits, or a prompt longer than (pool - watermark) never starts.
+            free = self.num_free - num_idle_hits - (watermark_blocks if running else 0)
+            num_new_blocks = (total + block_size - 1) // block_size - num_hit_blocks
+            if self.reserve_full_isl:
+                if (num_tokens + block_size - 1) // block_size - num_hit_blocks > free:
+                    break
+            elif num_new_blocks > free:
+                break
+            waiting.popleft()
+            if num_hit_blocks:
+                self._hold_hits(req, num_hit_blocks, num_idle_hits)
+            if prefix_caching and not req.num_preemptions:
+                # vLLM's prefix-cache stats count every new request's lookup (a preempted
+                # request's second lookup is recorded apart).
+                self.prefix_query_tokens += num_tokens
+                self.prefix_hit_tokens += num_computed_tokens
+            req.shared = num_hit_blocks
+            req.num_blocks = num_hit_blocks
+            self._take(num_new_blocks)
+            req.num_blocks += num_new_blocks
+            if prefix_caching and req.prefix_key is not None and req.register_ok:
+                self._register(req, total)
+            req.status = RUNNING
+            running.append(req)
+            # -- apply (as in the running loop) --
+            req.sched = num_new_tokens
+            append(req)
+            budget -= num_new_tokens
+            req.num_computed = total
+            if num_new_tokens == 1:
+                decode_kv_tokens += total
+            else:
+                prefill_pairs += num_new_tokens * (num_computed_tokens + (num_new_tokens + 1) * 0.5)
+            if req.step_scheduled < 0:
+                req.step_scheduled = k
+            if total == num_tokens:
+                num_sampled += 1
+                req.sched = -num_new_tokens
+                num_steady += _sample(req, k, finished, gaps)
+        outcome.prefill_pairs, outcome.decode_kv_tokens = prefill_pairs, decode_kv_tokens
+        outcome.num_sampled, outcome.num_steady = num_sampled, num_steady
+        return budget
+
+    def _hold_hits(self, req: Request, num_hit_blocks: int, num_idle_hits: int) -> None:
+        """An admitted request takes the cached blocks its prefix hit (`_prefix_hits`): a reference
+        each, out of the free queue the `num_idle_hits` unreferenced ones."""
+        cache, queue = self.cache, self.queue
+        prefix_blocks = req.prefix_blocks
+        for block_index in range(num_hit_blocks):
+            key: tuple = (req.own_key, block_index)
+            if block_index < prefix_blocks:
+                found = self._lookup((req.prefix_key, block_index))
+                assert found is not None  # _prefix_hits found it
+                key = found
+                self._hold(req, block_index, key)
+            refs = cache[key]
+            if refs == 0:
+                del queue[key]
+            cache[key] = refs + 1
+        self.num_free -= num_idle_hits
 
     def _retire(self, finished: list[Request]) -> None:
         """Free finished requests' slots and blocks (vLLM's update_from_output)."""

@@ -21,8 +21,7 @@ def sched(**kw: object) -> Scheduler:
 
 def first_step_of(s: Scheduler, rid: str, limit: int = 50) -> int:
     for k in range(1, limit):
-        scheduled, *_ = s.step(k)
-        if any(r.request_id == rid for r in scheduled):
+        if any(r.request_id == rid for r in s.step(k).scheduled):
             return k
     raise AssertionError(f"{rid} never scheduled")
 
@@ -40,7 +39,7 @@ def test_async_reports_the_finish_at_the_step_of_the_last_token() -> None:
     s = sched(async_scheduling=True)
     s.add(Request("a", 10, 2, 0.0))
     s.step(1)
-    _, finished, *_ = s.step(2)
+    finished = s.step(2).finished
     assert [r.request_id for r in finished] == ["a"]
     assert s.only_finishing() and s.requests  # still holds its slot and blocks
     s.flush()
@@ -69,7 +68,7 @@ def test_freed_blocks_without_a_hash_are_reused_first_with_prefix_caching() -> N
     s = sched(num_gpu_blocks=11, max_num_seqs=4, enable_prefix_caching=True)
     s.add(Request("a", 72, 1, 0.0, "p", 4))
     s.add(Request("c", 72, 1, 0.0, "q", 4))
-    _, finished, *_ = s.step(1)
+    finished = s.step(1).finished
     assert len(finished) == 2 and not s.running and s.num_free_blocks() == 10
     s.add(Request("b", 20, 1, 0.0))
     s.step(2)
@@ -90,6 +89,6 @@ def test_a_prefix_block_computed_twice_is_cached_twice_and_either_copy_serves_hi
     assert b.num_preemptions == 1 and len(s.copies[("p", 1)]) == 2
     s.step(3)  # a's last token takes b's copy of block 1 from the free queue: a's copy remains
     s.check_invariants()
-    scheduled, *_ = s.step(4)
+    scheduled = s.step(4).scheduled
     assert [(r.request_id, r.sched) for r in scheduled] == [("b", -1)]  # both prefix blocks hit
     s.check_invariants()
