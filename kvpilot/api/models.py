@@ -1,3 +1,4 @@
+# Over 500 lines: the InferenceService's models are the CRD's one source, read top to bottom in spec order.
 """The InferenceService resource: pydantic models for its spec and status.
 
 These models are the single source of truth: the CRD schema is generated from them

@@ -1,3 +1,4 @@
+# Over 500 lines: the tuner's jobs (offline, local, in-cluster) share study opening, the trials table and the report.
 """What `kvpilot tune` runs: the offline job on the twin, and the live job against a local engine."""
 
 from __future__ import annotations

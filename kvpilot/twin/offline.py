@@ -1,3 +1,4 @@
+# Over 500 lines: the virtual-time driver and its report read the same Trace, step by step.
 """Offline runs of the engine twin, in virtual time, and their report.
 
 `drive(engine, batch)` is the one virtual-time loop (the tuner's capacity search drives it with

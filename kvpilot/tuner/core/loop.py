@@ -1,3 +1,4 @@
+# Over 500 lines: the live tuner's trial lifecycle (apply, warm up, measure, prune, promote) is one state machine.
 """The live trial loop: apply -> rollout -> warm-up -> measure -> tell, with the safety rules.
 
 `LiveTuner` runs it (rolling or canary trials, spec.tuning.trialStrategy); it talks to the world

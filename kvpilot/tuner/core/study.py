@@ -1,3 +1,4 @@
+# Over 500 lines: enqueue, resume, heartbeats and the incumbent must agree on the trial attributes defined here.
 """The Optuna study: naming, storage, ask-and-tell, and resuming after a restart.
 
 `TunerStudy` (open, ask, tell, recover; `workers` and `joined` for several processes on one study).

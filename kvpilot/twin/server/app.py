@@ -1,3 +1,4 @@
+# Over 500 lines: one aiohttp application whose OpenAI routes share the request's lifecycle, streaming and metrics.
 """The engine twin's HTTP server: vLLM's OpenAI-compatible API, paced by the simulated engine.
 
 `EngineLoop` drives the engine in real time, `TwinServer` is the aiohttp application and `serve()` the
