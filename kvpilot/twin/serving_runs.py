@@ -382,20 +382,16 @@ class TraceRun:
     measured: dict[str, float]
 
 
-def _async_default(version: str) -> bool:
-    """Whether the vLLM release a run names schedules asynchronously by default (a version that
-    cannot be read, e.g. "v0.15.1 era" aside, is taken as a current release: on)."""
-    m = re.search(r"(\d+)\.(\d+)", version)
-    return m is None or (int(m.group(1)), int(m.group(2))) >= ASYNC_SCHEDULING_DEFAULT_SINCE
-
-
 # vLLM turned async scheduling on by default for GPUs in 0.14 (release notes); earlier releases
 # schedule each step after the previous one's output is processed.
 ASYNC_SCHEDULING_DEFAULT_SINCE = (0, 14)
 
 
-def _measured(ttft_s: np.ndarray, e2e_s: np.ndarray, n_out: np.ndarray) -> dict[str, float]:
-    return _figures(ttft_s, e2e_s, n_out)
+def _async_default(version: str) -> bool:
+    """Whether the vLLM release a run names schedules asynchronously by default ("likely v0.15.1 era"
+    reads as 0.15; a version that cannot be read is taken as a current release: on)."""
+    m = re.search(r"(\d+)\.(\d+)", version)
+    return m is None or (int(m.group(1)), int(m.group(2))) >= ASYNC_SCHEDULING_DEFAULT_SINCE
 
 
 def read_guidellm_runs(summary_csv: Path, root: Path) -> list[TraceRun]:
@@ -424,7 +420,7 @@ def read_guidellm_runs(summary_csv: Path, root: Path) -> list[TraceRun]:
                 max_model_len=int(row["max_model_len"]), num_gpu_blocks=kv_tokens // 16,
                 async_scheduling=_async_default(row["vllm_version"]), served=True,
                 arrival_s=start, prompt_tokens=prompt, output_tokens=out, shared_prefix_tokens=prefix,
-                measured=_measured(ttft, e2e, out)))
+                measured=_figures(ttft, e2e, out)))
     return runs
 
 
