@@ -59,6 +59,7 @@ class Experiment:
     question_len: int
     output_len: int
     vllm_version: str = ""  # as the row gives it ("" or words: vLLM's current defaults)
+    dp: int = 1  # data-parallel engines sharing the load (each simulated as one of dp equal replicas)
     measured: dict[int, dict[str, float]] = field(default_factory=dict)  # stage -> metric -> ms
     published: dict[int, dict[str, float]] = field(default_factory=dict)  # BLIS's predictions
 
@@ -144,6 +145,7 @@ def _experiment(key: str, row: dict[str, str]) -> Experiment:
         question_len=_req_int(row, "wl_question_len"),
         output_len=_req_int(row, "wl_output_len"),
         vllm_version=(row.get("vllm_version") or "").strip(),
+        dp=max(1, _int(row, "dp", 1) or 1),
     )
 
 
@@ -157,6 +159,7 @@ def workload(exp: Experiment, seed: int = 0, time_scale: float = 1.0) -> tuple[R
     arrivals, stage_of = [], []
     t0 = 0.0
     for s, (rate, dur) in enumerate(exp.stages):
+        rate /= exp.dp  # vLLM's data-parallel front end spreads requests evenly over its engines
         dur *= time_scale
         gaps = rng.exponential(1.0 / rate, size=int(rate * dur * 1.5) + 16)
         t = t0 + np.cumsum(gaps)

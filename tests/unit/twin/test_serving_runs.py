@@ -24,7 +24,7 @@ from kvpilot.twin.serving_runs import (
 )
 from kvpilot.twin.workload import RequestBatch
 
-COLUMNS = ["exp_id", "experiment_folder", "model", "hardware", "precision", "tp", "max_num_batched_tokens",
+COLUMNS = ["exp_id", "experiment_folder", "model", "hardware", "precision", "tp", "dp", "max_num_batched_tokens",
            "max_num_seqs", "max_model_len", "wl_stages_rate_duration", "wl_num_system_prompts", "wl_users_per_prompt",
            "wl_system_prompt_len", "wl_question_len", "wl_output_len", "stage_index", "actual_e2e_mean_ms",
            "actual_ttft_mean_ms", "actual_ttft_p99_ms", "actual_itl_mean_ms", "notes"]
@@ -41,7 +41,7 @@ def write(path: Path, rows: list[dict[str, str]]) -> Path:
 
 def row(stage: int, **over: str) -> dict[str, str]:
     base = {"exp_id": "1", "experiment_folder": "qwen", "model": "Qwen/Qwen2.5-7B-Instruct", "hardware": "H100",
-            "precision": "FP16", "tp": "1", "max_num_batched_tokens": "2048", "max_num_seqs": "128",
+            "precision": "FP16", "tp": "1", "dp": "", "max_num_batched_tokens": "2048", "max_num_seqs": "128",
             "max_model_len": "", "wl_stages_rate_duration": "[[4.0, 30], [8.0, 30]]", "wl_num_system_prompts": "3",
             "wl_users_per_prompt": "2", "wl_system_prompt_len": "100", "wl_question_len": "400",
             "wl_output_len": "50", "stage_index": str(stage), "actual_e2e_mean_ms": "400",
@@ -68,6 +68,14 @@ def test_each_users_prompt_recurs_as_a_prefix_cache_hit(tmp_path: Path) -> None:
     assert (batch.prefix_tokens == batch.prompt_tokens).all()
     # The second stage sends twice as fast as the first.
     assert (stage == 1).sum() > 1.5 * (stage == 0).sum()
+
+
+def test_data_parallel_engines_each_serve_their_share(tmp_path: Path) -> None:
+    single = read_experiments(write(tmp_path / "one.csv", [row(-1)]))[0]
+    two = read_experiments(write(tmp_path / "two.csv", [row(-1, dp="2")]))[0]
+    assert two.dp == 2
+    n1, n2 = len(workload(single, seed=1)[0]), len(workload(two, seed=1)[0])
+    assert 0.35 < n2 / n1 < 0.65  # one replica of two sees half the arrivals
 
 
 def test_a_replay_reports_every_stage_and_its_errors(tmp_path: Path) -> None:
