@@ -373,44 +373,22 @@ class Scheduler:
         return num_preempted, True
 
     # -- the step ---------------------------------------------------------------------------
-    # NOTE: 133 lines, over the 100 the rest of the package keeps to: the loop over the running requests
-    # is every simulation's innermost loop, and a call per request or per step here costs 3-5% of it.
     def step(self, k: int) -> StepOutcome:
-        """Schedule step `k` (>= 1), apply it and say what it did (a `StepOutcome`).  Finished
-        requests release their blocks after the step, as in vLLM.
-
-        Requests are updated as they are scheduled (one pass, the hot loop of every
-        simulation).  That is safe because nothing later in the step reads an earlier request:
-        preemption victims come from the tail of the running list, never from the part
-        already scheduled.
-        """
+        """Schedule step `k` (>= 1), apply it and say what it did (a `StepOutcome`).  Requests are
+        updated as they are scheduled, in one pass: nothing later in the step reads an earlier
+        request (preemption victims come from the tail of the running list)."""
         self._k = k
         budget = self.max_num_batched_tokens
         block_size = self.block_size
-        running, waiting = self.running, self.waiting
-        # --prefill-schedule-interval N, as vLLM's data-parallel engine core applies it: on
-        # steps off the N-step cadence (counted from when the engine last went idle), hold back
-        # prefills -- running prefill chunks and new admissions -- while some request decodes,
-        # unless the last admitting step left requests waiting (prefill capacity bound).
-        interval = self.prefill_schedule_interval
-        defer = (interval > 1 and self._wave_step % interval != 0 and not self._prefill_capacity_bound
-                 and any(r.sched < 0 for r in running))
-        threshold = self.long_prefill_token_threshold
-        num_eligible = len(running) + len(waiting)
-        cap_prefill = threshold > 0 and num_eligible > 1
-        if cap_prefill and self.long_prefill_token_threshold_adaptive:
-            # --long-prefill-token-threshold-adaptive: never below a fair share of the budget.
-            threshold = max(threshold, budget // num_eligible)
+        running = self.running
+        defer, cap_prefill, threshold = self._step_limits(budget)
         prefix_caching = self.enable_prefix_caching
         scheduled: list[Request] = []
         finished: list[Request] = []
         gaps: list[tuple[int, int]] = []
         append = scheduled.append
-        num_preemptions = 0
+        num_preemptions = num_sampled = num_steady = decode_kv_tokens = 0
         prefill_pairs = 0.0
-        decode_kv_tokens = 0
-        num_sampled = 0
-        num_steady = 0
         prev_step = k - 1
 
         i = 0
@@ -489,13 +467,38 @@ class Scheduler:
 
         outcome = StepOutcome(scheduled, finished, 0, num_preemptions, prefill_pairs, decode_kv_tokens, num_sampled,
                               num_steady, gaps)
-        # New requests only in a step that preempted nothing.
-        if not num_preemptions:
+        self._end_step(outcome, k, budget, defer, cap_prefill, threshold)
+        return outcome
+
+    def _step_limits(self, budget: int) -> tuple[bool, bool, int]:
+        """Whether this step defers prefills, whether prefill chunks are capped, and the cap.
+
+        --prefill-schedule-interval N, as vLLM's data-parallel engine core applies it: on steps off
+        the N-step cadence (counted from when the engine last went idle), hold back prefills --
+        running prefill chunks and new admissions -- while some request decodes, unless the last
+        admitting step left requests waiting (prefill capacity bound)."""
+        interval = self.prefill_schedule_interval
+        defer = (interval > 1 and self._wave_step % interval != 0 and not self._prefill_capacity_bound
+                 and any(r.sched < 0 for r in self.running))
+        threshold = self.long_prefill_token_threshold
+        num_eligible = len(self.running) + len(self.waiting)
+        cap_prefill = threshold > 0 and num_eligible > 1
+        if cap_prefill and self.long_prefill_token_threshold_adaptive:
+            # --long-prefill-token-threshold-adaptive: never below a fair share of the budget.
+            threshold = max(threshold, budget // num_eligible)
+        return defer, cap_prefill, threshold
+
+    def _end_step(self, outcome: StepOutcome, k: int, budget: int, defer: bool, cap_prefill: bool,
+                  threshold: int) -> None:
+        """After the running requests: admit waiting ones (only in a step that preempted nothing),
+        then retire what finished (under async scheduling, the previous step's) and count the step."""
+        waiting = self.waiting
+        if not outcome.num_preemptions:
             if waiting:
                 budget = self._schedule_waiting(outcome, k, budget, defer, cap_prefill, threshold)
             if not defer:
                 self._prefill_capacity_bound = bool(waiting)
-
+        finished = outcome.finished
         for req in finished:
             req.finish_reason = "length"
         if self.async_scheduling:
@@ -505,9 +508,8 @@ class Scheduler:
             finished_now = finished
         if finished_now:
             self._retire(finished_now)
-        self._wave_step = self._wave_step + 1 if (self.running or self.waiting) else 0
+        self._wave_step = self._wave_step + 1 if (self.running or waiting) else 0
         outcome.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
-        return outcome
 
     def _schedule_waiting(self, outcome: StepOutcome, k: int, budget: int, defer: bool, cap_prefill: bool,
                           threshold: int) -> int:
