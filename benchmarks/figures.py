@@ -172,8 +172,8 @@ def speed() -> dict[str, str]:
 
 
 def gpu_serving() -> dict[str, str]:
-    """twin_vs_gpu_serving.py's medians on the shared real-GPU runs (../shared/data/gpu-serving, beside
-    the checkout as CI lays it; the leave-one-model-out figures need --fit, minutes, and are not here)."""
+    """twin_vs_gpu_serving.py's medians on the committed real-GPU runs (benchmarks/data/gpu-serving; the
+    leave-one-model-out figures need --fit, minutes, and are not here)."""
     out = run("twin_vs_gpu_serving.py", "--traces", "none")
     figures = {}
     for label, key in (("whole-run rows", "whole"), ("every row", "every")):

@@ -2,8 +2,8 @@
 
     python benchmarks/twin_vs_gpu_serving.py [--data CSV] [--traces DIR] [--fit] [--smoke]
 
---data: rows in the columns of the shared `blis_train13_by_stage.csv` (default: that file, from
-../shared/data/gpu-serving).  For each experiment it rebuilds the workload (stages of Poisson
+--data: rows in the columns of `blis_train13_by_stage.csv` (default: that file, committed in
+benchmarks/data/gpu-serving).  For each experiment it rebuilds the workload (stages of Poisson
 arrivals, shared system prompts as prefix-cache hits), runs the twin with the row's engine settings
 and prints, per experiment and stage, the twin's E2E/TTFT mean, p90, p99 and TPOT beside the
 measured figures (and BLIS's, where the file has them), then the median absolute error per metric
@@ -46,7 +46,7 @@ from kvpilot.twin.serving_runs import (  # noqa: E402
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared" / "data" / "gpu-serving"
+SHARED = ROOT / "benchmarks" / "data" / "gpu-serving"
 SHOWN = ("e2e_mean", "e2e_p99", "ttft_mean", "ttft_p99", "itl_mean")
 
 
@@ -131,10 +131,10 @@ def print_memory_plans(exps: list[Experiment]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=SHARED / "blis_train13_by_stage.csv",
-                    help="CSV in the columns of blis_train13_by_stage.csv (default: the shared training rows)")
+                    help="CSV in the columns of blis_train13_by_stage.csv (default: the committed training rows)")
     ap.add_argument("--traces", type=Path, default=SHARED,
                     help="folder holding guidellm_codellama34b_h100_10pts.csv, llmservingsim_rtx4090_llama8b.csv "
-                         "and traces/ (default: the shared data); 'none' skips the traces")
+                         "and traces/ (default: benchmarks/data/gpu-serving); 'none' skips the traces")
     ap.add_argument("--fit", action="store_true",
                     help="calibrate the serving constants on --data and print the leave-one-model-out figures")
     ap.add_argument("--smoke", action="store_true", help="two experiments at a tenth of their length, no traces")

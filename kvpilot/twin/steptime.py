@@ -170,7 +170,7 @@ def kernel_params_for(gpu: GpuSpec) -> StepTimeParams:
 # What real `vllm serve` on a GPU adds to (or takes from) the kernel profiles: fitted by
 # `benchmarks/twin_vs_gpu_serving.py --fit` (kvpilot.twin.serving_runs.fit_serving: a grid over
 # SERVING_GRID, frontend_s over a grid of shifts) on the 13 shared H100 experiments of vLLM 0.15
-# (inference-perf shared-prefix loads; ../shared/data/gpu-serving/blis_train13_by_stage.csv), the
+# (inference-perf shared-prefix loads; benchmarks/data/gpu-serving/blis_train13_by_stage.csv), the
 # loss the sum of the median errors of E2E mean, TTFT mean and p99, and TPOT over every row.
 # cpu_overhead_s: the engine's per-step host time left once async scheduling overlaps it with the
 # GPU; elementwise_floor_s: a small fused kernel inside a CUDA graph (the profiles timed eager,
