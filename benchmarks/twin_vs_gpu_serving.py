@@ -55,15 +55,17 @@ def _fmt(x: float | None) -> str:
 
 
 def print_experiments(exps: list[Experiment], time_scale: float) -> tuple[list, list]:
-    twin_errs, blis_errs = [], []
+    twin_errs: list = []
+    blis_errs: list = []
+    unsimulated: list[str] = []
     print(f"{'experiment':44s} {'stage':>5s}  " + "  ".join(f"{m:>23s}" for m in SHOWN))
     print(f"{'':44s} {'':5s}  " + "  ".join(f"{'twin/measured/BLIS':>23s}" for _ in SHOWN))
     for exp in exps:
         try:
             pred = run_experiment(exp, time_scale=time_scale)
-        except ExperimentError as exc:
+        except ExperimentError as exc:  # counted apart: a NaN would turn every median into NaN
             print(f"{exp.key[:44]:44s} NOT SIMULATED: {exc}")
-            twin_errs.append({s: {m: float("nan") for m in figs} for s, figs in exp.measured.items()})
+            unsimulated.append(exp.key)
             continue
         twin_errs.append(errors(pred, exp.measured))
         if exp.published:
@@ -73,6 +75,9 @@ def print_experiments(exps: list[Experiment], time_scale: float) -> tuple[list, 
             cells = [f"{_fmt(p.get(k)):>7s}/{_fmt(m.get(k)):>7s}/{_fmt(b.get(k)):>7s}" for k in SHOWN]
             label = "all" if stage == WHOLE_RUN else str(stage)
             print(f"{exp.key[:44]:44s} {label:>5s}  " + "  ".join(cells))
+    if unsimulated:
+        print(f"\n{len(unsimulated)} of {len(exps)} experiments not simulated (left out of the medians): "
+              + ", ".join(unsimulated))
     return twin_errs, blis_errs
 
 
@@ -138,7 +143,6 @@ def main() -> int:
     ap.add_argument("--fit", action="store_true",
                     help="calibrate the serving constants on --data and print the leave-one-model-out figures")
     ap.add_argument("--smoke", action="store_true", help="two experiments at a tenth of their length, no traces")
-    ap.add_argument("--json", type=Path, help="also write the per-experiment figures here")
     args = ap.parse_args()
 
     from kvpilot.twin.serving_runs import read_experiments
@@ -175,8 +179,6 @@ def main() -> int:
             runs += read_llmservingsim_run(llmss, args.traces)
         if runs:
             print_traces(runs)
-    if args.json:
-        args.json.write_text(json.dumps({"data": str(args.data), "experiments": [e.key for e in exps]}, indent=1))
     print(f"\n({time.perf_counter() - t0:.0f} s)")
     return 0
 

@@ -186,12 +186,10 @@ def engine_config(exp: Experiment, params: StepTimeParams | None = None) -> Engi
     except (ModelSpecError, UnknownGpuError) as exc:
         raise ExperimentError(str(exc)) from None
     kv_bytes = None
-    if exp.num_gpu_blocks:
-        block = 16 * model.kv_bytes_per_token(exp.tp, kv_dtype_bytes("auto", model))
-        kv_bytes = exp.num_gpu_blocks * block
     mml = exp.max_model_len or model.max_position_embeddings
-    if kv_bytes is not None:
-        mml = min(mml, exp.num_gpu_blocks * 16 if exp.num_gpu_blocks else mml)
+    if exp.num_gpu_blocks:
+        kv_bytes = exp.num_gpu_blocks * 16 * model.kv_bytes_per_token(exp.tp, kv_dtype_bytes("auto", model))
+        mml = min(mml, exp.num_gpu_blocks * 16)  # vLLM refuses a max_model_len its cache cannot hold
     return EngineConfig.resolve(
         model, gpu, max_num_batched_tokens=exp.max_num_batched_tokens, max_num_seqs=exp.max_num_seqs,
         max_model_len=mml, kv_cache_memory_bytes=kv_bytes, tensor_parallel_size=exp.tp,
