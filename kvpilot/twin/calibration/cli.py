@@ -6,7 +6,15 @@ import argparse
 import sys
 from typing import Any
 
+from pathlib import Path
+
 from kvpilot.twin.calibration import CPU_OBSERVATIONS, CPU_PROFILE, TINY_MODEL_CONFIG
+
+
+def _shipped(path: Path) -> str:
+    """The package-relative name of a shipped file: an install's absolute path is long enough for argparse to
+    break it mid-name, and says less."""
+    return str(path.relative_to(Path(__file__).resolve().parents[3]))
 
 
 def register(twin_subparsers: Any) -> argparse.ArgumentParser:
@@ -18,14 +26,14 @@ def register(twin_subparsers: Any) -> argparse.ArgumentParser:
                     "benchmarks/twin_vs_vllm.py --calibrate measures them on real vLLM), print the fit's error on "
                     "each, and write the device profile that `--device-profile` takes (`kvpilot twin run|serve`, "
                     "`kvpilot tune`).  With no arguments it refits the profile kvpilot ships, "
-                    f"{CPU_PROFILE}, from its observations.",
+                    f"{_shipped(CPU_PROFILE)}, from its observations.",
     )
     p.add_argument("--observations", default=str(CPU_OBSERVATIONS), metavar="JSON",
                    help="the measured observations: the JSON benchmarks/twin_vs_vllm.py --calibrate writes "
-                        "(default %(default)s)")
+                        f"(default: the shipped {_shipped(CPU_OBSERVATIONS)})")
     p.add_argument("--model-config", default=str(TINY_MODEL_CONFIG), metavar="CONFIG_JSON",
                    help="the Hugging Face config.json of the model the observations were measured on "
-                        "(default %(default)s, the tiny model `make vllm-env` makes)")
+                        f"(default: the shipped {_shipped(TINY_MODEL_CONFIG)}, the tiny model `make vllm-env` makes)")
     p.add_argument("--output", "-o", default="-", metavar="PROFILE_JSON",
                    help="where to write the profile; - (the default) prints it, and the fit's errors go to stderr")
     p.add_argument("--fit-frontend", action="store_true",
