@@ -12,6 +12,7 @@ from typing import Any
 from kvpilot.api.tuned import TUNED
 from kvpilot.api.vocabulary import ENV_TUNER_STORAGE
 from kvpilot.twin.calibration import CPU_PROFILE
+from kvpilot.twin.flags import positive_int
 
 DEFAULT_TUNER_STORAGE = "sqlite:////var/lib/kvpilot/tuner.db"
 DEFAULT_TUNE_STORAGE = "sqlite:///out/kvpilot-tune.db"
@@ -63,8 +64,9 @@ def register(subparsers: Any) -> None:
                    help="a measured device instead of the --gpu preset: its peaks and fitted step-time constants "
                         f"(`kvpilot twin calibrate` fits one; vLLM-CPU's on an AMX Xeon ships as {CPU_PROFILE}); "
                         "the twin (--offline, --warm-start) simulates it and vLLM's defaults are those on it")
-    p.add_argument("--max-model-len", type=int, default=8192, help="default %(default)s")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+    p.add_argument("--max-model-len", type=positive_int, default=8192, metavar="TOKENS",
+                   help="longest prompt + output in tokens, e.g. 8192 or 32k (default %(default)s)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N",
                    help="GPUs the twin engine shards the model over, as vLLM's flag (default %(default)s)")
     p.add_argument("--workload", default="chat", help="preset or spec, see below (default %(default)s)")
     p.add_argument("--slo", default="ttft=0.5,itl=0.05",

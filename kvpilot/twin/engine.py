@@ -114,7 +114,9 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be greater than or equal to "
                 f"max_num_seqs ({self.max_num_seqs})."
             )
-        if self.max_model_len < 1 or self.max_model_len > m.max_position_embeddings:
+        if self.max_model_len < 1:
+            raise EngineStartupError(f"max_model_len ({self.max_model_len}) must be >= 1")
+        if self.max_model_len > m.max_position_embeddings:
             raise EngineStartupError(
                 f"User-specified max_model_len ({self.max_model_len}) is greater than the derived max_model_len "
                 f"(max_position_embeddings={m.max_position_embeddings} in model's config.json). This may lead "

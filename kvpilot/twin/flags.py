@@ -81,7 +81,8 @@ _fraction = _float_in(0.0, 1.0, low_open=True, high_open=False)  # --gpu-memory-
 _watermark = _float_in(0.0, 1.0, low_open=False, high_open=True)
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
+    """An argparse type: a token count or size of at least 1, with vLLM's size suffixes."""
     v = human_int(text)
     if v < 1:
         raise argparse.ArgumentTypeError(f"{text} must be >= 1")
@@ -114,21 +115,21 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
     g.add_argument("--model", dest="model_flag", default=None, metavar="MODEL", help="the model, as a flag (same as the positional)")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="name(s) the API serves the model under (default: the model)")
-    g.add_argument("--max-num-batched-tokens", type=_positive, default=None, metavar="TOKENS",
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="TOKENS",
                    help="token budget per step, the chunked-prefill chunk size (default as vLLM: "
                         f"{vllm_facts.DEFAULT_BATCHED_TOKENS_LARGE_GPU} on >=70 GiB GPUs other than A100, else "
                         f"{vllm_facts.DEFAULT_BATCHED_TOKENS_SMALL_GPU})")
-    g.add_argument("--max-num-seqs", type=_positive, default=None, metavar="N",
+    g.add_argument("--max-num-seqs", type=positive_int, default=None, metavar="N",
                    help="most requests running at once (default as vLLM: "
                         f"{vllm_facts.DEFAULT_MAX_NUM_SEQS_LARGE_GPU} or {vllm_facts.DEFAULT_MAX_NUM_SEQS_SMALL_GPU})")
     g.add_argument("--gpu-memory-utilization", type=_fraction, default=None, metavar="FRACTION",
                    help=f"fraction of GPU memory for the engine (default {vllm_facts.DEFAULT_GPU_MEMORY_UTILIZATION})")
-    g.add_argument("--kv-cache-memory-bytes", type=_positive, default=None, metavar="BYTES",
+    g.add_argument("--kv-cache-memory-bytes", type=positive_int, default=None, metavar="BYTES",
                    help="KV-cache size in bytes (e.g. 20Gi); overrides --gpu-memory-utilization")
-    g.add_argument("--max-model-len", type=_positive, default=None, metavar="TOKENS",
+    g.add_argument("--max-model-len", type=positive_int, default=None, metavar="TOKENS",
                    help="longest prompt + output in tokens, e.g. 8192 or 32k (default: the model's)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1, metavar="N", help="GPUs per replica (default 1)")
-    g.add_argument("--pipeline-parallel-size", "-pp", type=_positive, default=1, action=_PipelineParallel,
+    g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N", help="GPUs per replica (default 1)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=1, action=_PipelineParallel,
                    help=argparse.SUPPRESS)
     g.add_argument("--block-size", type=int, choices=vllm_facts.BLOCK_SIZES, default=vllm_facts.DEFAULT_BLOCK_SIZE,
                    help="tokens per KV-cache block (default 16)")
@@ -146,7 +147,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
                    help="accepted for compatibility: chunked prefill is always on in vLLM V1")
     g.add_argument("--watermark", type=_watermark, default=0.0, metavar="FRACTION",
                    help="fraction of KV blocks kept free when admitting new requests (default 0)")
-    g.add_argument("--prefill-schedule-interval", type=_positive, default=1, metavar="N",
+    g.add_argument("--prefill-schedule-interval", type=positive_int, default=1, metavar="N",
                    help="admit new prefills only every N steps; the steps between decode alone (default 1)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="schedule step N+1 while step N runs, as vLLM does by default on GPUs (default on)")

@@ -251,3 +251,15 @@ def test_redacted_masks_only_the_password(url: str, shown: str) -> None:
 
     assert redacted(url) == shown
     assert has_password(url) == (shown != url)
+
+
+@pytest.mark.parametrize("flag", ["--max-model-len", "--tensor-parallel-size"])
+def test_a_size_below_one_is_refused_by_the_flag_not_the_engine(flag: str, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    # 0 tokens was once reported as "greater than the derived max_model_len", after the study was made.
+    with pytest.raises(SystemExit) as exc:
+        main(["tune", "--offline", flag, "0", "--storage", f"sqlite:///{tmp_path}/s.db"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err and "0 must be >= 1" in err
+    assert not (tmp_path / "s.db").exists()

@@ -117,6 +117,7 @@ def test_model_too_big_for_the_gpu() -> None:
         ({"tensor_parallel_size": 3}, "divisible by tensor parallel size"),
         ({"max_num_batched_tokens": 128, "max_num_seqs": 256}, "greater than or equal to max_num_seqs"),
         ({"max_model_len": 200000}, "greater than the derived max_model_len"),
+        ({"max_model_len": 0}, r"max_model_len \(0\) must be >= 1"),
         ({"block_size": 7}, "block_size"),
     ],
 )
