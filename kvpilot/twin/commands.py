@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Any
 
+from kvpilot.api.serve_args import serve_options
+from kvpilot.api.vllm import VLLM_VERSION
 from kvpilot.twin.flags import add_engine_arguments
 from kvpilot.twin.workload import SPEC_HELP
 
@@ -15,9 +17,10 @@ def register(subparsers: Any) -> None:
     twin = subparsers.add_parser(
         "twin",
         help="the engine twin: a vLLM-faithful simulator (offline runs, step times, HTTP server)",
-        description="The engine twin simulates vLLM 0.33's V1 engine without a GPU: chunked prefill, the paged "
-                    "KV cache, preemption, and a step-time model calibrated on measured layer times "
-                    "(`kvpilot twin calibrate` fits one for a device without a preset).",
+        description=f"The engine twin simulates vLLM {VLLM_VERSION}'s V1 engine without a GPU: chunked prefill, "
+                    "the paged KV cache, preemption, and a step-time model calibrated on measured layer times "
+                    "(`kvpilot twin calibrate` fits one for a device without a preset).  Its engine flags are "
+                    f"those `vllm serve` {serve_options().vllm_version} parses (the flag list kvpilot ships).",
     )
     twin_sub = twin.add_subparsers(dest="twin_command", metavar="SUBCOMMAND", required=True)
 

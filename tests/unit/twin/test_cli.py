@@ -123,3 +123,14 @@ def test_real_process_entry_point() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["model"] == "Mistral-7B"
+
+
+def test_the_help_names_the_vllm_whose_flags_the_twin_takes(capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # The flag list is read from one vLLM build and the engine modelled on another: say both, from the data.
+    from kvpilot.api.serve_args import serve_options
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit):
+        cli(["twin", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"those `vllm serve` {serve_options().vllm_version} parses" in out
