@@ -76,3 +76,38 @@ def test_stream_with_empty_documents_and_yaml_error():
     broken = validate_text("spec: {model: [\n")
     assert not broken[0].valid and "line" in broken[0].issues[0].message
     assert not validate_text("")[0].valid
+
+
+def _leaf_paths(schema: dict, prefix: tuple[str, ...] = ()):
+    if schema.get("type") == "array" and "items" in schema:
+        yield from _leaf_paths(schema["items"], prefix)
+        return
+    if "properties" not in schema:
+        yield prefix, schema
+        return
+    for key, sub in schema["properties"].items():
+        yield from _leaf_paths(sub, (*prefix, key))
+
+
+def _shown(doc, path: tuple[str, ...]) -> bool:
+    if not path:
+        return True
+    if isinstance(doc, list):
+        return any(_shown(item, path) for item in doc)
+    return isinstance(doc, dict) and path[0] in doc and _shown(doc[path[0]], path[1:])
+
+
+def test_the_full_example_shows_every_field_the_crd_serves():
+    # "Every field" in examples/full.yaml is a claim the CRD can check: a field is shown set, or (where it
+    # excludes one that is set) commented in place; only removed fields are left out.
+    from kvpilot.api.crd import crd
+
+    spec = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    text = (EXAMPLES[0].parent / "full.yaml").read_text()
+    doc = yaml.safe_load(text)["spec"]
+    commented = {line.split("#", 1)[1].strip().split(":", 1)[0] for line in text.splitlines()
+                 if line.lstrip().startswith("#") and ":" in line}
+    missing = [".".join(path) for path, leaf in _leaf_paths(spec)
+               if not leaf.get("description", "").startswith("Removed")
+               and not all(_shown(doc, path[:i + 1]) or p in commented for i, p in enumerate(path))]
+    assert missing == []
