@@ -68,6 +68,9 @@ def validate_command(args: argparse.Namespace) -> int:
             failed = True
             continue
         for result in validate_text(data):
+            for warning in result.warnings:
+                # As kubectl shows the API server's warnings: on stderr, the answer unchanged.
+                print(f"Warning: {source}: {result.label}: {warning}", file=sys.stderr)
             if result.valid:
                 if not args.quiet:
                     print(f"{source}: {result.label}: valid")

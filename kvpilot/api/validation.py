@@ -8,6 +8,7 @@ these messages.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from pydantic_core import ErrorDetails
 from kvpilot.api import engine, kube
 from kvpilot.api.documents import DocumentError, brief
 from kvpilot.api.documents import load_documents as load_documents
+from kvpilot.api.gpus import gpu_type_warning
 from kvpilot.api.models import InferenceService
 from kvpilot.api.vocabulary import API_VERSION, KIND
 
@@ -43,6 +45,7 @@ class DocumentResult:
     index: int  # 0-based position in the YAML stream
     name: str | None  # namespace/name when the document got that far
     issues: list[ValidationIssue]
+    warnings: list[ValidationIssue] = dataclasses.field(default_factory=list)  # legal, but likely not what was meant
 
     @property
     def valid(self) -> bool:
@@ -146,6 +149,15 @@ def check_object(obj: Any) -> tuple[InferenceService | None, list[ValidationIssu
         return None, issues_from_error(exc)
 
 
+def advise(service: InferenceService) -> list[ValidationIssue]:
+    """Warnings for a valid InferenceService: values the API allows that are most likely mistakes."""
+    found: list[ValidationIssue] = []
+    gpu_type = service.spec.resources.gpu_type
+    if gpu_type is not None and (why := gpu_type_warning(gpu_type)) is not None:
+        found.append(ValidationIssue("spec.resources.gpuType", why))
+    return found
+
+
 def strict_validate(obj: Any) -> InferenceService:
     """Validate as the API server would: types as the CRD has them (no "3" for an integer)."""
     return InferenceService.model_validate(obj, strict=True)
@@ -192,7 +204,9 @@ def parse_text(data: bytes | str) -> list[ParsedDocument]:
     index = 0
     try:
         for doc in load_documents(data):
-            parsed.append(ParsedDocument(index, doc, DocumentResult(index, _name_of(doc), validate_object(doc))))
+            service, issues = check_object(doc)
+            warnings = advise(service) if service is not None else []
+            parsed.append(ParsedDocument(index, doc, DocumentResult(index, _name_of(doc), issues, warnings)))
             index += 1
     except DocumentError as exc:
         parsed.append(ParsedDocument(index, None, DocumentResult(index, None, [ValidationIssue("", str(exc))])))

@@ -18,7 +18,7 @@ from pydantic_core import from_json
 
 from kvpilot.api.documents import brief
 from kvpilot.api.models import InferenceService
-from kvpilot.api.validation import ValidationIssue, check_object
+from kvpilot.api.validation import ValidationIssue, advise, check_object
 from kvpilot.api.vocabulary import GROUP, KIND, PLURAL
 
 logger = logging.getLogger("kvpilot.operator.webhook")
@@ -234,14 +234,16 @@ class Reviewer:
             details = {"name": name, "group": GROUP, "kind": KIND,
                        "causes": [_cause(i) for i in issues]}
             return {"uid": uid, "allowed": False, "status": _status(422, "Invalid", message, details)}, INVALID
+        advice = [str(w) for w in advise(service)]
         if self.predictor is None:
-            return {"uid": uid, "allowed": True}, ALLOWED
+            return ({"uid": uid, "allowed": True, "warnings": _warnings(advice)}, WARNED) if advice \
+                else ({"uid": uid, "allowed": True}, ALLOWED)
         try:
             prediction = self.predictor(service)
         except Exception as exc:  # a bug of ours must not block applies: validation above still held
             logger.exception("start-up prediction failed for %s", _object_name(request, obj))
             warning = f"start-up not predicted: the prediction failed ({type(exc).__name__}: {exc})"
-            return {"uid": uid, "allowed": True, "warnings": _warnings([warning])}, WARNED
+            return {"uid": uid, "allowed": True, "warnings": _warnings([*advice, warning])}, WARNED
         if prediction.failure:
             name = _object_name(request, obj)
             why = f"vLLM would refuse to start this engine: {' '.join(str(prediction.failure).split())}"
@@ -251,7 +253,7 @@ class Reviewer:
                        "causes": [{"reason": "FieldValueInvalid", "message": why, "field": "spec.engine"}]}
             response = {"uid": uid, "allowed": False, "status": _status(422, "Invalid", message, details)}
             return response, PREDICTED_FAILURE
-        warnings = _warnings(prediction.warnings)
+        warnings = _warnings([*advice, *prediction.warnings])
         if warnings:
             return {"uid": uid, "allowed": True, "warnings": warnings}, WARNED
         return {"uid": uid, "allowed": True}, ALLOWED

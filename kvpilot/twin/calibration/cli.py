@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
-
 from pathlib import Path
+from typing import Any
 
 from kvpilot.twin.calibration import CPU_OBSERVATIONS, CPU_PROFILE, TINY_MODEL_CONFIG
 

@@ -85,3 +85,24 @@ def test_an_unexpected_error_is_one_line_not_a_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "internal error: RuntimeError" in lines[0] and len(lines[0]) < 500
+
+
+def _with_gpu_type(tmp_path, value):
+    path = tmp_path / "svc.yaml"
+    path.write_text("apiVersion: kvpilot.dev/v1alpha1\nkind: InferenceService\nmetadata: {name: a}\n"
+                    f"spec: {{model: m, resources: {{gpuType: {value}}}}}\n")
+    return str(path)
+
+
+def test_a_misspelt_gpu_type_is_valid_with_a_warning_that_suggests_the_board(tmp_path, capsys):
+    # H1OO is a legal label value, and every pod would wait for a node labelled so: say it, on stderr.
+    assert main(["validate", "-f", _with_gpu_type(tmp_path, "H1OO")]) == 0
+    out, err = capsys.readouterr()
+    assert "document 1 (a): valid" in out and "Warning" not in out
+    assert "Warning:" in err and "spec.resources.gpuType: 'H1OO'" in err and "did you mean H100-80GB?" in err
+
+
+def test_known_gpu_types_in_any_spelling_pass_without_a_warning(tmp_path, capsys):
+    for value in ("H100", "H100-80GB", "NVIDIA-H100-80GB-HBM3", "nvidia-l4", "Tesla-T4", "NVIDIA-A100-SXM4-40GB"):
+        assert main(["validate", "-f", _with_gpu_type(tmp_path, value)]) == 0
+        assert capsys.readouterr().err == "", value

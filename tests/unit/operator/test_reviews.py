@@ -105,3 +105,23 @@ def test_the_cli_gives_the_operator_the_twins_predictor() -> None:
     assert args.predictor is twin_predictor
     made = args.predictor()
     assert isinstance(made, CachedPredictor) and made.predictor is predict
+
+
+def test_a_misspelt_gpu_type_is_admitted_with_a_warning_kubectl_shows() -> None:
+    import json
+
+    from kvpilot.operator.reviews import Reviewer
+
+    obj = copy.deepcopy(FULL)
+    obj["spec"]["resources"]["gpuType"] = "H1OO"
+    review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+              "request": {"uid": "u1", "operation": "CREATE", "object": obj, "oldObject": None,
+                          "kind": {"group": "kvpilot.dev", "version": "v1alpha1", "kind": "InferenceService"},
+                          "resource": {"group": "kvpilot.dev", "version": "v1alpha1", "resource": "inferenceservices"},
+                          "name": "llama-8b-chat", "namespace": "inference"}}
+    response = json.loads(Reviewer().answer(json.dumps(review).encode()).body)["response"]
+    assert response["allowed"] is True
+    assert [w for w in response["warnings"] if w.startswith("spec.resources.gpuType: 'H1OO'")]
+    obj["spec"]["resources"]["gpuType"] = "H100-80GB"
+    response = json.loads(Reviewer().answer(json.dumps(review).encode()).body)["response"]
+    assert response == {"uid": "u1", "allowed": True}
