@@ -40,8 +40,13 @@ PATHS = 2
 
 
 def parse_workload(text: str) -> Workload:
-    """The twin's workload language (a preset, or a spec); the rate is the capacity search's."""
-    return Workload.parse(text)
+    """The twin's workload language (a preset, or a spec); the rate is the capacity search's.  A trace is
+    read here, once, so that a missing or malformed file is refused before a study exists (every trial
+    would otherwise fail on it, and a rerun resume into the same failures)."""
+    workload = Workload.parse(text)
+    if workload.arrival == "trace" and len(workload.generate(num_requests=1).arrival_s) == 0:
+        raise WorkloadError(f"trace {workload.trace_path!r} has no requests")
+    return workload
 
 # --- the twin ----------------------------------------------------------------------------
 

@@ -263,3 +263,20 @@ def test_a_size_below_one_is_refused_by_the_flag_not_the_engine(flag: str, tmp_p
     err = capsys.readouterr().err
     assert f"argument {flag}" in err and "0 must be >= 1" in err
     assert not (tmp_path / "s.db").exists()
+
+
+@pytest.mark.parametrize(("content", "match"), [
+    (None, "cannot read trace"),
+    ("", "has no requests"),
+    ('{"arrival_s": 0, "prompt_tokens": 10}\n', "arrival_s, prompt_tokens and output_tokens"),
+])
+def test_a_bad_trace_is_refused_before_the_study_exists(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                         content: str | None, match: str) -> None:
+    # Read lazily, a missing trace made every trial fail and stored them, and a rerun resumed into them.
+    trace = tmp_path / "trace.jsonl"
+    if content is not None:
+        trace.write_text(content)
+    db = tmp_path / "s.db"
+    assert main(["tune", "--offline", "--workload", str(trace), "--storage", f"sqlite:///{db}"]) == 2
+    assert match in capsys.readouterr().err
+    assert not db.exists()
