@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
 import logging
 import re
@@ -211,12 +213,39 @@ def twin_target(args: argparse.Namespace) -> Any:
 
 
 def _target_label(target: Any) -> str:
-    """Model and device as a study's name shows them: a local model directory by its own name, a
-    measured device by its profile's name (not the --gpu default it stands in for)."""
-    model = Path(target.model).name if Path(target.model).exists() else target.model
+    """Model and device as a study's name shows them, by what they resolve to (a Hugging Face id as its
+    preset, `H100` as H100-80GB): a local model directory by its own name, a measured device by its
+    profile's name (not the --gpu default it stands in for)."""
+    model = Path(target.model).name if Path(target.model).exists() else target.model_spec().name
     if target.device_profile is None:
-        return f"{model}.{target.gpu}"
+        return f"{model}.{target.gpu_spec().name}"
     return f"{model}.{'-'.join(re.findall(r'[A-Za-z0-9.]+', target.device_profile.device.name))}"
+
+
+def _workload_label(workload: Any, goal: Goal) -> str:
+    """The workload as a study's name shows it: a trace by its file name; a spec without the rate that
+    the capacity search does not use."""
+    if workload.arrival == "trace":
+        return Path(workload.trace_path).name
+    base, _, keys = workload.name.partition(":")
+    kept = [k for k in keys.split(",") if k and not (goal is Goal.CAPACITY and k.startswith("rate="))]
+    return base + (":" + ",".join(kept) if kept else "")
+
+
+def _question(target: Any, workload: Any, goal: Goal) -> dict[str, Any]:
+    """Model, GPU and workload as a study's inputs: what the names resolve to, so that another spelling
+    of the same question finds the same study and only a different question makes another.  A trace
+    is its resolved path and its content's digest."""
+    shown = dataclasses.replace(workload, name=_workload_label(workload, goal),
+                                rate=None if goal is Goal.CAPACITY else workload.rate)
+    trace = None
+    if workload.arrival == "trace":
+        path = Path(workload.trace_path).resolve()
+        shown = dataclasses.replace(shown, trace_path=str(path))
+        trace = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    return {"model": target.model_spec(),
+            "gpu": target.gpu_spec() if target.device_profile is None else None,
+            "workload": shown, "traceSha256": trace}
 
 
 def _device_input(target: Any) -> dict[str, Any] | None:
@@ -351,14 +380,14 @@ def _open_offline_study(args: argparse.Namespace, target: Any, workload: Any, sl
                         space: SearchSpace, defaults: EngineParams) -> tuple[TunerStudy, str, Path | None, int]:
     """The study these inputs name (opened or resumed, vLLM's defaults queued first), its name, the
     report's path and the trials finished before; printed: what is tuned and where the study is."""
-    inputs = identity(model=target.model, gpu=target.gpu, device=_device_input(target),
-                      maxModelLen=target.max_model_len,
-                      tensorParallelSize=target.tensor_parallel_size, workload=workload,
+    inputs = identity(**_question(target, workload, goal), device=_device_input(target),
+                      maxModelLen=target.max_model_len, tensorParallelSize=target.tensor_parallel_size,
                       slo={"ttftSeconds": slo.ttft_seconds, "itlSeconds": slo.itl_seconds},
                       goal=goal.value, rate=args.rate if goal is Goal.LATENCY else None, seed=args.seed,
                       probeSeconds=args.probe_seconds, space=space.as_spec())
     name = args.study_name or (
-        f"{study_name('offline', f'{_target_label(target)}.{workload.name}', space, goal)}.{digest(inputs)}")
+        f"{study_name('offline', f'{_target_label(target)}.{_workload_label(workload, goal)}', space, goal)}"
+        f".{digest(inputs)}")
     report = report_path(args.report, name)
     url = sqlite_url(args.storage)
     if args.join and is_sqlite(url):
@@ -508,7 +537,8 @@ def tune_local(args: argparse.Namespace) -> int:
         command, port, start = parse_engine_command(args.engine_command, defaults)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    inputs = identity(engine=command, gpu=args.gpu, device=_device_input(target),
+    inputs = identity(engine=command, gpu=target.gpu_spec().name if target.device_profile is None else None,
+                      device=_device_input(target),
                       slo={"ttftSeconds": slo.ttft_seconds, "itlSeconds": slo.itl_seconds},
                       objective=args.objective, selector=args.selector, goal=Goal.LATENCY.value, seed=args.seed,
                       space=space.as_spec())

@@ -280,3 +280,32 @@ def test_a_bad_trace_is_refused_before_the_study_exists(tmp_path: Path, capsys: 
     assert main(["tune", "--offline", "--workload", str(trace), "--storage", f"sqlite:///{db}"]) == 2
     assert match in capsys.readouterr().err
     assert not db.exists()
+
+
+@pytest.mark.parametrize("spelling", [
+    ["--gpu", "H100"],
+    ["--gpu", "nvidia-h100-80gb-hbm3"],
+    ["--model", "meta-llama/Llama-3.1-8B-Instruct"],
+    ["--workload", "prompt=256,output=32,rate=7"],  # capacity tuning searches the rate itself
+])
+def test_the_same_question_in_another_spelling_resumes_its_study(tmp_path: Path, spelling: list[str],
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(_tune(tmp_path)) == 0
+    capsys.readouterr()
+    assert main(_tune(tmp_path, *spelling)) == 0
+    assert "resuming: 2 trials done" in capsys.readouterr().err
+    assert len(_studies(tmp_path)) == 1
+
+
+def test_a_trace_is_its_content_not_how_its_path_is_written(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(f'{{"arrival_s": {i * 0.5}, "prompt_tokens": 200, "output_tokens": 20}}\n'
+                             for i in range(40)))
+    monkeypatch.chdir(tmp_path)
+    assert main(_tune(tmp_path, "--workload", str(trace))) == 0
+    assert main(_tune(tmp_path, "--workload", "./t.jsonl")) == 0
+    assert "resuming" in capsys.readouterr().err and len(_studies(tmp_path)) == 1
+    trace.write_text(trace.read_text().replace('"output_tokens": 20', '"output_tokens": 40'))
+    assert main(_tune(tmp_path, "--workload", "t.jsonl")) == 0
+    assert len(_studies(tmp_path)) == 2
