@@ -4,6 +4,7 @@ tests/integration/operator/test_webhook.py)."""
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import yaml
 
 from kvpilot.api.validation import strict_validate
-from kvpilot.operator.reviews import CachedPredictor
+from kvpilot.operator.reviews import BAD_REVIEW, MAX_REVIEW_VALUES, CachedPredictor, Reviewer
 
 FULL = yaml.safe_load((Path(__file__).resolve().parents[3] / "examples" / "full.yaml").read_text())
 
@@ -105,3 +106,32 @@ def test_the_cli_gives_the_operator_the_twins_predictor() -> None:
     assert args.predictor is twin_predictor
     made = args.predictor()
     assert isinstance(made, CachedPredictor) and made.predictor is predict
+
+
+def _update_review() -> bytes:
+    """An UPDATE as the API server sends it for `kubectl apply`: both objects, each with its
+    last-applied copy in an annotation (every bracket and comma of the object again, in a string)."""
+    new, old = copy.deepcopy(FULL), copy.deepcopy(FULL)
+    new["spec"]["engine"]["maxNumSeqs"] = 128
+    for obj in (new, old):
+        obj["metadata"]["annotations"] = {"kubectl.kubernetes.io/last-applied-configuration": json.dumps(obj)}
+    request = {"uid": "u-1", "operation": "UPDATE", "object": new, "oldObject": old,
+               "kind": {"group": "kvpilot.dev", "version": "v1alpha1", "kind": "InferenceService"}}
+    return json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": request}).encode()
+
+
+def test_json_values_are_bounded_before_parsing_far_above_an_honest_review() -> None:
+    honest = _update_review()
+    counted = honest.count(b",") + honest.count(b"[") + honest.count(b"{")
+    assert counted * 100 < MAX_REVIEW_VALUES, counted
+    assert Reviewer().answer(honest).status == 200
+    at_bound = b'{"v":[' + b"0," * (MAX_REVIEW_VALUES - 2) + b"0]}"  # two brackets, bound - 2 commas
+    answer = Reviewer().answer(at_bound)
+    assert (answer.status, answer.result) == (400, BAD_REVIEW)  # parsed: not an AdmissionReview
+    assert b"apiVersion must be" in answer.body
+    past = Reviewer().answer(at_bound.replace(b"[", b"[0,", 1))
+    assert (past.status, past.result) == (413, BAD_REVIEW)
+    message = json.loads(past.body)["message"]
+    assert message == ("malformed AdmissionReview: the body has 100001 commas and opening brackets, more than "
+                       "the 100000 allowed (each JSON object, array and member takes one; an InferenceService's "
+                       "review has a few thousand)")
