@@ -135,3 +135,47 @@ def test_json_values_are_bounded_before_parsing_far_above_an_honest_review() -> 
     assert message == ("malformed AdmissionReview: the body has 100001 commas and opening brackets, more than "
                        "the 100000 allowed (each JSON object, array and member takes one; an InferenceService's "
                        "review has a few thousand)")
+
+
+def _review_of(obj: Any, operation: str = "CREATE", old: Any = None, uid: str = "u-1") -> bytes:
+    request = {"uid": uid, "operation": operation, "object": obj, "oldObject": old,
+               "kind": {"group": "kvpilot.dev", "version": "v1alpha1", "kind": "InferenceService"}}
+    return json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": request}).encode()
+
+
+def _variants() -> list[bytes]:
+    """Specs valid and not, each under metadata valid and not: what a spec seen before must not hide."""
+    bodies = []
+    for i, engine in enumerate(({}, {"maxNumSeqs": 128}, {"blockSize": 7}, {"maxNumSeqs": 128.0},
+                                {"maxNumSeqs": True})):
+        for meta in ({}, {"name": "Bad_Name"}, {"labels": {"team": 1}}, {"namespace": ""}):
+            obj = copy.deepcopy(FULL)
+            obj["spec"]["engine"].update(engine)
+            obj["metadata"].update(meta)
+            bodies.append(_review_of(obj, uid=f"u-{i}"))
+        moved = copy.deepcopy(FULL)
+        moved["spec"]["engine"].update(engine)
+        moved["status"] = {"replicas": "two"}
+        bodies.append(_review_of(moved, "UPDATE", old=FULL, uid=f"s-{i}"))
+    return bodies
+
+
+@dataclass
+class Allowed:
+    failure: str | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+def test_a_spec_seen_before_gets_the_same_answer_as_a_fresh_reviewer_gives() -> None:
+    predicted: list[Any] = []
+    seen = Reviewer(predictor=CachedPredictor(lambda svc: predicted.append(svc) or Allowed()))
+    bodies = _variants()
+    first = [seen.answer(b) for b in bodies]
+    again = [seen.answer(b) for b in bodies]
+    fresh = [Reviewer(predictor=lambda _svc: Allowed()).answer(b) for b in bodies]
+    assert again == first == fresh
+    assert {a.result for a in first} == {"allowed", "invalid"}
+    assert len(seen.specs) == 2  # the two valid specs ({} and maxNumSeqs 128), each typed once
+    assert len(predicted) == 2  # and predicted once
+    assert b'"allowed":true' in first[0].body and json.loads(first[0].body) == {
+        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": {"uid": "u-0", "allowed": True}}
