@@ -41,21 +41,27 @@ class BoundedListener:
     """Serve `handler` (aiohttp's low-level handler: a request in, a response out) on `sock`, at most
     `max_connections` at once, handshakes included.
 
-    `ssl_context` None serves plain HTTP.  A TLS handshake not done within `handshake_timeout`
-    seconds is dropped.  `server_kwargs` go to web.Server (keepalive_timeout, access_log...)."""
+    `ssl_context` None serves plain HTTP.  A TLS handshake not done within
+    `handshake_timeout_seconds` is dropped; a connection without a whole request head
+    `idle_timeout_seconds` after its handshake or its last answer is closed (aiohttp's keep-alive
+    timer, which runs until a request's head is complete).  `server_kwargs` go to web.Server."""
 
-    def __init__(self, handler: Any, sock: socket.socket, *, max_connections: int,
-                 ssl_context: ssl.SSLContext | None = None, handshake_timeout: float = 10.0,
+    def __init__(self, handler: Any, sock: socket.socket, *, max_connections: int, idle_timeout_seconds: float,
+                 ssl_context: ssl.SSLContext | None = None, handshake_timeout_seconds: float = 10.0,
                  **server_kwargs: Any) -> None:
         if max_connections < 1:
             raise ValueError(f"max_connections must be at least 1 (got {max_connections})")
-        if handshake_timeout <= 0:
-            raise ValueError(f"handshake_timeout must be positive (got {handshake_timeout})")
+        # aiohttp takes a keep-alive timeout of 0 as no timer at all.
+        for name, value in (("idle_timeout_seconds", idle_timeout_seconds),
+                            ("handshake_timeout_seconds", handshake_timeout_seconds)):
+            if not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds (got {value})")
+        server_kwargs["keepalive_timeout"] = idle_timeout_seconds
         self.server: web.Server = _CountingServer(handler, self._lost, **server_kwargs)
         self.sock = sock
         self.max_connections = max_connections
         self.ssl_context = ssl_context
-        self.handshake_timeout = handshake_timeout
+        self.handshake_timeout = handshake_timeout_seconds
         self._slots = asyncio.Semaphore(max_connections)
         self._held: set[RequestHandler] = set()  # connections past their handshake, each with a slot
         self._pending: set[asyncio.Task[None]] = set()  # handshakes under way, each with a slot

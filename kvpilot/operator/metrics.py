@@ -106,7 +106,11 @@ async def start_http(metrics: OperatorMetrics, host: str, port: int, healthy: Ca
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, port), family=family, backlog=128)
-    listener = BoundedListener(handle, sock, max_connections=max_connections,
-                               keepalive_timeout=idle_timeout_seconds, access_log=None)
+    try:
+        listener = BoundedListener(handle, sock, max_connections=max_connections,
+                                   idle_timeout_seconds=idle_timeout_seconds, access_log=None)
+    except BaseException:
+        sock.close()
+        raise
     listener.start()
     return listener

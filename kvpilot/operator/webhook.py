@@ -90,10 +90,14 @@ class WebhookServer:
         # aiohttp's low-level server: one path, one method, no router or middlewares to run per review.
         # auto_decompress off: aiohttp would inflate a compressed body without limit; _read_body
         # inflates it here with the limit on the inflated bytes.
-        self._listener = BoundedListener(
-            self._handle, sock, max_connections=self.max_connections, ssl_context=self._context,
-            handshake_timeout=self.handshake_timeout_seconds, keepalive_timeout=self.idle_timeout_seconds,
-            access_log=None, auto_decompress=False)
+        try:
+            self._listener = BoundedListener(
+                self._handle, sock, max_connections=self.max_connections, ssl_context=self._context,
+                handshake_timeout_seconds=self.handshake_timeout_seconds,
+                idle_timeout_seconds=self.idle_timeout_seconds, access_log=None, auto_decompress=False)
+        except BaseException:
+            sock.close()
+            raise
         self._listener.start()
         self._reload = asyncio.create_task(self._watch_certificates(), name="webhook certificate reload")
 

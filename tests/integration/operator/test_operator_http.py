@@ -103,3 +103,15 @@ def test_connections_past_the_cap_wait_for_a_free_slot() -> None:
         return at_cap, third
 
     assert serving(scenario, max_connections=2) == (2, (200, b"ok\n"))
+
+
+@pytest.mark.parametrize(("kwargs", "complaint"), [
+    ({"max_connections": 0}, "max_connections must be at least 1 (got 0)"),
+    ({"idle_timeout_seconds": 0}, "idle_timeout_seconds must be a positive number of seconds (got 0)"),
+])
+def test_bounds_that_would_bound_nothing_are_refused_naming_them(kwargs: dict[str, Any], complaint: str) -> None:
+    async def main() -> None:
+        with pytest.raises(ValueError, match=complaint.replace("(", r"\(").replace(")", r"\)")):
+            await start_http(OperatorMetrics(), "127.0.0.1", 0, lambda: True, **kwargs)
+
+    asyncio.run(main())

@@ -706,3 +706,18 @@ def test_a_compressed_review_is_inflated_whole_and_one_that_inflates_past_the_li
     assert (s_br, a_br["reason"]) == (415, "UnsupportedMediaType")
     assert "allowed: deflate, gzip, identity" in a_br["message"]
     assert after[0] == 200
+
+
+@pytest.mark.parametrize(("bound", "complaint"), [
+    ({"max_connections": 0}, r"max_connections must be at least 1 \(got 0\)"),
+    ({"idle_timeout_seconds": 0}, r"idle_timeout_seconds must be a positive number of seconds \(got 0\)"),
+    ({"handshake_timeout_seconds": -1}, r"handshake_timeout_seconds must be a positive number of seconds \(got -1\)"),
+])
+def test_bounds_that_would_bound_nothing_are_refused_naming_the_field(pki: Pki, bound: dict[str, Any],
+                                                                      complaint: str) -> None:
+    async def main() -> None:
+        with pytest.raises(ValueError, match=complaint):
+            async with serving(pki, **bound):
+                pass
+
+    asyncio.run(main())
