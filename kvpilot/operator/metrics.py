@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ from kvpilot.api.vocabulary import (
     METRIC_RECONCILES_TOTAL,
     METRIC_ROLLBACKS_TOTAL,
 )
+from kvpilot.operator.listener import BoundedListener
 
 RESULTS = ("success", "invalid", "error", "retry")
 # The admission webhook's results (kvpilot.operator.reviews.RESULTS; restated so this module
@@ -78,22 +80,37 @@ class OperatorMetrics:
         self.set_engine(namespace, name, None)
 
 
-async def start_http(metrics: OperatorMetrics, host: str, port: int,
-                     healthy: Callable[[], bool]) -> web.AppRunner:
-    """Serve /healthz (200 once kopf is watching, 503 before or after) and /metrics."""
+# The metrics port's bounds: kubelet's probes and a Prometheus or two are its clients.  aiohttp's
+# own default keeps an idle or half-sent connection for an hour, and accepts without limit.
+HTTP_IDLE_TIMEOUT_SECONDS = 30.0
+HTTP_MAX_CONNECTIONS = 64
 
-    async def healthz(_: web.Request) -> web.Response:
-        ok = healthy()
-        return web.Response(status=200 if ok else 503, text="ok\n" if ok else "not ready\n")
 
-    async def metrics_view(_: web.Request) -> web.Response:
-        body = await asyncio.to_thread(generate_latest, metrics.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+async def start_http(metrics: OperatorMetrics, host: str, port: int, healthy: Callable[[], bool], *,
+                     idle_timeout_seconds: float = HTTP_IDLE_TIMEOUT_SECONDS,
+                     max_connections: int = HTTP_MAX_CONNECTIONS) -> BoundedListener:
+    """Serve /healthz (200 once kopf is watching, 503 before or after) and /metrics (GET or HEAD);
+    `close()` the listener returned to stop.  A connection idle, or without a whole request head,
+    for idle_timeout_seconds is closed; at most max_connections are open at once."""
 
-    app = web.Application()
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/metrics", metrics_view)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    return runner
+    async def handle(request: web.BaseRequest) -> web.Response:
+        if request.method not in ("GET", "HEAD"):
+            return web.Response(status=405, text="GET only\n", headers={"Allow": "GET, HEAD"})
+        if request.path == "/healthz":
+            ok = healthy()
+            return web.Response(status=200 if ok else 503, text="ok\n" if ok else "not ready\n")
+        if request.path == "/metrics":
+            body = await asyncio.to_thread(generate_latest, metrics.registry)
+            return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(status=404, text="not found: /healthz and /metrics are served\n")
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=128)
+    try:
+        listener = BoundedListener(handle, sock, max_connections=max_connections,
+                                   idle_timeout_seconds=idle_timeout_seconds, access_log=None)
+    except BaseException:
+        sock.close()
+        raise
+    listener.start()
+    return listener

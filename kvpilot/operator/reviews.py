@@ -11,15 +11,16 @@ import json
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pydantic import ValidationError
 from pydantic_core import from_json
 
 from kvpilot.api.documents import brief
-from kvpilot.api.models import InferenceService
+from kvpilot.api.models import InferenceService, InferenceServiceSpec
 from kvpilot.api.validation import ValidationIssue, advise, check_object
-from kvpilot.api.vocabulary import GROUP, KIND, PLURAL
+from kvpilot.api.vocabulary import API_VERSION, GROUP, KIND, PLURAL
 
 logger = logging.getLogger("kvpilot.operator.webhook")
 
@@ -29,6 +30,10 @@ OPERATIONS = ("CREATE", "UPDATE", "DELETE", "CONNECT")
 # Kubernetes may truncate warnings beyond 256 characters each, and a screenful helps nobody.
 MAX_WARNINGS = 10
 MAX_WARNING_CHARS = 256
+# JSON values in one review, bounded before it is parsed (see _load): an honest review of an
+# InferenceService, an UPDATE with both objects and their last-applied copies, has a few thousand;
+# at this many the worst review (every value a validation error) takes ~0.3 s to parse and answer.
+MAX_REVIEW_VALUES = 100_000
 
 # Results, as the operator's kvpilot_admission_reviews_total counts them.
 ALLOWED = "allowed"
@@ -58,24 +63,36 @@ class CachedPredictor:
     the GPU and the engine's flags; kvpilot.twin.admission.predict reads nothing else), and it costs
     several times a whole review, so the webhook predicts each distinct spec once.  The key is the
     typed spec's canonical JSON (defaults filled in, fields in model order): two specs that mean
-    the same share it, and no two that differ do.  The least recently used entries go first."""
+    the same share it, and no two that differ do.  The least recently used entries go first.
+
+    The key costs a third of a cached review, so the same typed spec object (the Reviewer hands
+    out one per spec it has seen valid) is also found by identity first; each such entry holds its
+    spec, so the id cannot be another object's while the entry lives."""
 
     def __init__(self, predictor: Predictor, size: int = 4096) -> None:
         self.predictor = predictor
         self.size = size
         self._cache: OrderedDict[str, PredictionLike] = OrderedDict()
+        self._by_spec: OrderedDict[int, tuple[object, PredictionLike]] = OrderedDict()
 
     def __call__(self, service: InferenceService) -> PredictionLike:
-        key = service.spec.model_dump_json()
+        spec = service.spec
+        same = self._by_spec.get(id(spec))
+        if same is not None and same[0] is spec:
+            self._by_spec.move_to_end(id(spec))
+            return same[1]
+        key = spec.model_dump_json()
         found = self._cache.get(key)
         if found is not None:
             self._cache.move_to_end(key)
-            return found
-        prediction = self.predictor(service)
-        self._cache[key] = prediction
-        if len(self._cache) > self.size:
-            self._cache.popitem(last=False)
-        return prediction
+        else:
+            found = self._cache[key] = self.predictor(service)
+            if len(self._cache) > self.size:
+                self._cache.popitem(last=False)
+        self._by_spec[id(spec)] = (spec, found)
+        if len(self._by_spec) > self.size:
+            self._by_spec.popitem(last=False)
+        return found
 
 
 class BadReview(ValueError):
@@ -94,6 +111,18 @@ class Answer:
 
 
 def _load(body: bytes) -> Any:
+    # The parser builds every object and array before anything can look at them: 8 MiB of "[],"
+    # is 2.8 million lists, half a second to a second and a half of the event loop, and four such
+    # reviews delayed an honest one past the API server's timeout.  So the values are bounded before
+    # parsing: every value in an object or array but the first follows a comma, so commas and
+    # opening brackets bound the count (those inside strings too: an over-count, three C scans of
+    # the body; none for a body too short to hold more).  Strings and numbers, however long, parse
+    # at memory speed.
+    if len(body) > MAX_REVIEW_VALUES and (
+            values := body.count(b",") + body.count(b"[") + body.count(b"{")) > MAX_REVIEW_VALUES:
+        raise BadReview(f"the body has {values} commas and opening brackets, more than the {MAX_REVIEW_VALUES} "
+                        "allowed (each JSON object, array and member takes one; an InferenceService's review "
+                        "has a few thousand)", 413)
     # pydantic-core's JSON parser (jiter): a third of json.loads's time on a review, and strict JSON
     # (no NaN or Infinity, nesting past 200 levels refused: no Kubernetes object comes near that).
     try:
@@ -162,7 +191,7 @@ def _status(code: int, reason: str, message: str, details: Mapping[str, Any] | N
 
 def _bad(exc: BadReview) -> Answer:
     reason = {400: "BadRequest", 404: "NotFound", 405: "MethodNotAllowed", 408: "Timeout",
-              413: "RequestEntityTooLarge"}
+              413: "RequestEntityTooLarge", 415: "UnsupportedMediaType"}
     prefix = "" if exc.status in (404, 405) else "malformed AdmissionReview: "
     status = {"kind": "Status", "apiVersion": "v1",
               **_status(exc.status, reason.get(exc.status, "BadRequest"), f"{prefix}{exc}")}
@@ -196,6 +225,12 @@ def _warnings(found: Sequence[str]) -> list[str]:
     return out
 
 
+# A spec longer than this is checked in full every time rather than kept (an honest spec is ~1 KB).
+_MAX_SPEC_KEY_CHARS = 16384
+_ALLOWED_HEAD = f'{{"apiVersion":"{ADMISSION_API_VERSION}","kind":"{ADMISSION_KIND}","response":{{"uid":'.encode()
+_ALLOWED_TAIL = b',"allowed":true}}'
+
+
 @dataclass(slots=True)
 class Reviewer:
     """Answers AdmissionReviews for InferenceServices.
@@ -204,6 +239,9 @@ class Reviewer:
     kvpilot.twin.admission.predict); without one the webhook runs the validation only."""
 
     predictor: Predictor | None = None
+    # Valid specs already checked, by their JSON: see check.
+    specs: OrderedDict[str, InferenceServiceSpec] = field(default_factory=OrderedDict, repr=False)
+    spec_cache_size: int = 1024
 
     def answer(self, body: bytes) -> Answer:
         try:
@@ -211,8 +249,41 @@ class Reviewer:
         except BadReview as exc:
             return _bad(exc)
         response, result = self.decide(request)
+        if len(response) == 2 and response["allowed"] is True:  # the usual answer, without the encoder
+            return Answer(200, _ALLOWED_HEAD + json.dumps(response["uid"], ensure_ascii=False).encode()
+                          + _ALLOWED_TAIL, result)
         review = {"apiVersion": ADMISSION_API_VERSION, "kind": ADMISSION_KIND, "response": response}
         return Answer(200, json.dumps(review, ensure_ascii=False, separators=(",", ":")).encode(), result)
+
+    def check(self, obj: Any) -> tuple[InferenceService | None, list[ValidationIssue]]:
+        """`check_object`, with each valid spec validated once.  The spec is most of the work (nested
+        models, their cross-field rules) and its result depends on the spec alone, so a spec seen
+        valid before is not validated again: the object is validated with that typed spec in its
+        place, which checks the rest (metadata, status) as ever.  The key is the parsed spec's repr:
+        for JSON's values it is exact (1, 1.0 and true apart, key order and all, a third faster than
+        json.dumps), so only a spec that would validate the same finds an entry.  Any failure takes
+        the full check, so every denial reads as it always did."""
+        spec = obj.get("spec") if isinstance(obj, dict) else None
+        key = None
+        if isinstance(spec, dict) and obj.get("apiVersion") == API_VERSION and obj.get("kind") == KIND:
+            try:
+                key = repr(spec)
+            except ValueError:  # an integer past Python's 4,300 digits: checked in full, and refused
+                key = None
+            if key is not None and len(key) > _MAX_SPEC_KEY_CHARS:
+                key = None
+            elif key is not None and (known := self.specs.get(key)) is not None:
+                self.specs.move_to_end(key)
+                try:
+                    return InferenceService.model_validate({**obj, "spec": known}, strict=True), []
+                except ValidationError:
+                    pass
+        service, issues = check_object(obj)
+        if service is not None and key is not None:
+            self.specs[key] = service.spec
+            if len(self.specs) > self.spec_cache_size:
+                self.specs.popitem(last=False)
+        return service, issues
 
     def decide(self, request: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
         """The AdmissionResponse for a well-formed request, and its result."""
@@ -226,7 +297,7 @@ class Reviewer:
             # never block the operator's own bookkeeping, nor the removal of an object that was
             # admitted before this webhook (or these rules) existed.
             return {"uid": uid, "allowed": True}, ALLOWED
-        service, issues = check_object(obj)
+        service, issues = self.check(obj)
         if service is None:
             name = _object_name(request, obj)
             message = f'{KIND}.{GROUP} "{name}" is invalid: ' + (

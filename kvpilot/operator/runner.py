@@ -49,7 +49,7 @@ async def run_operator(settings: OperatorSettings, predictor: Predictor | None =
         try:
             webhook = await start_webhook(settings, rt.metrics, predictor)
         except BaseException:
-            await http.cleanup()
+            await http.close()
             await client.close()
             raise
     operator = asyncio.create_task(kopf.operator(
@@ -70,7 +70,7 @@ async def run_operator(settings: OperatorSettings, predictor: Predictor | None =
     finally:
         if webhook is not None:
             await webhook.stop()
-        await http.cleanup()
+        await http.close()
         await client.close()
 
 

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from kvpilot.api.vocabulary import WEBHOOK_PATH
-from kvpilot.operator.reviews import Reviewer
+from kvpilot.operator.reviews import MAX_REVIEW_VALUES, Reviewer
 from kvpilot.operator.webhook import MAX_REVIEW_BYTES, WebhookServer
 
 trustme = pytest.importorskip("trustme", reason="trustme is not installed (pip install -e '.[test]')")
@@ -563,3 +563,161 @@ def test_the_operator_process_serves_the_webhook_and_counts_its_answers(
                               ("warned", 0)):
             assert f'kvpilot_admission_reviews_total{{result="{result}"}} {count}.0' in metrics, result
         assert "admission webhook on https://127.0.0.1:" in op.log()
+
+
+# --- abuse: every connection, body and review bounded ----------------------------------------------
+
+
+def _closed_by_server(sock: socket.socket | ssl.SSLSocket) -> bool:
+    """True once the server closes `sock` (recv returns nothing or the connection is reset); the
+    socket's own timeout is the deadline, far past the server's."""
+    try:
+        return sock.recv(1) == b""
+    except (ConnectionResetError, ssl.SSLError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_an_idle_or_half_sent_connection_is_closed_after_the_idle_timeout(pki: Pki) -> None:
+    async def scenario(session: aiohttp.ClientSession, server: WebhookServer) -> Any:
+        def clients() -> tuple[bool, bool, bool]:
+            with _raw_tls(pki, server.bound_port) as idle, _raw_tls(pki, server.bound_port) as loris, \
+                    socket.create_connection(("127.0.0.1", server.bound_port), timeout=10) as no_tls:
+                loris.sendall(f"POST {WEBHOOK_PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ".encode())
+                return _closed_by_server(idle), _closed_by_server(loris), _closed_by_server(no_tls)
+
+        closed = await asyncio.to_thread(clients)
+        return closed, await post(session, server, good)  # the server goes on
+
+    good = _good()
+    (idle, loris, no_handshake), answered = run_with(
+        pki, scenario, idle_timeout_seconds=0.3, handshake_timeout_seconds=0.3)
+    assert (idle, loris, no_handshake) == (True, True, True)
+    assert response_of(*answered, good)["allowed"] is True
+
+
+def _wait_for(predicate: Callable[[], bool], seconds: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_connections_past_the_cap_wait_for_a_free_slot(pki: Pki) -> None:
+    body = json.dumps(_good()).encode()
+
+    async def scenario(_session: aiohttp.ClientSession, server: WebhookServer) -> Any:
+        def clients() -> tuple[int, int, tuple[int, dict[str, Any]]]:
+            import concurrent.futures
+
+            first, second = _raw_tls(pki, server.bound_port), _raw_tls(pki, server.bound_port)
+            _wait_for(lambda: server.open_connections == 2)
+
+            def third() -> tuple[int, dict[str, Any]]:
+                with _raw_tls(pki, server.bound_port) as tls:
+                    tls.sendall(f"POST {WEBHOOK_PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                                f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+                    return _read_response(tls)
+
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(third)
+                with pytest.raises(concurrent.futures.TimeoutError):
+                    waiting.result(timeout=0.5)  # not accepted while two are open
+                at_cap = server.open_connections
+                first.close()
+                answer = waiting.result(timeout=10)
+            second.close()
+            return at_cap, server.max_connections, answer
+
+        return await asyncio.to_thread(clients)
+
+    at_cap, cap, (status, answer) = run_with(pki, scenario, max_connections=2)
+    assert at_cap == cap == 2
+    assert status == 200 and answer["response"]["allowed"] is True
+
+
+def _lists(size: int) -> bytes:
+    """A review whose spec holds `size` bytes of empty lists: cheap to send, millions of objects to build."""
+    head, tail = json.dumps(_good()).encode().split(b'"spec": {', 1)
+    filler = b"[]," * (size // 3)
+    return head + b'"spec": {"x": [' + filler + b'[]], ' + tail
+
+
+def test_reviews_of_millions_of_values_are_refused_without_building_them_while_others_are_answered(pki: Pki) -> None:
+    import time
+
+    hostile = _lists(MAX_REVIEW_BYTES - 4096)
+    assert len(hostile) <= MAX_REVIEW_BYTES
+    good = _good()
+
+    async def scenario(session: aiohttp.ClientSession, server: WebhookServer) -> Any:
+        cpu = time.process_time()
+        answers = await asyncio.gather(*(post(session, server, hostile) for _ in range(4)),
+                                       post(session, server, good))
+        return answers, time.process_time() - cpu
+
+    answers, cpu_s = run_with(pki, scenario)
+    for status, answer in answers[:4]:
+        assert (status, answer["reason"]) == (413, "RequestEntityTooLarge"), answer
+        assert f"more than the {MAX_REVIEW_VALUES} allowed" in answer["message"]
+    assert response_of(*answers[4], good)["allowed"] is True
+    # Client and server together, four 8 MiB reviews sent over TLS and refused: the issue's bound per
+    # hostile request is 2 CPU-s; parsing them used 0.5-1.5 CPU-s each.
+    assert cpu_s < 2.0, f"{cpu_s:.2f} CPU-s"
+
+
+def _gzip(data: bytes) -> bytes:
+    import gzip
+
+    return gzip.compress(data, compresslevel=6, mtime=0)
+
+
+async def _post_encoded(session: aiohttp.ClientSession, server: WebhookServer, data: bytes,
+                        encoding: str) -> tuple[int, dict[str, Any]]:
+    headers = {"Content-Type": "application/json", "Content-Encoding": encoding}
+    async with session.post(url(server), data=data, headers=headers) as resp:
+        return resp.status, json.loads(await resp.read())
+
+
+def test_a_compressed_review_is_inflated_whole_and_one_that_inflates_past_the_limit_gets_413(pki: Pki) -> None:
+    import zlib
+
+    large = _good()  # ~3 MiB inflated: an UPDATE of a 1.5 MiB object comes near that
+    large["request"]["object"]["metadata"]["annotations"] = {"example.com/notes": "n" * (3 << 20)}
+    plain = json.dumps(large).encode()
+    bomb = _gzip(b" " * (MAX_REVIEW_BYTES + 1))  # ~8 KiB that inflates past the limit
+    cut = _gzip(plain)[:-100]
+
+    async def scenario(session: aiohttp.ClientSession, server: WebhookServer) -> Any:
+        return [await _post_encoded(session, server, data, encoding) for data, encoding in (
+            (_gzip(plain), "gzip"), (zlib.compress(plain), "deflate"), (bomb, "gzip"), (cut, "gzip"),
+            (plain, "br"))] + [await post(session, server, _good())]
+
+    (s_gzip, a_gzip), (s_deflate, a_deflate), (s_bomb, a_bomb), (s_cut, a_cut), (s_br, a_br), after = run_with(
+        pki, scenario)
+    assert response_of(s_gzip, a_gzip, large)["allowed"] is True
+    assert response_of(s_deflate, a_deflate, large)["allowed"] is True
+    assert (s_bomb, a_bomb["reason"]) == (413, "RequestEntityTooLarge")
+    assert f"inflates to more than the {MAX_REVIEW_BYTES} bytes allowed" in a_bomb["message"]
+    assert s_cut == 400 and "gzip body is cut short" in a_cut["message"]
+    assert (s_br, a_br["reason"]) == (415, "UnsupportedMediaType")
+    assert "allowed: deflate, gzip, identity" in a_br["message"]
+    assert after[0] == 200
+
+
+@pytest.mark.parametrize(("bound", "complaint"), [
+    ({"max_connections": 0}, r"max_connections must be at least 1 \(got 0\)"),
+    ({"idle_timeout_seconds": 0}, r"idle_timeout_seconds must be a positive number of seconds \(got 0\)"),
+    ({"handshake_timeout_seconds": -1}, r"handshake_timeout_seconds must be a positive number of seconds \(got -1\)"),
+])
+def test_bounds_that_would_bound_nothing_are_refused_naming_the_field(pki: Pki, bound: dict[str, Any],
+                                                                      complaint: str) -> None:
+    async def main() -> None:
+        with pytest.raises(ValueError, match=complaint):
+            async with serving(pki, **bound):
+                pass
+
+    asyncio.run(main())

@@ -4,6 +4,7 @@ tests/integration/operator/test_webhook.py)."""
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import yaml
 
 from kvpilot.api.validation import strict_validate
-from kvpilot.operator.reviews import CachedPredictor
+from kvpilot.operator.reviews import BAD_REVIEW, MAX_REVIEW_VALUES, CachedPredictor, Reviewer
 
 FULL = yaml.safe_load((Path(__file__).resolve().parents[3] / "examples" / "full.yaml").read_text())
 
@@ -125,3 +126,76 @@ def test_a_misspelt_gpu_type_is_admitted_with_a_warning_kubectl_shows() -> None:
     obj["spec"]["resources"]["gpuType"] = "H100-80GB"
     response = json.loads(Reviewer().answer(json.dumps(review).encode()).body)["response"]
     assert response == {"uid": "u1", "allowed": True}
+
+
+def _update_review() -> bytes:
+    """An UPDATE as the API server sends it for `kubectl apply`: both objects, each with its
+    last-applied copy in an annotation (every bracket and comma of the object again, in a string)."""
+    new, old = copy.deepcopy(FULL), copy.deepcopy(FULL)
+    new["spec"]["engine"]["maxNumSeqs"] = 128
+    for obj in (new, old):
+        obj["metadata"]["annotations"] = {"kubectl.kubernetes.io/last-applied-configuration": json.dumps(obj)}
+    request = {"uid": "u-1", "operation": "UPDATE", "object": new, "oldObject": old,
+               "kind": {"group": "kvpilot.dev", "version": "v1alpha1", "kind": "InferenceService"}}
+    return json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": request}).encode()
+
+
+def test_json_values_are_bounded_before_parsing_far_above_an_honest_review() -> None:
+    honest = _update_review()
+    counted = honest.count(b",") + honest.count(b"[") + honest.count(b"{")
+    assert counted * 100 < MAX_REVIEW_VALUES, counted
+    assert Reviewer().answer(honest).status == 200
+    at_bound = b'{"v":[' + b"0," * (MAX_REVIEW_VALUES - 2) + b"0]}"  # two brackets, bound - 2 commas
+    answer = Reviewer().answer(at_bound)
+    assert (answer.status, answer.result) == (400, BAD_REVIEW)  # parsed: not an AdmissionReview
+    assert b"apiVersion must be" in answer.body
+    past = Reviewer().answer(at_bound.replace(b"[", b"[0,", 1))
+    assert (past.status, past.result) == (413, BAD_REVIEW)
+    message = json.loads(past.body)["message"]
+    assert message == ("malformed AdmissionReview: the body has 100001 commas and opening brackets, more than "
+                       "the 100000 allowed (each JSON object, array and member takes one; an InferenceService's "
+                       "review has a few thousand)")
+
+
+def _review_of(obj: Any, operation: str = "CREATE", old: Any = None, uid: str = "u-1") -> bytes:
+    request = {"uid": uid, "operation": operation, "object": obj, "oldObject": old,
+               "kind": {"group": "kvpilot.dev", "version": "v1alpha1", "kind": "InferenceService"}}
+    return json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": request}).encode()
+
+
+def _variants() -> list[bytes]:
+    """Specs valid and not, each under metadata valid and not: what a spec seen before must not hide."""
+    bodies = []
+    for i, engine in enumerate(({}, {"maxNumSeqs": 128}, {"blockSize": 7}, {"maxNumSeqs": 128.0},
+                                {"maxNumSeqs": True})):
+        for meta in ({}, {"name": "Bad_Name"}, {"labels": {"team": 1}}, {"namespace": ""}):
+            obj = copy.deepcopy(FULL)
+            obj["spec"]["engine"].update(engine)
+            obj["metadata"].update(meta)
+            bodies.append(_review_of(obj, uid=f"u-{i}"))
+        moved = copy.deepcopy(FULL)
+        moved["spec"]["engine"].update(engine)
+        moved["status"] = {"replicas": "two"}
+        bodies.append(_review_of(moved, "UPDATE", old=FULL, uid=f"s-{i}"))
+    return bodies
+
+
+@dataclass
+class Allowed:
+    failure: str | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+def test_a_spec_seen_before_gets_the_same_answer_as_a_fresh_reviewer_gives() -> None:
+    predicted: list[Any] = []
+    seen = Reviewer(predictor=CachedPredictor(lambda svc: predicted.append(svc) or Allowed()))
+    bodies = _variants()
+    first = [seen.answer(b) for b in bodies]
+    again = [seen.answer(b) for b in bodies]
+    fresh = [Reviewer(predictor=lambda _svc: Allowed()).answer(b) for b in bodies]
+    assert again == first == fresh
+    assert {a.result for a in first} == {"allowed", "invalid"}
+    assert len(seen.specs) == 2  # the two valid specs ({} and maxNumSeqs 128), each typed once
+    assert len(predicted) == 2  # and predicted once
+    assert b'"allowed":true' in first[0].body and json.loads(first[0].body) == {
+        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": {"uid": "u-0", "allowed": True}}
