@@ -19,6 +19,7 @@ from kvpilot.operator.builders.render import render_manifests, unwanted_monitors
 from kvpilot.operator.builders.service import build_pdb, wants_pdb
 from kvpilot.operator.builders.status import (
     DEGRADED,
+    READY,
     REASON_APPLY_FAILED,
     REASON_IMAGE_NOT_ALLOWED,
     REASON_INVALID_SPEC,
@@ -33,7 +34,7 @@ from kvpilot.operator.kube import ApiError
 from kvpilot.operator.reconcile.canary import CanaryView, reconcile_canary, with_canary
 from kvpilot.operator.reconcile.common import image_refusal, render_options
 from kvpilot.operator.reconcile.runtime import Emit, Logger, Runtime
-from kvpilot.operator.reconcile.status import ComputeStatus, degraded_only, update_status
+from kvpilot.operator.reconcile.status import ComputeStatus, apply_failed, update_status
 
 
 @dataclass
@@ -109,8 +110,7 @@ async def validate(p: Pass) -> bool:
         p.isvc = InferenceService.model_validate({k: v for k, v in p.body.items() if k != "status"})
         return True
     message = "; ".join(str(issue) for issue in issues)
-    old = find_condition(p.previous.get("conditions"), DEGRADED) or {}
-    if old.get("reason") != REASON_INVALID_SPEC or old.get("message") != message:
+    if not _refusal_said(p.previous, REASON_INVALID_SPEC, message):
         p.emit("Warning", REASON_INVALID_SPEC, message)
     p.logger.warning("invalid spec, nothing deployed or changed: %s", message)
     generation = p.generation
@@ -126,11 +126,11 @@ async def keep_last_good(p: Pass) -> bool:
 
 async def check_image(p: Pass) -> bool:
     """An engine image outside the allowlist is said (Degraded ImageNotAllowed) and nothing is changed."""
-    refusal = image_refusal(p.rt, p.engine or p.spec.spec.engine)
+    refusal = (image_refusal(p.rt, p.spec.spec.engine) if p.engine is None
+               else image_refusal(p.rt, p.engine, "status.lastGoodEngine.image"))
     if refusal is None:
         return True
-    old = find_condition(p.previous.get("conditions"), DEGRADED) or {}
-    if old.get("reason") != REASON_IMAGE_NOT_ALLOWED or old.get("message") != refusal:
+    if not _refusal_said(p.previous, REASON_IMAGE_NOT_ALLOWED, refusal):
         p.emit("Warning", REASON_IMAGE_NOT_ALLOWED, refusal)
     p.logger.warning("image not allowed, nothing deployed or changed: %s", refusal)
     generation = p.generation
@@ -240,7 +240,7 @@ async def run_steps(p: Pass, steps: tuple[Step, ...] = STEPS) -> ComputeStatus:
     except NotOwned as exc:
         p.emit("Warning", REASON_APPLY_FAILED, str(exc))
         p.deployment = None
-        p.end(degraded_only(REASON_APPLY_FAILED, str(exc), p.generation), "error")
+        p.end(apply_failed(str(exc), p.generation), "error")
     except ApiError as exc:
         message = f"applying children failed: {exc}"
         p.emit("Warning", REASON_APPLY_FAILED, message)
@@ -248,7 +248,7 @@ async def run_steps(p: Pass, steps: tuple[Step, ...] = STEPS) -> ComputeStatus:
             # The caller writes Degraded before kopf's retry, so the condition shows while we wait.
             raise p.rt.retry_later(message, exc.retry_after) from exc
         p.deployment = None
-        p.end(degraded_only(REASON_APPLY_FAILED, message, p.generation), "error")
+        p.end(apply_failed(message, p.generation), "error")
     if p.compute is None:
         raise RuntimeError("the reconcile's last step ends the pass")
     return p.compute
@@ -276,7 +276,7 @@ async def _reconcile_and_write(p: Pass) -> None:
         compute = await run_steps(p)
     except kopf.TemporaryError as exc:
         p.result = "retry"
-        await _write_status(p, degraded_only(REASON_APPLY_FAILED, str(exc), p.generation))
+        await _write_status(p, apply_failed(str(exc), p.generation))
         raise
     if await _write_status(p, compute) and p.deployment is not None:
         version = p.deployment.get("metadata", {}).get("resourceVersion")
@@ -294,6 +294,13 @@ async def _write_status(p: Pass, compute: ComputeStatus) -> bool:
             raise p.rt.retry_later(f"writing the status failed: {exc}", exc.retry_after) from exc
         p.logger.warning("status of %s/%s not written: %s", p.namespace, p.name, exc)
         return False
+
+
+def _refusal_said(previous: dict[str, Any], reason: str, message: str) -> bool:
+    """The status says this refusal already (its Event was posted): on Degraded, or on Ready where a
+    generation rolled back keeps its Degraded (invalid_status)."""
+    return any((cond := find_condition(previous.get("conditions"), type_) or {}).get("reason") == reason
+               and cond.get("message") == message for type_ in (DEGRADED, READY))
 
 
 def _unserved_kinds(isvc: InferenceService, served: frozenset[str]) -> list[str]:

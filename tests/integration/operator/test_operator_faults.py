@@ -284,3 +284,35 @@ def test_an_operator_killed_between_a_rollback_patch_and_its_status_keeps_the_ro
         assert len(requests_to(api, "PATCH", dep_path(name))) == patches_before  # 8192 never sent again
         assert engine_arg(api.get(dep_path(name)), "--max-num-batched-tokens") == "2048"
 
+
+
+def _handled(op: OperatorProcess, name: str) -> int:
+    """How many times kopf logged the reconcile of `name` as succeeded."""
+    records = [json.loads(line) for line in op.log().splitlines() if line.strip()]
+    return sum(1 for r in records if r.get("object", {}).get("name") == name
+               and str(r.get("message", "")).startswith("Handler 'reconcile' succeeded"))
+
+
+def test_a_failed_reconcile_of_a_rolled_back_generation_keeps_the_rollback(api: KMockAPI,
+                                                                           operator: OperatorProcess) -> None:
+    """After generation 2 is rolled back, a reconcile of generation 2 (a label changed) fails past the
+    client's retries: it says ApplyFailed, and kopf runs it again.  That run must still render
+    lastGoodEngine (2048), not the failed 8192: Degraded RolledBack, which keeps it there, stands."""
+    name = "rolled-back-apply-failed"
+    _good_then_bad(api, name)
+    _deadline_exceeded(api, name)
+    wait_for(lambda: condition(isvc(api, name), "Degraded").get("reason") == "RolledBack" and
+             engine_arg(api.get(dep_path(name)), "--max-num-batched-tokens") == "2048", what="rolled back to 2048")
+    patches = len(requests_to(api, "PATCH", dep_path(name)))
+    handled = _handled(operator, name)
+    rule = api.fail("GET", f"/namespaces/{NS}/deployments/{name}$", *[Fault(503)] * ALL_TRIES_OF_ONE_CALL)
+    api.patch(api.isvc_path(NS, name), {"metadata": {"labels": {"team": "search"}}})
+    (failed,) = wait_for(lambda: events_for(api, name, "ApplyFailed"), what="the ApplyFailed event")
+    assert "503 ServiceUnavailable" in failed["message"]
+    wait_for(lambda: _handled(operator, name) > handled, timeout=30, what="the reconcile run again, and done")
+    assert rule.exhausted
+    obj = isvc(api, name)
+    assert condition(obj, "Degraded")["reason"] == "RolledBack"
+    assert obj["status"]["lastGoodEngine"]["maxNumBatchedTokens"] == 2048
+    assert engine_arg(api.get(dep_path(name)), "--max-num-batched-tokens") == "2048"
+    assert len(requests_to(api, "PATCH", dep_path(name))) == patches  # 8192 never sent again
