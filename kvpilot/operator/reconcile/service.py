@@ -23,6 +23,7 @@ from kvpilot.operator.builders.status import (
     REASON_APPLY_FAILED,
     REASON_IMAGE_NOT_ALLOWED,
     REASON_INVALID_SPEC,
+    REASON_ROLLED_BACK,
     desired_status,
     engine_info,
     find_condition,
@@ -53,6 +54,7 @@ class Pass:
     served: frozenset[str] = frozenset()
     options: RenderOptions | None = None
     deployment: dict[str, Any] | None = None  # the Deployment as applied
+    restored: bool = False  # this pass put lastGoodEngine back: it completed a rollback
     canary: CanaryView = field(default_factory=lambda: CanaryView(asked=False))
     compute: ComputeStatus | None = None
     result: str = "error"
@@ -169,6 +171,10 @@ async def apply_children(p: Pass) -> bool:
                 p.logger.info("updated %s: %s", what, changed)
             if manifest["kind"] == "Deployment":
                 p.deployment = applied.live
+                # A rollback decided (its status written) whose own patch never held: the operator
+                # stopped in between, or the patch failed (RollbackFailed) and this pass came first.
+                p.restored = (p.engine is not None and applied.action == "updated"
+                              and rollout_of(applied.before).engine != rollout_of(applied.live).engine)
     finally:
         if created:
             p.emit("Normal", "Created", f"Created {', '.join(created)}")
@@ -208,12 +214,27 @@ async def say_applied(p: Pass) -> bool:
     """The status from the Deployment and the canary as applied; the engine in force in the metrics."""
     p.rt.metrics.set_engine(p.namespace, p.name, engine_info(rollout_of(p.deployment)))
     generation, deployment, canary = p.generation, p.deployment, p.canary
+    degraded = _put_back(p) if p.restored else None
 
     def compute(fresh: dict[str, Any]) -> dict[str, Any]:
-        return with_canary(desired_status(generation=generation, previous=fresh, deployment=deployment), fresh,
-                           canary, generation)
+        return with_canary(desired_status(generation=generation, previous=fresh, deployment=deployment,
+                                          degraded=degraded), fresh, canary, generation)
 
     return p.end(compute, "success")
+
+
+def _put_back(p: Pass) -> tuple[str, str]:
+    """This pass completed a rollback: counted, said (a RolledBack Event) and Degraded RolledBack, as
+    when the rollback's own patch holds; lastFailure, written with the decision, stays."""
+    failure = p.previous.get("lastFailure") or {}
+    what = (f"rollout of configHash {failure.get('configHash')} failed ({failure.get('reason')})"
+            if failure.get("observedGeneration") == p.generation else f"generation {p.generation} was given up")
+    message = (f"{what}; put lastGoodEngine back (configHash {rollout_of(p.deployment).config_hash}) after the "
+               "rollback's own patch did not hold; a new spec generation tries again")
+    p.rt.metrics.rollbacks.inc()
+    p.emit("Warning", REASON_ROLLED_BACK, message)
+    p.logger.warning("rolled back %s/%s: %s", p.namespace, p.name, message)
+    return REASON_ROLLED_BACK, message
 
 
 # The reconcile, in order (KubeRay's reconcileFuncs): each step runs only if the one before went on.
