@@ -410,3 +410,27 @@ def test_an_operator_killed_between_the_fast_rollbacks_decision_and_its_patch_co
             assert failure["reason"] == "EngineStartupFailed" and failure["pod"] == f"{name}-new-1"
             assert KV_SHORT in failure["message"]
         assert len(requests_to(api, "PATCH", dep_path(name))) == patches + 1
+
+
+def test_a_reconcile_in_back_off_runs_again_on_the_spec_as_it_is_then(tmp_path: Path) -> None:
+    """The reconcile of generation 2 fails past the client's retries, and kopf is to run it again in
+    10 s; meanwhile the spec changes again.  The next run renders generation 3's engine (kopf hands
+    the handler the object as it is then): generation 2's engine is never applied after the fact."""
+    name = "moving-target"
+    with KMockAPI() as api:
+        kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+        with operator_process(kubeconfig, tmp_path, "--api-retries", "3", "--retry-delay", "10", "--api-timeout", "1"):
+            api.create_isvc(make(name, replicas=1))
+            wait_for(lambda: isvc(api, name).get("status", {}).get("observedGeneration") == 1, what="generation 1")
+            template_generation = api.get(dep_path(name))["metadata"]["generation"]
+            rule = api.fail("PATCH", f"/namespaces/{NS}/deployments/{name}$", *[Fault(503)] * ALL_TRIES_OF_ONE_CALL)
+            api.patch(api.isvc_path(NS, name), {"spec": {"engine": {"maxNumBatchedTokens": 8192}}})
+            wait_for(lambda: events_for(api, name, "ApplyFailed"), what="the ApplyFailed event")
+            assert rule.exhausted
+            api.patch(api.isvc_path(NS, name), {"spec": {"engine": {"maxNumBatchedTokens": 4096}}})
+            obj = wait_for(lambda: (o := isvc(api, name))["status"]["observedGeneration"] == 3 and o, timeout=30,
+                           what="generation 3 reconciled")
+            assert condition(obj, "Degraded")["reason"] == "AsExpected"
+            dep = api.get(dep_path(name))
+            assert engine_arg(dep, "--max-num-batched-tokens") == "4096"
+            assert dep["metadata"]["generation"] == template_generation + 1  # one template change: 8192 never
