@@ -227,7 +227,8 @@ def _put_back(p: Pass) -> tuple[str, str]:
     """This pass completed a rollback: counted, said (a RolledBack Event) and Degraded RolledBack, as
     when the rollback's own patch holds; lastFailure, written with the decision, stays."""
     failure = p.previous.get("lastFailure") or {}
-    what = (f"rollout of configHash {failure.get('configHash')} failed ({failure.get('reason')})"
+    what = (f"rollout of configHash {failure.get('configHash')} failed ({failure.get('reason')}: "
+            f"{failure.get('message')})"
             if failure.get("observedGeneration") == p.generation else f"generation {p.generation} was given up")
     message = (f"{what}; put lastGoodEngine back (configHash {rollout_of(p.deployment).config_hash}) after the "
                "rollback's own patch did not hold; a new spec generation tries again")

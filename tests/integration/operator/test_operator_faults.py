@@ -357,7 +357,7 @@ def test_a_rollback_a_reconcile_completes_after_its_patch_failed_is_counted_and_
             assert engine_arg(api.get(dep_path(name)), "--max-num-batched-tokens") == "2048"
             assert rollbacks_total(op) == 1
             (said,) = wait_for(lambda: events_for(api, name, "RolledBack"), what="the RolledBack event")
-            assert f"rollout of configHash {failed_hash} failed (ProgressDeadlineExceeded)" in said["message"]
+            assert f"rollout of configHash {failed_hash} failed (ProgressDeadlineExceeded: timed out)" in said["message"]
             assert condition(obj, "Degraded")["message"] == said["message"]
             failure = obj["status"]["lastFailure"]
             assert failure["observedGeneration"] == 2 and failure["configHash"] == failed_hash
@@ -402,7 +402,8 @@ def test_an_operator_killed_between_the_fast_rollbacks_decision_and_its_patch_co
                      what="2048 back")
             wait_for(lambda: rollbacks_total(second) == 1, what="the rollback counted")
             (said,) = wait_for(lambda: events_for(api, name, "RolledBack"), what="the RolledBack event")
-            assert "EngineStartupFailed" in said["message"] and "put lastGoodEngine back" in said["message"]
+            assert "(EngineStartupFailed: " in said["message"] and KV_SHORT in said["message"]  # vLLM's words
+            assert "put lastGoodEngine back" in said["message"]
             obj = wait_for(lambda: (o := isvc(api, name)) and condition(o, "Degraded")["message"] == said["message"]
                            and o, what="Degraded says it")
             assert condition(obj, "Degraded")["reason"] == "RolledBack"
