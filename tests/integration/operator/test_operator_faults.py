@@ -435,3 +435,51 @@ def test_a_reconcile_in_back_off_runs_again_on_the_spec_as_it_is_then(tmp_path: 
             dep = api.get(dep_path(name))
             assert engine_arg(dep, "--max-num-batched-tokens") == "4096"
             assert dep["metadata"]["generation"] == template_generation + 1  # one template change: 8192 never
+
+
+def test_a_stale_deployment_event_after_a_rollback_counts_and_says_nothing_again(tmp_path: Path) -> None:
+    """A Deployment event from before the rollback (kopf's listing at a start can carry one) reaches
+    track_rollout after lastGoodEngine is back: the rollback is neither counted nor said a second time,
+    and nothing is patched.  track_rollout runs in this process against KMock, fed that old Deployment."""
+    import asyncio
+    import logging
+
+    import kopf
+
+    from kvpilot.operator.kube import KubeClient
+    from kvpilot.operator.reconcile import Runtime, track_rollout
+    from kvpilot.operator.settings import OperatorSettings
+
+    name = "stale-event"
+    with KMockAPI() as api:
+        kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+        with operator_process(kubeconfig, tmp_path, *FLAGS) as op:
+            _good_then_bad(api, name)
+            stale = api.get(dep_path(name))  # the 8192 template, as it was when its deadline passed
+            stale["status"] = {"observedGeneration": stale["metadata"]["generation"], "replicas": 2,
+                               "updatedReplicas": 1, "readyReplicas": 1, "availableReplicas": 1,
+                               "conditions": [{"type": "Progressing", "status": "False",
+                                               "reason": "ProgressDeadlineExceeded", "message": "timed out"}]}
+            _deadline_exceeded(api, name)
+            wait_for(lambda: condition(isvc(api, name), "Degraded").get("reason") == "RolledBack" and
+                     engine_arg(api.get(dep_path(name)), "--max-num-batched-tokens") == "2048", what="2048 back")
+            wait_for(lambda: rollbacks_total(op) == 1, what="the rollback counted")
+        patches, said = len(requests_to(api, "PATCH", dep_path(name))), len(events_for(api, name, "RolledBack"))
+
+        rt = Runtime(settings=OperatorSettings(), client=KubeClient())
+        rt.client.set_credentials(kopf.ConnectionInfo(server=api.url))
+        events: list[tuple[str, ...]] = []
+
+        async def handle_the_stale_event() -> None:
+            try:
+                await track_rollout(rt, stale, lambda obj, *event: events.append(event), logging.getLogger("test"))
+            finally:
+                await rt.close()
+                await rt.client.close()
+
+        asyncio.run(handle_the_stale_event())
+        assert rt.metrics.registry.get_sample_value("kvpilot_rollbacks_total") == 0
+        assert events == []
+        assert len(requests_to(api, "PATCH", dep_path(name))) == patches
+        assert len(events_for(api, name, "RolledBack")) == said == 1
+        assert condition(isvc(api, name), "Degraded")["reason"] == "RolledBack"
