@@ -35,6 +35,7 @@ class ApplyResult:
     action: Literal["created", "updated", "unchanged", "deleted"]
     live: dict[str, Any] | None
     changed: tuple[str, ...] = ()
+    before: dict[str, Any] | None = None  # the live object a patch changed
 
 
 def path_of(manifest: dict[str, Any], *, named: bool = True) -> str:
@@ -74,7 +75,7 @@ async def ensure(client: KubeClient, desired: dict[str, Any], *, likely_absent: 
     if not changed:
         return ApplyResult(kind, name, "unchanged", live)
     patched = await client.merge_patch(path_of(desired), owned)
-    return ApplyResult(kind, name, "updated", patched, tuple(changed))
+    return ApplyResult(kind, name, "updated", patched, tuple(changed), before=live)
 
 
 async def ensure_absent(client: KubeClient, manifest: dict[str, Any]) -> ApplyResult | None:

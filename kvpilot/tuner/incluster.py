@@ -45,7 +45,8 @@ class Worker:
     then starts the study again after a back-off that doubles from RESTART_BASE_S to RESTART_MAX_S,
     as the kubelet does a crashing container.  Reopening the study fails the trial that was cut off
     and queues its config again.  Only an invalid tuning spec ends the worker: starting again
-    cannot help, a changed spec starts a new worker (`run_tuner`)."""
+    cannot help, a changed spec starts a new worker (`run_tuner`).  A start after a failure plans
+    from the spec as it is then, not as it was when the worker began."""
 
     RESTART_BASE_S = 10.0
     RESTART_MAX_S = 300.0
@@ -66,6 +67,7 @@ class Worker:
         self._status: Any = None  # the last start's KubeStatusObserver (it knows the trial in progress)
         self._owe_put_back = False  # the last put-back failed: the next start puts back first
         self.gate: Any = None  # the budget gate, when spec.tuning.budgetGate is set (see observe)
+        self._seen: dict[str, Any] | None = None  # the object as the last scan saw it
 
     def start(self) -> None:
         self.thread.start()
@@ -96,9 +98,38 @@ class Worker:
                         self._report_failure(exc, delay)
                     except Exception:  # the API server may be what failed: the loop goes on regardless
                         log.exception("tuning %s: reporting the failure failed", target)
-                    self._stopping.wait(delay)
+                    self._back_off(delay)
+                if self._stopping.is_set():
+                    return
+                try:
+                    plan = self._replan()
+                except (SpaceError, ValueError) as exc:
+                    log.error("tuning %s: %s", target, exc)
+                    return
+                if not self.isvc.spec.tuning.enabled:
+                    return  # switched off during the back-off
         finally:
             self.finished = True
+
+    def _back_off(self, delay: float) -> None:
+        self._stopping.wait(delay)
+
+    def _replan(self) -> tuple[SearchSpace, SLO, Goal, str]:
+        """The plan from the spec as it is now, which may have changed during the back-off: read afresh,
+        else (the API server may be what failed) as the last scan saw it."""
+        from kvpilot.api import InferenceService
+        from kvpilot.api.vocabulary import GROUP, PLURAL, VERSION
+        from kvpilot.tuner.kubeapi import resource_path
+
+        obj = self._seen
+        try:
+            obj = self.api_client.get(resource_path(f"{GROUP}/{VERSION}", PLURAL, self.namespace, self.name))
+        except Exception as exc:
+            log.warning("tuning %s/%s: reading the spec failed (%s); using the last scan's", self.namespace,
+                        self.name, exc)
+        if obj is not None:
+            self.isvc = InferenceService.model_validate(obj)
+        return self._plan()
 
     def _report_failure(self, exc: Exception, delay: float) -> None:
         """status.tuning phase Failed and a Warning Event: what broke, which engine is in force."""
@@ -126,10 +157,12 @@ class Worker:
 
     def observe(self, obj: dict[str, Any]) -> None:
         """The object as the last scan saw it: a budget gate added, changed or removed applies at the
-        loop's next check, in the same study (its trials and space are unchanged)."""
+        loop's next check, in the same study (its trials and space are unchanged); the rest of the
+        spec at the next start after a failure (`_replan`)."""
         from kvpilot.api import InferenceService
         from kvpilot.tuner.core.gate import GatePolicy
 
+        self._seen = obj
         try:
             gate = InferenceService.model_validate(obj).spec.tuning.budget_gate
         except Exception:

@@ -127,10 +127,13 @@ def is_sqlite(url: str) -> bool:
 
 def study_storage(url: str, args: argparse.Namespace) -> Any:
     """What a study opens: a database server's URL as an RDB storage whose trials carry a heartbeat
-    (so that joined workers tell a dead worker's trial from a live one), SQLite's URL as it is.
-    Each process makes its own (a storage holds a connection pool, which a fork must not share)."""
+    (so that joined workers tell a dead worker's trial from a live one), SQLite's one whose writes
+    wait for the file's lock (forked workers take turns on it: `sqlite_storage`).  Each process makes
+    its own (a storage holds a connection pool, which a fork must not share)."""
     if is_sqlite(url):
-        return url
+        from kvpilot.tuner.storage import sqlite_storage
+
+        return sqlite_storage(url)
     import time
 
     from sqlalchemy.exc import IntegrityError, ProgrammingError

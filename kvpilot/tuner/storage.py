@@ -8,10 +8,17 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 # Drivers kvpilot knows how to get: the extra that installs each.
 _EXTRAS = {"psycopg": "kvpilot[postgresql]", "psycopg2": "kvpilot[postgresql]"}
 
+
+# How long a write to a SQLite study waits for the file's lock before it fails.  Python's sqlite3 waits
+# 5 s: `kvpilot tune --workers N` forks N writers onto one file beside the parent polling it, and one
+# of them descheduled (or its disk slow) while it holds the lock made a sibling fail "database is
+# locked", and the whole run end as an internal error.  A writer holds it for milliseconds.
+SQLITE_BUSY_TIMEOUT_S = 300.0
 
 # user:password@ in a URL's authority (what SQLAlchemy's hide_password masks, for text it cannot parse too).
 _PASSWORD = re.compile(r"(?<=://)([^:/@]*):[^@/]*@")
@@ -57,3 +64,10 @@ def check_storage_url(url: str, flag: str = "--storage") -> str:
         # Optuna does not make the directory of a SQLite file.
         Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
     return url
+
+
+def sqlite_storage(url: str) -> Any:
+    """Optuna's RDB storage on a SQLite URL whose writes wait SQLITE_BUSY_TIMEOUT_S for the file's lock."""
+    import optuna
+
+    return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_S}})

@@ -200,13 +200,17 @@ def desired_status(*, generation: int | None, previous: dict[str, Any] | None, d
 def invalid_status(*, generation: int | None, previous: dict[str, Any] | None, message: str,
                    now: str | None = None, reason: str = REASON_INVALID_SPEC) -> dict[str, Any]:
     """Status for an object the operator refuses (failed validation: InvalidSpec; an image outside the
-    allowlist: ImageNotAllowed): nothing deployed or changed, Degraded with the reason."""
+    allowlist: ImageNotAllowed): nothing deployed or changed, Degraded with the reason (Ready and
+    Progressing only, in a generation rolled back)."""
     now = now or now_rfc3339()
     conditions = [dict(c) for c in (previous or {}).get("conditions") or [] if isinstance(c, dict)]
     conditions = set_condition(conditions, READY, "False", reason, message, generation, now)
     conditions = set_condition(conditions, PROGRESSING, "False", reason,
                                "nothing deployed or changed until the spec is fixed", generation, now)
-    conditions = set_condition(conditions, DEGRADED, "True", reason, message, generation, now)
+    if not rolled_back_at(previous, generation):
+        # A generation given up keeps its Degraded RolledBack/RollbackFailed: the next reconcile renders
+        # lastGoodEngine only while it stands, and the tuner reads the trial as failed from it.
+        conditions = set_condition(conditions, DEGRADED, "True", reason, message, generation, now)
     return {"observedGeneration": generation, "conditions": conditions}
 
 

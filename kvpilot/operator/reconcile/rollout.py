@@ -181,6 +181,10 @@ async def _roll_back(t: Tracked, last_good: dict[str, Any]) -> Verdict | None:
     except ApiError as exc:
         await _rollback_failed(t, f"{failed}; putting lastGoodEngine back (configHash {restored_hash}) "
                                f"failed: {exc}", exc)
+    if applied.action == "unchanged":
+        # This event is older than the Deployment (kopf's listing at a start can be): lastGoodEngine
+        # runs already, put back by whoever counted and said it.  The status stays as it is.
+        return Verdict(applied.live or t.deployment)
     t.rt.metrics.rollbacks.inc()
     t.warn(REASON_ROLLED_BACK, message)
     t.logger.warning("rolled back %s/%s: %s", t.namespace, t.name, message)

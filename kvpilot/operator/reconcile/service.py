@@ -19,9 +19,11 @@ from kvpilot.operator.builders.render import render_manifests, unwanted_monitors
 from kvpilot.operator.builders.service import build_pdb, wants_pdb
 from kvpilot.operator.builders.status import (
     DEGRADED,
+    READY,
     REASON_APPLY_FAILED,
     REASON_IMAGE_NOT_ALLOWED,
     REASON_INVALID_SPEC,
+    REASON_ROLLED_BACK,
     desired_status,
     engine_info,
     find_condition,
@@ -33,7 +35,7 @@ from kvpilot.operator.kube import ApiError
 from kvpilot.operator.reconcile.canary import CanaryView, reconcile_canary, with_canary
 from kvpilot.operator.reconcile.common import image_refusal, render_options
 from kvpilot.operator.reconcile.runtime import Emit, Logger, Runtime
-from kvpilot.operator.reconcile.status import ComputeStatus, degraded_only, update_status
+from kvpilot.operator.reconcile.status import ComputeStatus, apply_failed, update_status
 
 
 @dataclass
@@ -52,6 +54,7 @@ class Pass:
     served: frozenset[str] = frozenset()
     options: RenderOptions | None = None
     deployment: dict[str, Any] | None = None  # the Deployment as applied
+    restored: bool = False  # this pass put lastGoodEngine back: it completed a rollback
     canary: CanaryView = field(default_factory=lambda: CanaryView(asked=False))
     compute: ComputeStatus | None = None
     result: str = "error"
@@ -109,8 +112,7 @@ async def validate(p: Pass) -> bool:
         p.isvc = InferenceService.model_validate({k: v for k, v in p.body.items() if k != "status"})
         return True
     message = "; ".join(str(issue) for issue in issues)
-    old = find_condition(p.previous.get("conditions"), DEGRADED) or {}
-    if old.get("reason") != REASON_INVALID_SPEC or old.get("message") != message:
+    if not _refusal_said(p.previous, REASON_INVALID_SPEC, message):
         p.emit("Warning", REASON_INVALID_SPEC, message)
     p.logger.warning("invalid spec, nothing deployed or changed: %s", message)
     generation = p.generation
@@ -126,11 +128,11 @@ async def keep_last_good(p: Pass) -> bool:
 
 async def check_image(p: Pass) -> bool:
     """An engine image outside the allowlist is said (Degraded ImageNotAllowed) and nothing is changed."""
-    refusal = image_refusal(p.rt, p.engine or p.spec.spec.engine)
+    refusal = (image_refusal(p.rt, p.spec.spec.engine) if p.engine is None
+               else image_refusal(p.rt, p.engine, "status.lastGoodEngine.image"))
     if refusal is None:
         return True
-    old = find_condition(p.previous.get("conditions"), DEGRADED) or {}
-    if old.get("reason") != REASON_IMAGE_NOT_ALLOWED or old.get("message") != refusal:
+    if not _refusal_said(p.previous, REASON_IMAGE_NOT_ALLOWED, refusal):
         p.emit("Warning", REASON_IMAGE_NOT_ALLOWED, refusal)
     p.logger.warning("image not allowed, nothing deployed or changed: %s", refusal)
     generation = p.generation
@@ -169,6 +171,10 @@ async def apply_children(p: Pass) -> bool:
                 p.logger.info("updated %s: %s", what, changed)
             if manifest["kind"] == "Deployment":
                 p.deployment = applied.live
+                # A rollback decided (its status written) whose own patch never held: the operator
+                # stopped in between, or the patch failed (RollbackFailed) and this pass came first.
+                p.restored = (p.engine is not None and applied.action == "updated"
+                              and rollout_of(applied.before).engine != rollout_of(applied.live).engine)
     finally:
         if created:
             p.emit("Normal", "Created", f"Created {', '.join(created)}")
@@ -208,12 +214,28 @@ async def say_applied(p: Pass) -> bool:
     """The status from the Deployment and the canary as applied; the engine in force in the metrics."""
     p.rt.metrics.set_engine(p.namespace, p.name, engine_info(rollout_of(p.deployment)))
     generation, deployment, canary = p.generation, p.deployment, p.canary
+    degraded = _put_back(p) if p.restored else None
 
     def compute(fresh: dict[str, Any]) -> dict[str, Any]:
-        return with_canary(desired_status(generation=generation, previous=fresh, deployment=deployment), fresh,
-                           canary, generation)
+        return with_canary(desired_status(generation=generation, previous=fresh, deployment=deployment,
+                                          degraded=degraded), fresh, canary, generation)
 
     return p.end(compute, "success")
+
+
+def _put_back(p: Pass) -> tuple[str, str]:
+    """This pass completed a rollback: counted, said (a RolledBack Event) and Degraded RolledBack, as
+    when the rollback's own patch holds; lastFailure, written with the decision, stays."""
+    failure = p.previous.get("lastFailure") or {}
+    what = (f"rollout of configHash {failure.get('configHash')} failed ({failure.get('reason')}: "
+            f"{failure.get('message')})"
+            if failure.get("observedGeneration") == p.generation else f"generation {p.generation} was given up")
+    message = (f"{what}; put lastGoodEngine back (configHash {rollout_of(p.deployment).config_hash}) after the "
+               "rollback's own patch did not hold; a new spec generation tries again")
+    p.rt.metrics.rollbacks.inc()
+    p.emit("Warning", REASON_ROLLED_BACK, message)
+    p.logger.warning("rolled back %s/%s: %s", p.namespace, p.name, message)
+    return REASON_ROLLED_BACK, message
 
 
 # The reconcile, in order (KubeRay's reconcileFuncs): each step runs only if the one before went on.
@@ -240,7 +262,7 @@ async def run_steps(p: Pass, steps: tuple[Step, ...] = STEPS) -> ComputeStatus:
     except NotOwned as exc:
         p.emit("Warning", REASON_APPLY_FAILED, str(exc))
         p.deployment = None
-        p.end(degraded_only(REASON_APPLY_FAILED, str(exc), p.generation), "error")
+        p.end(apply_failed(str(exc), p.generation), "error")
     except ApiError as exc:
         message = f"applying children failed: {exc}"
         p.emit("Warning", REASON_APPLY_FAILED, message)
@@ -248,7 +270,7 @@ async def run_steps(p: Pass, steps: tuple[Step, ...] = STEPS) -> ComputeStatus:
             # The caller writes Degraded before kopf's retry, so the condition shows while we wait.
             raise p.rt.retry_later(message, exc.retry_after) from exc
         p.deployment = None
-        p.end(degraded_only(REASON_APPLY_FAILED, message, p.generation), "error")
+        p.end(apply_failed(message, p.generation), "error")
     if p.compute is None:
         raise RuntimeError("the reconcile's last step ends the pass")
     return p.compute
@@ -276,7 +298,7 @@ async def _reconcile_and_write(p: Pass) -> None:
         compute = await run_steps(p)
     except kopf.TemporaryError as exc:
         p.result = "retry"
-        await _write_status(p, degraded_only(REASON_APPLY_FAILED, str(exc), p.generation))
+        await _write_status(p, apply_failed(str(exc), p.generation))
         raise
     if await _write_status(p, compute) and p.deployment is not None:
         version = p.deployment.get("metadata", {}).get("resourceVersion")
@@ -294,6 +316,13 @@ async def _write_status(p: Pass, compute: ComputeStatus) -> bool:
             raise p.rt.retry_later(f"writing the status failed: {exc}", exc.retry_after) from exc
         p.logger.warning("status of %s/%s not written: %s", p.namespace, p.name, exc)
         return False
+
+
+def _refusal_said(previous: dict[str, Any], reason: str, message: str) -> bool:
+    """The status says this refusal already (its Event was posted): on Degraded, or on Ready where a
+    generation rolled back keeps its Degraded (invalid_status)."""
+    return any((cond := find_condition(previous.get("conditions"), type_) or {}).get("reason") == reason
+               and cond.get("message") == message for type_ in (DEGRADED, READY))
 
 
 def _unserved_kinds(isvc: InferenceService, served: frozenset[str]) -> list[str]:

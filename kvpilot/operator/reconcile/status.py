@@ -7,7 +7,15 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpilot.api.vocabulary import GROUP, PLURAL, VERSION
-from kvpilot.operator.builders.status import DEGRADED, now_rfc3339, set_condition, status_patch
+from kvpilot.operator.builders.status import (
+    DEGRADED,
+    PROGRESSING,
+    REASON_APPLY_FAILED,
+    now_rfc3339,
+    rolled_back_at,
+    set_condition,
+    status_patch,
+)
 from kvpilot.operator.kube import ApiError, resource_path
 from kvpilot.operator.reconcile.runtime import Runtime
 
@@ -33,6 +41,18 @@ def engine_summary(engine: dict[str, Any] | None, against: dict[str, Any] | None
 
 def degraded_only(reason: str, message: str, generation: int | None) -> ComputeStatus:
     return decision(reason, message, generation, None)
+
+
+def apply_failed(message: str, generation: int | None) -> ComputeStatus:
+    """Degraded ApplyFailed; in a generation rolled back, Progressing False ApplyFailed instead: its
+    Degraded RolledBack/RollbackFailed is what keeps the next reconcile on lastGoodEngine (and the tuner
+    reading the trial as failed), so no failure of the same generation may replace it."""
+    def compute(previous: dict[str, Any]) -> dict[str, Any]:
+        if not rolled_back_at(previous, generation):
+            return degraded_only(REASON_APPLY_FAILED, message, generation)(previous)
+        return {"conditions": set_condition(previous.get("conditions"), PROGRESSING, "False", REASON_APPLY_FAILED,
+                                            message, generation, now_rfc3339())}
+    return compute
 
 
 def decision(reason: str, message: str, generation: int | None, last_failure: dict[str, Any] | None) -> ComputeStatus:

@@ -13,6 +13,7 @@ lost (lastGoodEngine, the rollback), nothing applied twice (no second create, no
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -284,3 +285,201 @@ def test_an_operator_killed_between_a_rollback_patch_and_its_status_keeps_the_ro
         assert len(requests_to(api, "PATCH", dep_path(name))) == patches_before  # 8192 never sent again
         assert engine_arg(api.get(dep_path(name)), "--max-num-batched-tokens") == "2048"
 
+
+
+def _handled(op: OperatorProcess, name: str) -> int:
+    """How many times kopf logged the reconcile of `name` as succeeded."""
+    records = [json.loads(line) for line in op.log().splitlines() if line.strip()]
+    return sum(1 for r in records if r.get("object", {}).get("name") == name
+               and str(r.get("message", "")).startswith("Handler 'reconcile' succeeded"))
+
+
+def test_a_failed_reconcile_of_a_rolled_back_generation_keeps_the_rollback(api: KMockAPI,
+                                                                           operator: OperatorProcess) -> None:
+    """After generation 2 is rolled back, a reconcile of generation 2 (a label changed) fails past the
+    client's retries: it says ApplyFailed, and kopf runs it again.  That run must still render
+    lastGoodEngine (2048), not the failed 8192: Degraded RolledBack, which keeps it there, stands."""
+    name = "rolled-back-apply-failed"
+    _good_then_bad(api, name)
+    _deadline_exceeded(api, name)
+    wait_for(lambda: condition(isvc(api, name), "Degraded").get("reason") == "RolledBack" and
+             engine_arg(api.get(dep_path(name)), "--max-num-batched-tokens") == "2048", what="rolled back to 2048")
+    patches = len(requests_to(api, "PATCH", dep_path(name)))
+    handled = _handled(operator, name)
+    rule = api.fail("GET", f"/namespaces/{NS}/deployments/{name}$", *[Fault(503)] * ALL_TRIES_OF_ONE_CALL)
+    api.patch(api.isvc_path(NS, name), {"metadata": {"labels": {"team": "search"}}})
+    (failed,) = wait_for(lambda: events_for(api, name, "ApplyFailed"), what="the ApplyFailed event")
+    assert "503 ServiceUnavailable" in failed["message"]
+    wait_for(lambda: _handled(operator, name) > handled, timeout=30, what="the reconcile run again, and done")
+    assert rule.exhausted
+    obj = isvc(api, name)
+    assert condition(obj, "Degraded")["reason"] == "RolledBack"
+    assert obj["status"]["lastGoodEngine"]["maxNumBatchedTokens"] == 2048
+    assert engine_arg(api.get(dep_path(name)), "--max-num-batched-tokens") == "2048"
+    assert len(requests_to(api, "PATCH", dep_path(name))) == patches  # 8192 never sent again
+
+
+# As FLAGS, but a failed rollback is tried again only after 30 s: what completes it first is the test's choice.
+SLOW_RETRY = ("--api-retries", "3", "--retry-delay", "30", "--api-timeout", "1", "--retry-seed", "1")
+
+
+def rollbacks_total(op: OperatorProcess) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = [s for family in text_string_to_metric_families(op.http_get("/metrics")[1]) for s in family.samples]
+    return sum(s.value for s in samples if s.name == "kvpilot_rollbacks_total")
+
+
+def config_hash_of(api: KMockAPI, name: str) -> str:
+    return str(api.get(dep_path(name))["metadata"]["annotations"]["kvpilot.dev/config-hash"])
+
+
+def test_a_rollback_a_reconcile_completes_after_its_patch_failed_is_counted_and_said_once(tmp_path: Path) -> None:
+    """The rollback's patch fails through all of one call's tries (Degraded RollbackFailed, its next try
+    30 s away) and a reconcile of the generation (a label changed) puts lastGoodEngine back first: that
+    rollback is counted (kvpilot_rollbacks_total) and said (one RolledBack Event, Degraded RolledBack)
+    like one whose own patch held, lastFailure names the failed rollout, and nothing is patched twice."""
+    name = "second-try"
+    with KMockAPI() as api:
+        kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+        with operator_process(kubeconfig, tmp_path, *SLOW_RETRY) as op:
+            _good_then_bad(api, name)
+            failed_hash = config_hash_of(api, name)
+            rule = api.fail("PATCH", f"/namespaces/{NS}/deployments/{name}$", *[Fault(503)] * ALL_TRIES_OF_ONE_CALL)
+            _deadline_exceeded(api, name)
+            wait_for(lambda: condition(isvc(api, name), "Degraded").get("reason") == "RollbackFailed",
+                     what="Degraded/RollbackFailed")
+            assert rule.exhausted and rollbacks_total(op) == 0
+            patches = len(requests_to(api, "PATCH", dep_path(name)))
+            api.patch(api.isvc_path(NS, name), {"metadata": {"labels": {"team": "search"}}})
+            obj = wait_for(lambda: condition(o := isvc(api, name), "Degraded").get("reason") == "RolledBack" and o,
+                           what="Degraded/RolledBack")
+            assert engine_arg(api.get(dep_path(name)), "--max-num-batched-tokens") == "2048"
+            assert rollbacks_total(op) == 1
+            (said,) = wait_for(lambda: events_for(api, name, "RolledBack"), what="the RolledBack event")
+            assert f"rollout of configHash {failed_hash} failed (ProgressDeadlineExceeded: timed out)" in said["message"]
+            assert condition(obj, "Degraded")["message"] == said["message"]
+            failure = obj["status"]["lastFailure"]
+            assert failure["observedGeneration"] == 2 and failure["configHash"] == failed_hash
+            assert failure["reason"] == "ProgressDeadlineExceeded"
+            assert len(requests_to(api, "PATCH", dep_path(name))) == patches + 1
+
+
+def test_an_operator_killed_between_the_fast_rollbacks_decision_and_its_patch_completes_it_once(
+        tmp_path: Path) -> None:
+    """vLLM cannot start: the fast rollback writes its decision, and the operator is killed before its
+    patch.  Restarted (the failed pod gone meanwhile, so only the resumed reconcile is left to act), it
+    puts lastGoodEngine back once, counts and says that rollback once, and lastFailure keeps vLLM's words."""
+    from tests.integration.operator.test_engine_failure_rollback import crash_looping
+    from tests.support.vllm_text import KV_SHORT, startup_failure_log, termination_message
+
+    name = "icarus"
+    pod = f"/api/v1/namespaces/{NS}/pods/{name}-new-1"
+    with KMockAPI() as api:
+        kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+        with operator_process(kubeconfig, tmp_path, *FLAGS, log_name="first.log") as first:
+            _good_then_bad(api, name)
+            killed = threading.Event()
+
+            def kill_once_decided() -> None:
+                if condition(isvc(api, name), "Degraded").get("reason") == "RolledBack":
+                    first.proc.kill()
+                    killed.set()
+                else:  # another status write: wait for the decision's
+                    api.after("PATCH", rf"/inferenceservices/{name}/status$", kill_once_decided)
+
+            api.after("PATCH", rf"/inferenceservices/{name}/status$", kill_once_decided)
+            log = startup_failure_log(KV_SHORT)
+            api.create_engine_pod(api.get(dep_path(name)), f"{name}-new-1", crash_looping(termination_message(log)),
+                                  previous_log=log)
+            wait_for(killed.is_set, what="the operator killed right after the rollback's decision")
+            wait_for(lambda: first.proc.poll() is not None, what="the first operator gone")
+        assert engine_arg(api.get(dep_path(name)), "--max-num-batched-tokens") == "8192"  # no patch yet
+        api.delete(pod)
+        patches = len(requests_to(api, "PATCH", dep_path(name)))
+        with operator_process(kubeconfig, tmp_path, *FLAGS, log_name="second.log") as second:
+            wait_for(lambda: engine_arg(api.get(dep_path(name)), "--max-num-batched-tokens") == "2048",
+                     what="2048 back")
+            wait_for(lambda: rollbacks_total(second) == 1, what="the rollback counted")
+            (said,) = wait_for(lambda: events_for(api, name, "RolledBack"), what="the RolledBack event")
+            assert "(EngineStartupFailed: " in said["message"] and KV_SHORT in said["message"]  # vLLM's words
+            assert "put lastGoodEngine back" in said["message"]
+            obj = wait_for(lambda: (o := isvc(api, name)) and condition(o, "Degraded")["message"] == said["message"]
+                           and o, what="Degraded says it")
+            assert condition(obj, "Degraded")["reason"] == "RolledBack"
+            failure = obj["status"]["lastFailure"]
+            assert failure["reason"] == "EngineStartupFailed" and failure["pod"] == f"{name}-new-1"
+            assert KV_SHORT in failure["message"]
+        assert len(requests_to(api, "PATCH", dep_path(name))) == patches + 1
+
+
+def test_a_reconcile_in_back_off_runs_again_on_the_spec_as_it_is_then(tmp_path: Path) -> None:
+    """The reconcile of generation 2 fails past the client's retries, and kopf is to run it again in
+    10 s; meanwhile the spec changes again.  The next run renders generation 3's engine (kopf hands
+    the handler the object as it is then): generation 2's engine is never applied after the fact."""
+    name = "moving-target"
+    with KMockAPI() as api:
+        kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+        with operator_process(kubeconfig, tmp_path, "--api-retries", "3", "--retry-delay", "10", "--api-timeout", "1"):
+            api.create_isvc(make(name, replicas=1))
+            wait_for(lambda: isvc(api, name).get("status", {}).get("observedGeneration") == 1, what="generation 1")
+            template_generation = api.get(dep_path(name))["metadata"]["generation"]
+            rule = api.fail("PATCH", f"/namespaces/{NS}/deployments/{name}$", *[Fault(503)] * ALL_TRIES_OF_ONE_CALL)
+            api.patch(api.isvc_path(NS, name), {"spec": {"engine": {"maxNumBatchedTokens": 8192}}})
+            wait_for(lambda: events_for(api, name, "ApplyFailed"), what="the ApplyFailed event")
+            assert rule.exhausted
+            api.patch(api.isvc_path(NS, name), {"spec": {"engine": {"maxNumBatchedTokens": 4096}}})
+            obj = wait_for(lambda: (o := isvc(api, name))["status"]["observedGeneration"] == 3 and o, timeout=30,
+                           what="generation 3 reconciled")
+            assert condition(obj, "Degraded")["reason"] == "AsExpected"
+            dep = api.get(dep_path(name))
+            assert engine_arg(dep, "--max-num-batched-tokens") == "4096"
+            assert dep["metadata"]["generation"] == template_generation + 1  # one template change: 8192 never
+
+
+def test_a_stale_deployment_event_after_a_rollback_counts_and_says_nothing_again(tmp_path: Path) -> None:
+    """A Deployment event from before the rollback (kopf's listing at a start can carry one) reaches
+    track_rollout after lastGoodEngine is back: the rollback is neither counted nor said a second time,
+    and nothing is patched.  track_rollout runs in this process against KMock, fed that old Deployment."""
+    import asyncio
+    import logging
+
+    import kopf
+
+    from kvpilot.operator.kube import KubeClient
+    from kvpilot.operator.reconcile import Runtime, track_rollout
+    from kvpilot.operator.settings import OperatorSettings
+
+    name = "stale-event"
+    with KMockAPI() as api:
+        kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+        with operator_process(kubeconfig, tmp_path, *FLAGS) as op:
+            _good_then_bad(api, name)
+            stale = api.get(dep_path(name))  # the 8192 template, as it was when its deadline passed
+            stale["status"] = {"observedGeneration": stale["metadata"]["generation"], "replicas": 2,
+                               "updatedReplicas": 1, "readyReplicas": 1, "availableReplicas": 1,
+                               "conditions": [{"type": "Progressing", "status": "False",
+                                               "reason": "ProgressDeadlineExceeded", "message": "timed out"}]}
+            _deadline_exceeded(api, name)
+            wait_for(lambda: condition(isvc(api, name), "Degraded").get("reason") == "RolledBack" and
+                     engine_arg(api.get(dep_path(name)), "--max-num-batched-tokens") == "2048", what="2048 back")
+            wait_for(lambda: rollbacks_total(op) == 1, what="the rollback counted")
+        patches, said = len(requests_to(api, "PATCH", dep_path(name))), len(events_for(api, name, "RolledBack"))
+
+        rt = Runtime(settings=OperatorSettings(), client=KubeClient())
+        rt.client.set_credentials(kopf.ConnectionInfo(server=api.url))
+        events: list[tuple[str, ...]] = []
+
+        async def handle_the_stale_event() -> None:
+            try:
+                await track_rollout(rt, stale, lambda obj, *event: events.append(event), logging.getLogger("test"))
+            finally:
+                await rt.close()
+                await rt.client.close()
+
+        asyncio.run(handle_the_stale_event())
+        assert rt.metrics.registry.get_sample_value("kvpilot_rollbacks_total") == 0
+        assert events == []
+        assert len(requests_to(api, "PATCH", dep_path(name))) == patches
+        assert len(events_for(api, name, "RolledBack")) == said == 1
+        assert condition(isvc(api, name), "Degraded")["reason"] == "RolledBack"

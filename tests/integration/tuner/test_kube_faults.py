@@ -337,6 +337,44 @@ def test_a_worker_for_a_spec_no_restart_can_fix_ends_without_restarting(api: KMo
     assert worker.finished and worker.restarts == 0
 
 
+class BackOffWorker(ScriptedWorker):
+    """A ScriptedWorker whose back-off lasts until the test ends it (the spec changes in between)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.backing_off, self.resume = threading.Event(), threading.Event()
+
+    def _back_off(self, delay: float) -> None:
+        self.backing_off.set()
+        self.resume.wait(30)
+
+
+def test_a_worker_in_back_off_starts_again_on_the_spec_as_it_is_then(api: KMockAPI, tmp_path: Path) -> None:
+    """Its first start fails; while it waits to start again, maxTrials goes from 3 to 2: the next start
+    runs 2 trials (the worker began with 3, and kept that spec before)."""
+    name = new_isvc(api, max_trials=3)
+    storage = f"sqlite:///{tmp_path / 'tuner.db'}"
+    worker = BackOffWorker(api, client(api, Waits(api), attempts=1), api.get_isvc(NS, name), storage)
+    fail_tuner(api, "GET", rf"/inferenceservices/{name}$", Fault(503))  # its first read of the service
+    with RolloutPlayer(api, name):
+        worker.start()
+        try:
+            wait_for(worker.backing_off.is_set, what="the worker waiting to start again")
+            api.patch(api.isvc_path(NS, name), {"spec": {"tuning": {"maxTrials": 2}}})
+            worker.resume.set()
+            wait_for(lambda: worker.finished, timeout=60, what="the worker to finish its study")
+        finally:
+            worker.stop()
+            worker.resume.set()
+            worker.thread.join(30)
+    assert worker.restarts == 1
+    status = api.get_isvc(NS, name)["status"]["tuning"]
+    assert status["phase"] == "Done", status
+    study = optuna.load_study(study_name=status["study"], storage=storage)
+    done = [t for t in study.trials if t.state is TrialState.COMPLETE and t.user_attrs.get("kind") == "trial"]
+    assert len(done) == 2
+
+
 @pytest.mark.parametrize(("failed_reads", "reason", "said"), [
     (3, "TuningFailed", "the best engine known is in force"),
     # The put-back's reads fail too: the next start puts the best back before any trial.
