@@ -89,6 +89,11 @@ CASES: list[HttpCase] = [
     HttpCase("max-tokens-negative", _completion(max_tokens=-1)),
     HttpCase("max-tokens-float-huge", _raw_field("max_tokens", "1e400")),
     HttpCase("min-tokens-above-max", _completion(min_tokens=10)),
+    # --- what vLLM 0.32 refuses (its max_logprobs default is 20; logit_bias keys must be token ids)
+    HttpCase("logprobs-21", _completion(logprobs=21)),
+    HttpCase("chat-top-logprobs-21", _chat(logprobs=True, top_logprobs=21)),
+    HttpCase("logit-bias-word-key", _completion(logit_bias={"hello": 5})),
+    HttpCase("logit-bias-float-key", _completion(logit_bias={"1.5": 5})),
     # --- prompts and messages
     HttpCase("prompt-missing", _post('{"max_tokens": 2}')),
     HttpCase("prompt-int", _post('{"prompt": 5}')),

@@ -124,6 +124,40 @@ def _is_logit_bias(value: Any) -> bool:
     return isinstance(value, dict) and all(_is_number(v) for v in value.values())
 
 
+# vLLM's --max-logprobs default (ModelConfig.max_logprobs): more sample logprobs are refused.
+MAX_LOGPROBS = 20
+
+
+def _vllm_validation_error(message: str, param: str, value: Any) -> OpenAIError:
+    """vLLM's VLLMValidationError as its server answers it: str(exc) names the parameter and value."""
+    return OpenAIError(f"{message} (parameter={param}, value={value})", param=param)
+
+
+def _int_key(key: str) -> bool:
+    try:
+        int(key)  # vLLM's conversion: " 7", "+7" and "1_000" are token ids too
+    except ValueError:
+        return False
+    return True
+
+
+def _check_logit_bias_keys(value: dict[str, Any]) -> None:
+    invalid = [k for k in value if not _int_key(k)]
+    if invalid:
+        # vLLM lists every key; a hostile body could send thousands, so the message shows five.
+        shown = [k if len(k) <= 30 else k[:30] + "..." for k in invalid[:5]]
+        raise _vllm_validation_error(
+            f"logit_bias contains key(s) that cannot be converted to integer token IDs: {shown!r}",
+            "logit_bias", shown)
+
+
+def _check_max_logprobs(count: int) -> None:
+    if count > MAX_LOGPROBS:
+        raise _vllm_validation_error(
+            f"Requested sample logprobs of {count}, which is greater than max allowed: {MAX_LOGPROBS}",
+            "logprobs", count)
+
+
 # Optional fields of vLLM's CompletionRequest / ChatCompletionRequest that the twin ignores, with
 # the type vLLM's pydantic model gives them: a wrong type is a 400 there, so it is one here.
 _OPTIONAL_TYPES: dict[str, tuple[Any, str]] = {
@@ -163,14 +197,21 @@ def _check_optional_types(body: dict[str, Any], kind: Kind) -> None:
         value = body.get(name)
         if value is not None and not ok(value):
             raise OpenAIError(f"`{name}` must be {allowed}, got {_brief(value)}.", param=name)
-    value = body.get("logprobs")
+    if body.get("logit_bias") is not None:
+        _check_logit_bias_keys(body["logit_bias"])
+    logprobs = body.get("logprobs")
     ok, allowed = _LOGPROBS[kind]
-    if value is not None and not ok(value):
-        raise OpenAIError(f"`logprobs` must be {allowed}, got {_brief(value)}.", param="logprobs")
+    if logprobs is not None and not ok(logprobs):
+        raise OpenAIError(f"`logprobs` must be {allowed}, got {_brief(logprobs)}.", param="logprobs")
+    if kind == "completion" and logprobs is not None:
+        _check_max_logprobs(logprobs)
     value = body.get("top_logprobs")
-    if kind == "chat" and value is not None and not (_is_int(value) and 0 <= value <= 20):
-        raise OpenAIError(f"`top_logprobs` must be an integer from 0 to 20, got {_brief(value)}.",
-                          param="top_logprobs")
+    if kind == "chat" and value is not None:
+        if _is_int(value) and value > MAX_LOGPROBS and logprobs is True:
+            _check_max_logprobs(value)  # vLLM samples top_logprobs logprobs when logprobs is true
+        if not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
+            raise OpenAIError(f"`top_logprobs` must be an integer from 0 to {MAX_LOGPROBS}, got {_brief(value)}.",
+                              param="top_logprobs")
 
 
 def _refuse_constant(name: str) -> Any:
@@ -229,8 +270,7 @@ def _check_sampling(body: dict[str, Any]) -> None:
     if n is not None and n != 1:
         raise OpenAIError(f"`n` must be 1: the engine twin generates one choice per request, got {n}.",
                           param="n")
-    if body.get("best_of") not in (None, 1):
-        raise OpenAIError("`best_of` must be 1 (or omitted) for the engine twin.", param="best_of")
+    # `best_of` is not refused: vLLM 0.32 has no such field and ignores it, whatever its value.
 
 
 def _check_model(body: dict[str, Any], served_model_names: tuple[str, ...]) -> str:
