@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tracemalloc
 
 import pytest
 
@@ -237,3 +238,39 @@ def test_a_long_list_of_bad_logit_bias_keys_is_shown_briefly():
     with pytest.raises(proto.OpenAIError) as info:
         parse({"prompt": "x", "logit_bias": {f"k{i}" + "z" * 100: 1 for i in range(1000)}})
     assert len(info.value.message) < 1000
+
+
+def _peak_mb(fn) -> float:
+    tracemalloc.start()
+    try:
+        with pytest.raises(proto.OpenAIError) as info:
+            fn()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert "maximum context length is 1024 tokens" in info.value.message
+    return peak / 2**20
+
+
+def test_a_token_id_list_too_long_is_refused_before_it_is_joined():
+    """The seed joins the ids into one string (2M ids: ~120 MB of str objects on the way); a list
+    the length check refuses never gets that far."""
+    ids = list(range(100_000, 2_100_000))
+    assert _peak_mb(lambda: parse({"prompt": ids})) < 5
+
+
+def test_a_text_prompt_far_too_long_is_counted_only_so_far():
+    prompt = "word " * 2_000_000  # 2M tokens against 1024
+    with pytest.raises(proto.OpenAIError) as info:
+        parse({"prompt": prompt, "max_tokens": 5})
+    assert info.value.message == (
+        "This model's maximum context length is 1024 tokens. However, you requested more than 2053 tokens "
+        "(more than 2048 in the messages, 5 in the completion). Please reduce the length of the messages or "
+        "completion.")
+    with pytest.raises(proto.OpenAIError) as info:
+        parse({"messages": [{"role": "user", "content": prompt}]}, "chat")
+    assert "more than 2048 in the messages" in info.value.message
+    # Just over the limit, the count is exact, as vLLM reports it.
+    with pytest.raises(proto.OpenAIError) as info:
+        parse({"prompt": "word " * 1500})
+    assert "you requested 1501 tokens (1501 in the messages, 0 in the completion)" in info.value.message
