@@ -518,7 +518,7 @@ class TwinServer:
 
     @staticmethod
     async def _read_body(request: web.Request) -> bytes | str:
-        """The (decompressed) body, refused with 413 as soon as it passes MAX_BODY_BYTES.
+        """The body as sent (still compressed, if it is), refused with 413 as soon as it passes MAX_BODY_BYTES.
 
         A small body comes back as bytes; a large one is spooled, chunk by chunk as it arrives, to
         a temporary file (memory-backed where it can be) whose path comes back: the worker that
