@@ -47,9 +47,12 @@ OUTPUT_WORDS: tuple[str, ...] = (
 )
 
 
-def count_text_tokens(text: str) -> int:
+def count_text_tokens(text: str, stop_after: int | None = None) -> int:
     """Tokens in `text` without any special token: one per short word or punctuation mark,
-    more for long words (one per started `_CHARS_PER_TOKEN` characters)."""
+    more for long words (one per started `_CHARS_PER_TOKEN` characters).
+
+    With `stop_after`, counting stops once the count passes it (a server refusing a prompt that
+    long need not count megabytes of it): a result above `stop_after` is a lower bound."""
     # Each piece is one token plus one per further started group of characters:
     # max(1, ceil(n / 6)) == 1 + (n - 1) // 6.
     total = 0
@@ -65,6 +68,8 @@ def count_text_tokens(text: str) -> int:
         for run in _LONG_RUN.findall(chunk):
             total += (len(run) - 1) // _CHARS_PER_TOKEN
         start = stop
+        if stop_after is not None and total > stop_after:
+            break
     return total
 
 
@@ -72,18 +77,21 @@ def _is_alnum(ch: str) -> bool:
     return _NOT_ALNUM.match(ch) is None and not ch.isspace()
 
 
-def count_prompt_tokens(text: str) -> int:
+def count_prompt_tokens(text: str, stop_after: int | None = None) -> int:
     """Tokens of a completion prompt: its text plus the beginning-of-sequence token that
     Llama-style tokenizers prepend (so an empty prompt is one token, as in vLLM)."""
-    return 1 + count_text_tokens(text)
+    return 1 + count_text_tokens(text, None if stop_after is None else stop_after - 1)
 
 
-def count_chat_tokens(contents: Iterable[str]) -> int:
+def count_chat_tokens(contents: Iterable[str], stop_after: int | None = None) -> int:
     """Tokens of a chat prompt after the chat template: BOS, each message's text plus its
     per-message overhead, and the assistant reply header."""
     total = 1 + CHAT_TOKENS_REPLY_PRIMER
     for content in contents:
-        total += CHAT_TOKENS_PER_MESSAGE + count_text_tokens(content)
+        left = None if stop_after is None else stop_after - total - CHAT_TOKENS_PER_MESSAGE
+        total += CHAT_TOKENS_PER_MESSAGE + count_text_tokens(content, left)
+        if stop_after is not None and total > stop_after:
+            break
     return total
 
 

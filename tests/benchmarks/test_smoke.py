@@ -28,6 +28,7 @@ PRINTS = {
     "tuner_quality": r"goal tuner median regret <= 5% on every scenario: (met|NOT met)",
     "twin_calibration": r"held-out file, generic constants:\s+\d+/3 files",
     "twin_flood": r"/health latency during: median",
+    "twin_hostile": r"goals: <= 2 CPU-s and 200 MB a request, /health and stream gaps <= 100 ms: (met|NOT met)",
     "twin_memory": r"test  vLLM >= 0\.17\s+fitted:",
     "twin_speed": r"goal >= 300x real time: (MET|NOT MET)",
     "twin_tracing": r"on / off:\s+\d",

@@ -42,6 +42,27 @@ def _raw_field(name: str, literal: str) -> bytes:
 
 
 TEN_MB_PROMPT = json.dumps({"prompt": "hello world, this is a prompt. " * 340_000, "max_tokens": 2})
+GZIP = "Content-Encoding: gzip\r\n"
+
+
+def _gzip_of_list(item: bytes, n: int) -> bytes:
+    """A gzip body of ~32 KB that inflates to `{"prompt":[item,item,...]}` (~3 bytes an item)."""
+    return gzip.compress(b'{"prompt":[' + b",".join([item] * n) + b"]}", 9)
+
+
+def gzip_of_zeros(gib: int) -> bytes:
+    """A gzip member of `gib` GiB of zeros (~1 KB per MiB), built from one compressed MiB repeated:
+    a full flush resets the compressor, so every MiB after the first compresses to the same bytes.
+    The member is cut before its end (no final block, no CRC): the server must stop at its 32 MiB
+    limit long before, or it inflates all of it."""
+    c = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    mib = b"\0" * (1 << 20)
+    first = c.compress(mib) + c.flush(zlib.Z_FULL_FLUSH)
+    again = c.compress(mib) + c.flush(zlib.Z_FULL_FLUSH)
+    return first + again * ((gib << 10) - 1)
+
+
+TOKEN_IDS_32_MIB = json.dumps({"prompt": [1000 + i % 9000 for i in range((32 << 20) // 6 - 1000)]}).encode()
 
 CASES: list[HttpCase] = [
     # --- bodies that are not what they claim
@@ -61,6 +82,16 @@ CASES: list[HttpCase] = [
     HttpCase("invalid-utf8", _post(b'{"prompt": "\xff\xfe"}')),
     HttpCase("huge-integer", _post('{"prompt": "x", "max_tokens": ' + "9" * 5000 + "}")),
     HttpCase("ten-mb-prompt", _post(TEN_MB_PROMPT)),
+    # --- small bodies that are large work: each is bounded before it is built
+    HttpCase("gzip-empty-objects", _post(_gzip_of_list(b"{}", 10_000_000), headers=GZIP)),
+    HttpCase("gzip-empty-arrays", _post(_gzip_of_list(b"[]", 10_000_000), headers=GZIP)),
+    HttpCase("gzip-bomb-8gb", _post(gzip_of_zeros(8), headers=GZIP), status=413),
+    HttpCase("token-ids-32-mib", _post(TOKEN_IDS_32_MIB)),
+    HttpCase("gzip-many-members", _post(gzip.compress(b"{}") * 2000, headers=GZIP)),
+    HttpCase("brotli-unsupported", _post(b"\x0b\x02\x80{}\x03", headers="Content-Encoding: br\r\n"), status=415),
+    HttpCase("json-nested-70", _post('{"prompt": "x", "tools": [' + "[" * 70 + "]" * 70 + "]}")),
+    HttpCase("gzip-prompt-32-mib", _post(gzip.compress(json.dumps({"prompt": "a b. " * ((32 << 20) // 5 - 10)}).encode(), 6),
+                                         headers=GZIP)),
     # --- optional fields with the wrong type or value
     HttpCase("temperature-nan", _raw_field("temperature", "NaN")),
     HttpCase("temperature-infinity", _raw_field("temperature", "Infinity")),
@@ -89,6 +120,11 @@ CASES: list[HttpCase] = [
     HttpCase("max-tokens-negative", _completion(max_tokens=-1)),
     HttpCase("max-tokens-float-huge", _raw_field("max_tokens", "1e400")),
     HttpCase("min-tokens-above-max", _completion(min_tokens=10)),
+    # --- what vLLM 0.32 refuses (its max_logprobs default is 20; logit_bias keys must be token ids)
+    HttpCase("logprobs-21", _completion(logprobs=21)),
+    HttpCase("chat-top-logprobs-21", _chat(logprobs=True, top_logprobs=21)),
+    HttpCase("logit-bias-word-key", _completion(logit_bias={"hello": 5})),
+    HttpCase("logit-bias-float-key", _completion(logit_bias={"1.5": 5})),
     # --- prompts and messages
     HttpCase("prompt-missing", _post('{"max_tokens": 2}')),
     HttpCase("prompt-int", _post('{"prompt": 5}')),

@@ -11,18 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import multiprocessing
 import os
 import signal
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from prometheus_client.exposition import gzip_accepted
 
 from kvpilot.api import vllm
@@ -31,20 +28,24 @@ from kvpilot.twin.metrics import CONTENT_TYPE, VllmMetrics
 from kvpilot.twin.server import protocol as proto
 from kvpilot.twin.server.connection import Runner, keepalive_timeout
 from kvpilot.twin.server.jsonlog import LOGGER_NAME
-from kvpilot.twin.server.parsing import lower_priority, parse_body
+from kvpilot.twin.server.parsing import parse_body
 from kvpilot.twin.server.tracing import RequestTracer, trace_headers
+from kvpilot.twin.server.workers import ParseWorkers, WorkerDied
 
 log = logging.getLogger(LOGGER_NAME)
 
 # Prompts of long-context models run to megabytes of JSON (a million-token prompt is ~6 MB of text
-# or ~7 MB of token ids); aiohttp's default cap is 1 MiB.  Bodies are counted after decompression.
+# or ~7 MB of token ids); aiohttp's default cap is 1 MiB.  The cap holds for the bytes received
+# and again for the bytes a compressed body inflates to.
 MAX_BODY_BYTES = 32 * 1024 * 1024
-# Bodies larger than this are decoded and counted in worker processes, so the event loop (the engine
-# loop, /health, every stream) keeps running while clients send megabytes: in a thread the parse
-# would still hold the GIL for most of its CPU-seconds.  At most PARSE_SLOTS at once, which also
-# bounds the memory they take.
+# Bodies larger than this, and every compressed body, are inflated, decoded and counted in worker
+# processes, so the event loop (the engine loop, /health, every stream) keeps running while clients
+# send megabytes: in a thread the parse would still hold the GIL for most of its CPU-seconds.  At
+# most PARSE_SLOTS at once, which also bounds the memory they take, and PARSE_QUEUE waiting: more
+# are answered 503 with Retry-After.
 INLINE_PARSE_BYTES = 64 * 1024
 PARSE_SLOTS = 2
+PARSE_QUEUE = 8
 # A client has this long to send its body once its headers are in (a slow upload is cut off).
 BODY_TIMEOUT_S = 60.0
 # How far behind the simulated timeline the engine loop may fall and still catch up.
@@ -325,7 +326,10 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _json_error(exc: proto.OpenAIError) -> web.Response:
-    return web.json_response(exc.body(), status=exc.status)
+    resp = web.json_response(exc.body(), status=exc.status)
+    if exc.retry_after is not None:
+        resp.headers[hdrs.RETRY_AFTER] = str(exc.retry_after)
+    return resp
 
 
 def _one_line(value: Any, limit: int = 200) -> str:
@@ -346,8 +350,7 @@ class TwinServer:
         self.draining = False
         self.created = int(time.time())
         self._handlers: set[asyncio.Task[Any]] = set()
-        self._parse_slots = asyncio.Semaphore(PARSE_SLOTS)
-        self._parse_pool: ProcessPoolExecutor | None = None
+        self.parse_workers = ParseWorkers(PARSE_SLOTS, PARSE_QUEUE)
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
@@ -368,10 +371,12 @@ class TwinServer:
         """Start the engine loop and open the port (raises OSError if it is taken)."""
         self.engine_loop.start()
         # handler_cancellation: a client that goes away cancels its handler, which aborts the
-        # request in the engine (vLLM does the same on disconnect).
+        # request in the engine (vLLM does the same on disconnect) or kills the worker parsing it.
+        # auto_decompress off: aiohttp would inflate a body on the event loop, and go on inflating
+        # a bomb after the answer (its lingering read); the parse workers inflate within a cap.
         self._runner = Runner(self.app, handle_signals=False, handler_cancellation=True,
                               access_log=None, shutdown_timeout=_FLUSH_SECONDS,
-                              keepalive_timeout=keepalive_timeout())
+                              keepalive_timeout=keepalive_timeout(), auto_decompress=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         try:
@@ -410,8 +415,7 @@ class TwinServer:
             await asyncio.wait(set(self._handlers), timeout=_FLUSH_SECONDS)
         if self._runner is not None:
             await self._runner.cleanup()
-        if self._parse_pool is not None:
-            self._parse_pool.shutdown(wait=False, cancel_futures=True)
+        self.parse_workers.close()
         await self.engine_loop.stop()
         if self.tracer is not None:  # export the spans still queued (up to the exporter's timeout)
             await asyncio.to_thread(self.tracer.shutdown)
@@ -494,8 +498,8 @@ class TwinServer:
         if self.engine_loop.dead is not None:
             raise proto.OpenAIError("The engine is dead; the server must be restarted.", status=503)
 
-    def _parse(self, raw: bytes, kind: proto.Kind) -> proto.GenerationRequest:
-        return self._parsed(parse_body(raw, kind, self.info.served_model_names, self.info.max_model_len))
+    def _parse_args(self, raw: bytes | str, encoding: str, kind: proto.Kind) -> tuple[Any, ...]:
+        return (raw, encoding, kind, self.info.served_model_names, self.info.max_model_len, MAX_BODY_BYTES)
 
     @staticmethod
     def _parsed(result: proto.GenerationRequest | tuple[str, int, str | None]) -> proto.GenerationRequest:
@@ -504,26 +508,17 @@ class TwinServer:
             raise proto.OpenAIError(message, status=status, param=param)
         return result
 
-    async def _parse_elsewhere(self, raw: bytes | str, kind: proto.Kind) -> proto.GenerationRequest:
-        if self._parse_pool is None:
-            # spawn: a clean interpreter that imports only the protocol module (no fork of a
-            # process with threads and an event loop).
-            self._parse_pool = ProcessPoolExecutor(PARSE_SLOTS, mp_context=multiprocessing.get_context("spawn"),
-                                                   initializer=lower_priority)
-        loop = asyncio.get_running_loop()
+    async def _parse_elsewhere(self, raw: bytes | str, encoding: str, kind: proto.Kind) -> proto.GenerationRequest:
         try:
-            result = await loop.run_in_executor(self._parse_pool, parse_body, raw, kind,
-                                                self.info.served_model_names, self.info.max_model_len)
-        except BrokenProcessPool:  # a worker died (killed, out of memory): start afresh next time
-            self._parse_pool.shutdown(wait=False, cancel_futures=True)
-            self._parse_pool = None
+            result = await self.parse_workers.run(parse_body, *self._parse_args(raw, encoding, kind))
+        except WorkerDied:  # killed, out of memory: the next job starts a fresh worker
             raise proto.OpenAIError("The request could not be parsed: a parser process died; retry.",
-                                    status=503) from None
+                                    status=503, retry_after=1) from None
         return self._parsed(result)
 
     @staticmethod
     async def _read_body(request: web.Request) -> bytes | str:
-        """The (decompressed) body, refused with 413 as soon as it passes MAX_BODY_BYTES.
+        """The body as sent (still compressed, if it is), refused with 413 as soon as it passes MAX_BODY_BYTES.
 
         A small body comes back as bytes; a large one is spooled, chunk by chunk as it arrives, to
         a temporary file (memory-backed where it can be) whose path comes back: the worker that
@@ -573,12 +568,12 @@ class TwinServer:
         except TimeoutError:
             raise proto.OpenAIError(f"The request body did not arrive within {BODY_TIMEOUT_S:g} s.",
                                     status=408) from None
-        if isinstance(raw, bytes) and len(raw) <= INLINE_PARSE_BYTES:
-            return self._parse(raw, kind)
-        # Decoding and counting megabytes takes CPU-seconds: a worker process does it.
+        encoding = request.headers.get(hdrs.CONTENT_ENCODING, "")
+        if isinstance(raw, bytes) and len(raw) <= INLINE_PARSE_BYTES and encoding.strip().lower() in ("", "identity"):
+            return self._parsed(parse_body(*self._parse_args(raw, encoding, kind)))
+        # Inflating, decoding and counting megabytes takes CPU-seconds: a worker process does it.
         try:
-            async with self._parse_slots:
-                return await self._parse_elsewhere(raw, kind)
+            return await self._parse_elsewhere(raw, encoding, kind)
         finally:
             if isinstance(raw, str):
                 with contextlib.suppress(OSError):

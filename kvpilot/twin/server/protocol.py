@@ -30,11 +30,13 @@ class OpenAIError(Exception):
               415: "UnsupportedMediaTypeError", 431: "RequestHeaderFieldsTooLargeError",
               503: "ServiceUnavailableError", 500: "InternalServerError"}
 
-    def __init__(self, message: str, *, status: int = 400, param: str | None = None) -> None:
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None,
+                 retry_after: int | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
+        self.retry_after = retry_after  # seconds, for a Retry-After header (a 503 under load)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self._TYPES.get(self.status, "Error"),
@@ -124,6 +126,40 @@ def _is_logit_bias(value: Any) -> bool:
     return isinstance(value, dict) and all(_is_number(v) for v in value.values())
 
 
+# vLLM's --max-logprobs default (ModelConfig.max_logprobs): more sample logprobs are refused.
+MAX_LOGPROBS = 20
+
+
+def _vllm_validation_error(message: str, param: str, value: Any) -> OpenAIError:
+    """vLLM's VLLMValidationError as its server answers it: str(exc) names the parameter and value."""
+    return OpenAIError(f"{message} (parameter={param}, value={value})", param=param)
+
+
+def _int_key(key: str) -> bool:
+    try:
+        int(key)  # vLLM's conversion: " 7", "+7" and "1_000" are token ids too
+    except ValueError:
+        return False
+    return True
+
+
+def _check_logit_bias_keys(value: dict[str, Any]) -> None:
+    invalid = [k for k in value if not _int_key(k)]
+    if invalid:
+        # vLLM lists every key; a hostile body could send thousands, so the message shows five.
+        shown = [k if len(k) <= 30 else k[:30] + "..." for k in invalid[:5]]
+        raise _vllm_validation_error(
+            f"logit_bias contains key(s) that cannot be converted to integer token IDs: {shown!r}",
+            "logit_bias", shown)
+
+
+def _check_max_logprobs(count: int) -> None:
+    if count > MAX_LOGPROBS:
+        raise _vllm_validation_error(
+            f"Requested sample logprobs of {count}, which is greater than max allowed: {MAX_LOGPROBS}",
+            "logprobs", count)
+
+
 # Optional fields of vLLM's CompletionRequest / ChatCompletionRequest that the twin ignores, with
 # the type vLLM's pydantic model gives them: a wrong type is a 400 there, so it is one here.
 _OPTIONAL_TYPES: dict[str, tuple[Any, str]] = {
@@ -163,14 +199,21 @@ def _check_optional_types(body: dict[str, Any], kind: Kind) -> None:
         value = body.get(name)
         if value is not None and not ok(value):
             raise OpenAIError(f"`{name}` must be {allowed}, got {_brief(value)}.", param=name)
-    value = body.get("logprobs")
+    if body.get("logit_bias") is not None:
+        _check_logit_bias_keys(body["logit_bias"])
+    logprobs = body.get("logprobs")
     ok, allowed = _LOGPROBS[kind]
-    if value is not None and not ok(value):
-        raise OpenAIError(f"`logprobs` must be {allowed}, got {_brief(value)}.", param="logprobs")
+    if logprobs is not None and not ok(logprobs):
+        raise OpenAIError(f"`logprobs` must be {allowed}, got {_brief(logprobs)}.", param="logprobs")
+    if kind == "completion" and logprobs is not None:
+        _check_max_logprobs(logprobs)
     value = body.get("top_logprobs")
-    if kind == "chat" and value is not None and not (_is_int(value) and 0 <= value <= 20):
-        raise OpenAIError(f"`top_logprobs` must be an integer from 0 to 20, got {_brief(value)}.",
-                          param="top_logprobs")
+    if kind == "chat" and value is not None:
+        if _is_int(value) and value > MAX_LOGPROBS and logprobs is True:
+            _check_max_logprobs(value)  # vLLM samples top_logprobs logprobs when logprobs is true
+        if not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
+            raise OpenAIError(f"`top_logprobs` must be an integer from 0 to {MAX_LOGPROBS}, got {_brief(value)}.",
+                              param="top_logprobs")
 
 
 def _refuse_constant(name: str) -> Any:
@@ -229,8 +272,7 @@ def _check_sampling(body: dict[str, Any]) -> None:
     if n is not None and n != 1:
         raise OpenAIError(f"`n` must be 1: the engine twin generates one choice per request, got {n}.",
                           param="n")
-    if body.get("best_of") not in (None, 1):
-        raise OpenAIError("`best_of` must be 1 (or omitted) for the engine twin.", param="best_of")
+    # `best_of` is not refused: vLLM 0.32 has no such field and ignores it, whatever its value.
 
 
 def _check_model(body: dict[str, Any], served_model_names: tuple[str, ...]) -> str:
@@ -245,20 +287,24 @@ def _check_model(body: dict[str, Any], served_model_names: tuple[str, ...]) -> s
     return model
 
 
-def _completion_prompt(body: dict[str, Any]) -> tuple[int, int]:
-    """(prompt tokens, seed) from `prompt`: a string, a list of token ids, or a one-item list of either."""
+def _completion_prompt(body: dict[str, Any], max_model_len: int) -> tuple[int, int]:
+    """(prompt tokens, seed) from `prompt`: a string, a list of token ids, or a one-item list of either.
+    A prompt that cannot fit is counted only as far as `_count_limit` and gets no seed."""
     if "prompt" not in body or body["prompt"] is None:
         raise OpenAIError("`prompt` is required.", param="prompt")
     prompt = body["prompt"]
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return tokens.count_prompt_tokens(prompt), tokens.prompt_seed(prompt)
+        count = tokens.count_prompt_tokens(prompt, _count_limit(max_model_len))
+        return count, tokens.prompt_seed(prompt) if count < max_model_len else 0
     if isinstance(prompt, list):
         if not prompt:
             raise OpenAIError("`prompt` must not be an empty list of token ids.", param="prompt")
         if all(_is_int(t) and t >= 0 for t in prompt):
-            return len(prompt), tokens.prompt_seed(",".join(map(str, prompt)))
+            # The seed joins the ids into a string: not for a list the length check refuses.
+            seed = tokens.prompt_seed(",".join(map(str, prompt))) if len(prompt) < max_model_len else 0
+            return len(prompt), seed
         if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
             raise OpenAIError("`prompt` with more than one prompt (a batch) is not supported by the "
                               "engine twin; send one request per prompt.", param="prompt")
@@ -295,7 +341,13 @@ def _message_text(message: Any, index: int) -> str:
                       param=f"{where}.content")
 
 
-def _chat_prompt(body: dict[str, Any]) -> tuple[int, int, str | None, int]:
+def _count_limit(max_model_len: int) -> int:
+    """How far a prompt is counted: far enough past max_model_len for the refusal to say how much
+    too long it is, not so far that a 32 MB prompt costs seconds."""
+    return 2 * max_model_len
+
+
+def _chat_prompt(body: dict[str, Any], max_model_len: int) -> tuple[int, int, str | None, int]:
     """(prompt tokens, seed, prefix key, prefix tokens) of a chat request."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -303,7 +355,9 @@ def _chat_prompt(body: dict[str, Any]) -> tuple[int, int, str | None, int]:
                           param="messages")
     contents = [_message_text(m, i) for i, m in enumerate(messages)]
     roles = "".join(str(m.get("role")) for m in messages)
-    prompt = tokens.count_chat_tokens(contents)
+    prompt = tokens.count_chat_tokens(contents, _count_limit(max_model_len))
+    if prompt >= max_model_len:
+        return prompt, 0, None, 0  # refused by the length check: no seed, no prefix
     seed = tokens.prompt_seed(roles + "\x00" + "\x00".join(contents))
     if messages[0].get("role") == "system" and len(messages) > 1:
         # BOS + the system message with its template tokens come first in every such prompt.
@@ -321,9 +375,9 @@ def parse_generation_request(body: dict[str, Any], kind: Kind, *, served_model_n
     prefix_key: str | None = None
     prefix_tokens = 0
     if kind == "completion":
-        prompt_tokens, seed = _completion_prompt(body)
+        prompt_tokens, seed = _completion_prompt(body, max_model_len)
     else:
-        prompt_tokens, seed, prefix_key, prefix_tokens = _chat_prompt(body)
+        prompt_tokens, seed, prefix_key, prefix_tokens = _chat_prompt(body, max_model_len)
     max_tokens = _optional_int(body, "max_tokens", 1)
     if kind == "chat":
         # The newer name wins when both are sent, as in vLLM.
@@ -353,10 +407,13 @@ def parse_generation_request(body: dict[str, Any], kind: Kind, *, served_model_n
     if prompt_tokens >= max_model_len or (max_tokens is not None
                                           and prompt_tokens + max_tokens > max_model_len):
         asked = prompt_tokens + (max_tokens or 0)
+        # A prompt counted only as far as _count_limit: its figures are lower bounds.
+        more = "more than " if prompt_tokens > _count_limit(max_model_len) else ""
+        shown = _count_limit(max_model_len) if more else prompt_tokens
         raise OpenAIError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{asked} tokens ({prompt_tokens} in the messages, {max_tokens or 0} in the completion). "
-            "Please reduce the length of the messages or completion.",
+            f"{more}{shown + (max_tokens or 0) if more else asked} tokens ({more}{shown} in the messages, "
+            f"{max_tokens or 0} in the completion). Please reduce the length of the messages or completion.",
             param="max_tokens" if max_tokens is not None and prompt_tokens < max_model_len else "prompt")
     resolved = max_tokens if max_tokens is not None else max_model_len - prompt_tokens
     temperature, top_p = body.get("temperature"), body.get("top_p")  # numbers: _check_sampling saw them

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tracemalloc
 
 import pytest
 
@@ -201,3 +202,75 @@ def test_token_chunk_template_is_byte_identical_to_the_dict_path(kind, piece, fi
     encoder = proto.TokenChunkEncoder(req, "id-1", 1700000000)
     expected = proto.sse(proto.stream_chunk(req, "id-1", 1700000000, text=piece, finish_reason=finish))
     assert encoder.token(piece, finish) == expected
+
+
+# vLLM 0.32's own refusals, messages as its server writes them (str(VLLMValidationError) names the
+# parameter and the value); checked against vllm/sampling_params.py of the installed 0.32 build.
+@pytest.mark.parametrize(("body", "kind", "message"), [
+    ({"prompt": "x", "logprobs": 21}, "completion",
+     "Requested sample logprobs of 21, which is greater than max allowed: 20 (parameter=logprobs, value=21)"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30}, "chat",
+     "Requested sample logprobs of 30, which is greater than max allowed: 20 (parameter=logprobs, value=30)"),
+    ({"prompt": "x", "logit_bias": {"abc": 1}}, "completion",
+     "logit_bias contains key(s) that cannot be converted to integer token IDs: ['abc'] "
+     "(parameter=logit_bias, value=['abc'])"),
+    ({"prompt": "x", "logit_bias": {"12": 1, "1.5": -1, "": 2}}, "completion",
+     "logit_bias contains key(s) that cannot be converted to integer token IDs: ['1.5', ''] "
+     "(parameter=logit_bias, value=['1.5', ''])"),
+])
+def test_refuses_what_vllm_refuses_with_its_message(body, kind, message):
+    with pytest.raises(proto.OpenAIError) as info:
+        parse(body, kind)
+    assert info.value.message == message and info.value.status == 400
+    assert info.value.param == message.split("(parameter=")[1].split(",")[0]
+
+
+def test_accepts_what_vllm_accepts():
+    # logprobs up to max_logprobs (20); keys int() takes; best_of of any value is not a field of
+    # vLLM 0.32's requests, which ignore it.
+    parse({"prompt": "x", "logprobs": 20, "logit_bias": {"7": 1, " 8": -1, "+9": 0.5}})
+    parse({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 20}, "chat")
+    for best_of in (True, 5, "x"):
+        parse({"prompt": "x", "best_of": best_of})
+
+
+def test_a_long_list_of_bad_logit_bias_keys_is_shown_briefly():
+    with pytest.raises(proto.OpenAIError) as info:
+        parse({"prompt": "x", "logit_bias": {f"k{i}" + "z" * 100: 1 for i in range(1000)}})
+    assert len(info.value.message) < 1000
+
+
+def _peak_mb(fn) -> float:
+    tracemalloc.start()
+    try:
+        with pytest.raises(proto.OpenAIError) as info:
+            fn()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert "maximum context length is 1024 tokens" in info.value.message
+    return peak / 2**20
+
+
+def test_a_token_id_list_too_long_is_refused_before_it_is_joined():
+    """The seed joins the ids into one string (2M ids: ~120 MB of str objects on the way); a list
+    the length check refuses never gets that far."""
+    ids = list(range(100_000, 2_100_000))
+    assert _peak_mb(lambda: parse({"prompt": ids})) < 5
+
+
+def test_a_text_prompt_far_too_long_is_counted_only_so_far():
+    prompt = "word " * 2_000_000  # 2M tokens against 1024
+    with pytest.raises(proto.OpenAIError) as info:
+        parse({"prompt": prompt, "max_tokens": 5})
+    assert info.value.message == (
+        "This model's maximum context length is 1024 tokens. However, you requested more than 2053 tokens "
+        "(more than 2048 in the messages, 5 in the completion). Please reduce the length of the messages or "
+        "completion.")
+    with pytest.raises(proto.OpenAIError) as info:
+        parse({"messages": [{"role": "user", "content": prompt}]}, "chat")
+    assert "more than 2048 in the messages" in info.value.message
+    # Just over the limit, the count is exact, as vLLM reports it.
+    with pytest.raises(proto.OpenAIError) as info:
+        parse({"prompt": "word " * 1500})
+    assert "you requested 1501 tokens (1501 in the messages, 0 in the completion)" in info.value.message

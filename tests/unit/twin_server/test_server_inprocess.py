@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -222,3 +223,42 @@ def test_metrics_ignores_accept_and_metrics_slash_negotiates_as_vllm_does():
         "/metrics/": (200, "application/openmetrics-text; version=1.0.0; charset=utf-8; escaping=underscores",
                       "gzip", False, True),
     }
+
+
+def test_compressed_bodies_are_inflated_by_the_server_and_a_full_parse_queue_answers_503(tmp_path):
+    """gzip and deflate bodies are read as sent (aiohttp's own inflation, on the event loop, is off)
+    and inflated in a parse worker; with every parse slot busy and the queue full, the next
+    compressed body is answered 503 with Retry-After at once, in OpenAI's error shape."""
+    import gzip
+    import zlib
+
+    from kvpilot.twin.server.workers import ParseWorkers
+    from tests.support import parse_jobs
+
+    body = json.dumps({"prompt": "hello there", "max_tokens": 2}).encode()
+
+    async def run(srv: TwinServer, session: aiohttp.ClientSession, url: str) -> None:
+        for data, coding in ((gzip.compress(body), "gzip"), (zlib.compress(body), "deflate")):
+            async with session.post(url + "/v1/completions", data=data, headers={
+                    "Content-Type": "application/json", "Content-Encoding": coding}) as resp:
+                assert resp.status == 200, await resp.text()
+                assert (await resp.json())["usage"]["completion_tokens"] == 2
+        srv.parse_workers.close()
+        srv.parse_workers = ParseWorkers(1, 0)
+        marker = tmp_path / "started"
+        busy = asyncio.create_task(srv.parse_workers.run(parse_jobs.spin, str(marker), 120.0))
+        try:
+            while not marker.exists():
+                await asyncio.sleep(0.01)
+            async with session.post(url + "/v1/completions", data=gzip.compress(body), headers={
+                    "Content-Type": "application/json", "Content-Encoding": "gzip"}) as resp:
+                assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+                error = (await resp.json())["error"]
+                assert error["code"] == 503 and error["type"] == "ServiceUnavailableError"
+                assert "busy parsing" in error["message"]
+        finally:
+            busy.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await busy
+
+    run_with_server(run)

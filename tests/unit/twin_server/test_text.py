@@ -72,3 +72,13 @@ def test_prompt_count_is_close_to_a_real_tokenizer_on_english():
              "running requests keep producing tokens while a new prompt is being processed.")
     real, ours = len(enc.encode(prose)), text.count_text_tokens(prose)
     assert abs(ours - real) <= 0.15 * real
+
+
+def test_counting_stops_once_past_stop_after():
+    long = "word " * 1_000_000
+    # Exact up to the limit; past it, a lower bound above the limit, far below the full count.
+    assert text.count_text_tokens("word " * 100, stop_after=100) == 100
+    assert 100 < text.count_text_tokens(long, stop_after=100) < 1_000_000
+    assert 100 < text.count_prompt_tokens(long, stop_after=100) < 1_000_000
+    assert 100 < text.count_chat_tokens([long, long], stop_after=100) < 1_000_000
+    assert text.count_chat_tokens(["a b", "c"], stop_after=100) == text.count_chat_tokens(["a b", "c"])
