@@ -82,3 +82,4 @@ def test_case(case, command: str, results) -> None:
     # One line per problem, each short: no value is echoed whole.
     longest = max((len(line) for line in problems.splitlines()), default=0)
     assert longest <= 600, f"a {longest}-character line"
+
