@@ -252,8 +252,8 @@ def _dtype(config: dict[str, Any]) -> str:
 def _check_supported(config: dict[str, Any]) -> None:
     """Refuse, naming it, what the twin would otherwise price as something else."""
     archs = config.get("architectures") or []
-    if not isinstance(archs, list):
-        raise ModelSpecError("config.json's 'architectures' must be a list")
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ModelSpecError(f"config.json field 'architectures' must be a list of names, got {brief(archs)}")
     known = DENSE_ARCHITECTURES | MOE_ARCHITECTURES
     unknown = [a for a in archs if a not in known]
     model_type = config.get("model_type")
