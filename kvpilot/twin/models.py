@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpilot.api.documents import brief
+from kvpilot.twin import jsonin
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4, "fp8": 1}
 
@@ -303,12 +304,10 @@ def _quantization(qc: Any) -> str:
                          f"{', '.join(QUANTIZATIONS)} weights and unquantized ones")
 
 
-# A Hugging Face config.json is a few kilobytes; one with a long label map, a few hundred.
-MAX_CONFIG_BYTES = 1024 * 1024
-# config.json nests about four levels (quantization_config.config_groups.group_0.weights).
-MAX_CONFIG_DEPTH = 32
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
-_JSON_BRACKETS = re.compile(r"[\[\]{}]")
+# A Hugging Face config.json is a few kilobytes (one with a long label map, a few hundred) and nests
+# about four levels (quantization_config.config_groups.group_0.weights).
+MAX_CONFIG_BYTES = jsonin.MAX_BYTES
+MAX_CONFIG_DEPTH = jsonin.MAX_DEPTH
 
 
 def read_model_config(path: str | Path, label: str = "model config") -> str:
@@ -319,8 +318,7 @@ def read_model_config(path: str | Path, label: str = "model config") -> str:
     if p.is_dir():
         p = p / "config.json"
     try:
-        with p.open("rb") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
+        data = jsonin.read_head(p, MAX_CONFIG_BYTES)
     except OSError as exc:
         raise ModelSpecError(f"cannot read {label} {str(p)!r}: {exc.strerror or exc}") from None
     if len(data) > MAX_CONFIG_BYTES:
@@ -343,11 +341,8 @@ def parse_model_config(text: str | bytes) -> dict[str, Any]:
             text = text.decode("utf-8-sig")
         except UnicodeDecodeError as exc:
             raise ModelSpecError(f"it is not UTF-8 (byte offset {exc.start})") from None
-    depth = 0
-    for bracket in _JSON_BRACKETS.findall(_JSON_STRING.sub('""', text)):
-        depth += 1 if bracket in "[{" else -1
-        if depth > MAX_CONFIG_DEPTH:
-            raise ModelSpecError(f"it nests more than {MAX_CONFIG_DEPTH} levels deep (a config.json nests about 4)")
+    if jsonin.too_deep(text, MAX_CONFIG_DEPTH):
+        raise ModelSpecError(f"it nests more than {MAX_CONFIG_DEPTH} levels deep (a config.json nests about 4)")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

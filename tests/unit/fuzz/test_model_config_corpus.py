@@ -1,5 +1,6 @@
 """Every hostile config.json of tests/fuzz/model_configs.py, and /dev/zero, through each command that
-reads a model's config.json: one clear error naming what is wrong (or the right answer), no traceback,
+reads a model's config.json (and those of size, nesting and encoding through --device-profile and
+--observations, the twin's other JSON inputs): one clear error naming what is wrong (or the right answer), no traceback,
 no internal error, within 2 CPU-seconds and 200 MB of its own, measured by the kernel in a forked
 child (tests/fuzz/harness.py)."""
 
@@ -41,12 +42,22 @@ def _argv(command: str, tmp: Path, config: str) -> list[str]:
                  "--storage", f"sqlite:///{tmp}/tune.db", "--report", ""],
         "calibrate": ["twin", "calibrate", "--observations", str(CPU_OBSERVATIONS), "--model-config", config,
                       "--output", str(tmp / "profile.json")],
+        # The twin's other JSON inputs, through the same bounded reader.
+        "device-profile": ["twin", "run", "--workload", "poisson:rate=1", "--num-requests", "2",
+                           "--device-profile", config],
+        "observations": ["twin", "calibrate", "--observations", config, "--output", str(tmp / "profile.json")],
     }[command]
+
+
+# The cases of size, nesting and encoding, which every JSON file the twin reads is held to.
+OTHER_JSON = ("too-large", "deep-2000", "deep-list-300k", "int-5000-digits", "not-utf8")
 
 
 def _runs() -> list[tuple[Case, str]]:
     runs = [(case, command) for case in CASES for command in case.commands]
-    return runs + [(DEV_ZERO, command) for command in DEV_ZERO.commands]
+    runs += [(case, command) for case in CASES if case.id in OTHER_JSON
+             for command in ("device-profile", "observations")]
+    return runs + [(DEV_ZERO, command) for command in (*DEV_ZERO.commands, "device-profile", "observations")]
 
 
 RUNS = _runs()
