@@ -209,7 +209,9 @@ def parse_text(data: bytes | str) -> list[ParsedDocument]:
             parsed.append(ParsedDocument(index, doc, DocumentResult(index, _name_of(doc), issues, warnings)))
             index += 1
     except DocumentError as exc:
-        parsed.append(ParsedDocument(index, None, DocumentResult(index, None, [ValidationIssue("", str(exc))])))
+        # The stream is walked whole before any document is built: the error names the document it is in.
+        where = max(index, exc.document) if exc.document is not None else index
+        parsed.append(ParsedDocument(where, None, DocumentResult(where, None, [ValidationIssue("", str(exc))])))
     if not parsed:
         parsed.append(ParsedDocument(0, None, DocumentResult(0, None, [ValidationIssue("", "no YAML document found")])))
     return parsed

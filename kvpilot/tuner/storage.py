@@ -6,9 +6,11 @@ would otherwise surface as a SQLAlchemy traceback from deep inside `create_study
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
+
+from kvpilot.tuner.secrets import has_password as has_password
+from kvpilot.tuner.secrets import redacted as redacted
 
 # Drivers kvpilot knows how to get: the extra that installs each.
 _EXTRAS = {"psycopg": "kvpilot[postgresql]", "psycopg2": "kvpilot[postgresql]"}
@@ -20,21 +22,9 @@ _EXTRAS = {"psycopg": "kvpilot[postgresql]", "psycopg2": "kvpilot[postgresql]"}
 # locked", and the whole run end as an internal error.  A writer holds it for milliseconds.
 SQLITE_BUSY_TIMEOUT_S = 300.0
 
-# user:password@ in a URL's authority (what SQLAlchemy's hide_password masks, for text it cannot parse too).
-_PASSWORD = re.compile(r"(?<=://)([^:/@]*):[^@/]*@")
-
 
 class StorageError(ValueError):
     """An unusable storage URL: says what was given (its password masked) and what is allowed."""
-
-
-def redacted(url: str) -> str:
-    """The URL with its password replaced by ***, fit for a log line or an error message."""
-    return _PASSWORD.sub(r"\1:***@", url)
-
-
-def has_password(url: str) -> bool:
-    return _PASSWORD.search(url) is not None
 
 
 def check_storage_url(url: str, flag: str = "--storage") -> str:

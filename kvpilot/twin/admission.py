@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +19,7 @@ from kvpilot.twin.engine import EngineConfig
 from kvpilot.twin.flags import add_engine_arguments, engine_config_from_args
 from kvpilot.twin.hardware import GPU_PRESETS, GiB, GpuSpec, UnknownGpuError, resolve_gpu
 from kvpilot.twin.memory import EngineStartupError, MemoryPlan
-from kvpilot.twin.models import MODEL_PRESETS, ModelSpec, ModelSpecError, resolve_model
+from kvpilot.twin.models import MODEL_PRESETS, ModelSpec, ModelSpecError, parse_model_config, resolve_model
 from kvpilot.twin.workload import SHAREGPT_OUTPUT, SHAREGPT_PROMPT
 
 __all__ = ["AVERAGE_SEQUENCE_TOKENS", "HIGH_UTILIZATION", "Prediction", "predict"]
@@ -114,12 +113,7 @@ def _model(spec: InferenceServiceSpec, model_config: ModelSpec | Mapping[str, An
     if model_config is not None:
         try:
             if isinstance(model_config, str):  # the file's text, as a ConfigMap holds it
-                try:
-                    model_config = json.loads(model_config)
-                except json.JSONDecodeError as exc:
-                    raise ModelSpecError(f"it is not valid JSON: {exc}") from None
-                if not isinstance(model_config, Mapping):
-                    raise ModelSpecError("it must hold a JSON object")
+                model_config = parse_model_config(model_config)
             return ModelSpec.from_hf_config(dict(model_config), name=spec.model)
         except ModelSpecError as exc:
             missing.append(f"model: the config.json given for {spec.model!r} cannot be used: {exc}")

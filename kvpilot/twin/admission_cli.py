@@ -99,15 +99,12 @@ def validate_command(args: argparse.Namespace) -> int:
 
 def _read_model_config(path: str) -> tuple[str | None, str | None]:
     """(text, None) or (None, why it cannot be read)."""
-    from pathlib import Path
+    from kvpilot.twin.models import ModelSpecError, read_model_config
 
-    p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
     try:
-        return p.read_text(encoding="utf-8"), None
-    except (OSError, UnicodeDecodeError) as exc:
-        return None, f"cannot read --model-config {str(p)!r}: {getattr(exc, 'strerror', None) or exc}"
+        return read_model_config(path, label="--model-config"), None
+    except ModelSpecError as exc:
+        return None, str(exc)
 
 
 def _predict(args: argparse.Namespace) -> int:

@@ -14,6 +14,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from kvpilot.api.documents import brief
+from kvpilot.twin import jsonin
+
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4, "fp8": 1}
 
 # The architectures (config.json `architectures`) whose layers the twin prices.  Llama 4's
@@ -158,7 +161,8 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], name: str | None = None) -> ModelSpec:
-        """Shapes from a Hugging Face `config.json` dict; ModelSpecError for what the twin does not model."""
+        """Shapes from a Hugging Face `config.json` dict; ModelSpecError for what the twin does not model,
+        and for a field it uses that is missing or not a positive integer (naming the field)."""
         top = config
         text = config.get("text_config")
         if isinstance(text, dict):  # multimodal wrappers (Llama 4) keep the language model here
@@ -166,48 +170,52 @@ class ModelSpec:
                       "quantization_config": top.get("quantization_config") or text.get("quantization_config"),
                       "torch_dtype": top.get("torch_dtype") or text.get("torch_dtype")}
         _check_supported(config)
-        try:
-            hidden = int(config["hidden_size"])
-            heads = int(config["num_attention_heads"])
-            experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
-            moe: dict[str, Any] = {}
-            dense_inter = int(config.get("intermediate_size_mlp") or config.get("intermediate_size") or 0)
-            if experts:
-                expert_inter = int(config.get("moe_intermediate_size") or config["intermediate_size"])
-                shared = int(config.get("shared_expert_intermediate_size") or 0)
-                if "intermediate_size_mlp" in config:  # Llama 4: one shared expert of the expert size
-                    shared = expert_inter
-                layer_step = int(config.get("interleave_moe_layer_step") or config.get("decoder_sparse_step") or 1)
-                if layer_step == 1:
-                    dense_inter = 0  # every layer is an MoE layer: no dense MLP
-                moe = dict(num_experts=experts, num_experts_per_tok=int(config["num_experts_per_tok"]),
-                           moe_intermediate_size=expert_inter, shared_expert_intermediate_size=shared,
-                           moe_layer_step=layer_step)
-            spec = cls(
-                name=name or str(top.get("_name_or_path") or config.get("model_type") or "custom"),
-                hidden_size=hidden,
-                intermediate_size=dense_inter,
-                num_hidden_layers=int(config["num_hidden_layers"]),
-                num_attention_heads=heads,
-                num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-                head_dim=int(config.get("head_dim") or hidden // heads),
-                vocab_size=int(config["vocab_size"]),
-                max_position_embeddings=int(config.get("max_position_embeddings") or 4096),
-                tie_word_embeddings=bool(top.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
-                dtype=str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"),
-                quantization=_quantization(config.get("quantization_config")),
-                **moe,
-            )
-        except KeyError as exc:
-            raise ModelSpecError(f"config.json lacks {exc.args[0]!r}, which the twin needs") from None
-        except (TypeError, ValueError, ZeroDivisionError) as exc:
-            raise ModelSpecError(f"config.json has a field of the wrong type or value: {exc}") from None
-        sizes = [spec.hidden_size, spec.num_hidden_layers, spec.num_attention_heads, spec.num_key_value_heads,
-                 spec.head_dim, spec.vocab_size, spec.intermediate_size if spec.num_dense_layers else 1]
-        if spec.is_moe:
-            sizes += [spec.num_experts_per_tok, spec.moe_intermediate_size, spec.moe_layer_step]
-        if min(sizes) <= 0:
-            raise ModelSpecError("config.json sizes must all be positive")
+        hidden = _size(config, "hidden_size")
+        heads = _size(config, "num_attention_heads")
+        # num_local_experts (Mixtral, Llama 4) or num_experts (Qwen MoE); 0 or absent: a dense model.
+        experts_key = "num_local_experts" if config.get("num_local_experts") is not None else "num_experts"
+        experts = _size(config, experts_key, default=0, minimum=0)
+        moe: dict[str, Any] = {}
+        dense_key = "intermediate_size_mlp" if config.get("intermediate_size_mlp") is not None else "intermediate_size"
+        dense_inter = _size(config, dense_key, default=0, minimum=0)
+        if experts:
+            expert_key = "moe_intermediate_size" if config.get("moe_intermediate_size") is not None \
+                else "intermediate_size"
+            expert_inter = _size(config, expert_key)
+            shared = _size(config, "shared_expert_intermediate_size", default=0, minimum=0)
+            if config.get("intermediate_size_mlp") is not None:  # Llama 4: one shared expert of the expert size
+                shared = expert_inter
+            step_key = "interleave_moe_layer_step" if config.get("interleave_moe_layer_step") is not None \
+                else "decoder_sparse_step"
+            layer_step = _size(config, step_key, default=1)
+            if layer_step == 1:
+                dense_inter = 0  # every layer is an MoE layer: no dense MLP
+            moe = dict(num_experts=experts, num_experts_per_tok=_size(config, "num_experts_per_tok"),
+                       moe_intermediate_size=expert_inter, shared_expert_intermediate_size=shared,
+                       moe_layer_step=layer_step)
+        kv_heads = _size(config, "num_key_value_heads", default=heads)
+        if config.get("head_dim") is None and hidden < heads:
+            raise ModelSpecError(f"config.json field 'hidden_size' ({hidden}) must be at least num_attention_heads "
+                                 f"({heads}) when head_dim is not given: head_dim is hidden_size / num_attention_heads")
+        head_dim = _size(config, "head_dim", default=hidden // heads)
+        spec = cls(
+            name=name or str(top.get("_name_or_path") or config.get("model_type") or "custom")[:_MAX_NAME],
+            hidden_size=hidden,
+            intermediate_size=dense_inter,
+            num_hidden_layers=_size(config, "num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            vocab_size=_size(config, "vocab_size"),
+            max_position_embeddings=_size(config, "max_position_embeddings", default=4096),
+            tie_word_embeddings=bool(top.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
+            dtype=_dtype(config),
+            quantization=_quantization(config.get("quantization_config")),
+            **moe,
+        )
+        if spec.num_dense_layers and spec.intermediate_size <= 0:
+            raise ModelSpecError(f"config.json field {dense_key!r} must be a positive integer: the model has "
+                                 f"{spec.num_dense_layers} dense layers")
         if spec.is_moe and spec.num_experts_per_tok > spec.num_experts:
             raise ModelSpecError(f"config.json routes each token to {spec.num_experts_per_tok} experts of "
                                  f"{spec.num_experts}")
@@ -216,26 +224,59 @@ class ModelSpec:
         return spec
 
 
+# No shape of a published model comes near this; larger ones only make the arithmetic slow.
+MAX_SIZE = 2**31 - 1
+_MAX_NAME = 200
+
+
+def _size(config: dict[str, Any], key: str, *, default: int | None = None, minimum: int = 1) -> int:
+    """The integer field `key`, from `minimum` to MAX_SIZE; `default` when it is absent or null (or
+    ModelSpecError naming it when there is none)."""
+    value = config.get(key)
+    if value is None:
+        if default is None:
+            raise ModelSpecError(f"config.json lacks {key!r}, which the twin needs")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_SIZE:
+        kind = "a positive integer" if minimum == 1 else f"an integer of at least {minimum}"
+        raise ModelSpecError(f"config.json field {key!r} must be {kind} (at most {MAX_SIZE}), got {brief(value)}")
+    return value
+
+
+def _dtype(config: dict[str, Any]) -> str:
+    value = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+    if not isinstance(value, str):
+        raise ModelSpecError(f"config.json field 'torch_dtype' must be a string such as \"bfloat16\", got {brief(value)}")
+    return value
+
+
 def _check_supported(config: dict[str, Any]) -> None:
     """Refuse, naming it, what the twin would otherwise price as something else."""
     archs = config.get("architectures") or []
-    if not isinstance(archs, list):
-        raise ModelSpecError("config.json's 'architectures' must be a list")
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ModelSpecError(f"config.json field 'architectures' must be a list of names, got {brief(archs)}")
     known = DENSE_ARCHITECTURES | MOE_ARCHITECTURES
     unknown = [a for a in archs if a not in known]
-    if unknown or not archs and config.get("model_type") not in (None, "llama", "mistral", "qwen2", "qwen3"):
-        what = ", ".join(map(str, unknown)) or f"model_type {config.get('model_type')!r}"
+    model_type = config.get("model_type")
+    if unknown or not archs and model_type not in (None, "llama", "mistral", "qwen2", "qwen3"):
+        what = ", ".join(brief(a) for a in unknown) or f"model_type {brief(model_type)}"
         raise ModelSpecError(
             f"the twin does not model the architecture {what}: it models {', '.join(sorted(known))}")
     if config.get("kv_lora_rank") or config.get("q_lora_rank"):
         raise ModelSpecError("the twin does not model multi-head latent attention (kv_lora_rank in config.json)")
-    window = config.get("sliding_window")
-    if window and config.get("use_sliding_window", True) and int(window) < int(
-            config.get("max_position_embeddings") or 0):
-        raise ModelSpecError(
-            f"the twin does not model sliding-window attention (sliding_window {window} in config.json)")
-    if config.get("layer_types") and any(t != "full_attention" for t in config["layer_types"]):
-        raise ModelSpecError("the twin does not model layers other than full attention (layer_types in config.json)")
+    if config.get("sliding_window") is not None:
+        window = _size(config, "sliding_window")
+        if config.get("use_sliding_window", True) and window < _size(config, "max_position_embeddings", default=0,
+                                                                      minimum=0):
+            raise ModelSpecError(
+                f"the twin does not model sliding-window attention (sliding_window {window} in config.json)")
+    layer_types = config.get("layer_types")
+    if layer_types:
+        if not isinstance(layer_types, list):
+            raise ModelSpecError(f"config.json field 'layer_types' must be a list, got {brief(layer_types)}")
+        if any(t != "full_attention" for t in layer_types):
+            raise ModelSpecError(
+                "the twin does not model layers other than full attention (layer_types in config.json)")
     if config.get("first_k_dense_replace") or config.get("n_routed_experts"):
         raise ModelSpecError("the twin does not model DeepSeek-style experts (n_routed_experts in config.json)")
 
@@ -246,17 +287,71 @@ def _quantization(qc: Any) -> str:
         return ""
     if not isinstance(qc, dict):
         raise ModelSpecError("config.json's 'quantization_config' must be an object")
-    method = str(qc.get("quant_method") or "")
+    method = str(qc.get("quant_method") or "")[:_MAX_NAME]
     if method == "fp8":
         return "fp8"
     if method == "compressed-tensors":
         groups = qc.get("config_groups") or {}
-        weights = [g.get("weights") or {} for g in groups.values() if isinstance(g, dict)]
-        if weights and all(w.get("num_bits") == 8 and w.get("type") == "float" for w in weights):
+        if not isinstance(groups, dict):
+            raise ModelSpecError(f"config.json field 'quantization_config.config_groups' must be an object, "
+                                 f"got {brief(groups)}")
+        weights = [g.get("weights") for g in groups.values() if isinstance(g, dict)]
+        if weights and all(isinstance(w, dict) and w.get("num_bits") == 8 and w.get("type") == "float"
+                           for w in weights):
             return "fp8"
-        method = f"compressed-tensors ({qc.get('format') or 'not FP8'})"
-    raise ModelSpecError(f"the twin does not model the quantization {method or qc!r}: it models "
+        method = f"compressed-tensors ({brief(qc.get('format') or 'not FP8')})"
+    raise ModelSpecError(f"the twin does not model the quantization {method or brief(qc)!r}: it models "
                          f"{', '.join(QUANTIZATIONS)} weights and unquantized ones")
+
+
+# A Hugging Face config.json is a few kilobytes (one with a long label map, a few hundred) and nests
+# about four levels (quantization_config.config_groups.group_0.weights).
+MAX_CONFIG_BYTES = jsonin.MAX_BYTES
+MAX_CONFIG_DEPTH = jsonin.MAX_DEPTH
+
+
+def read_model_config(path: str | Path, label: str = "model config") -> str:
+    """The text of a `config.json` file (or of the one in a directory), reading at most MAX_CONFIG_BYTES + 1
+    bytes of it (`/dev/zero` is a file too); ModelSpecError, its message starting with `label`'s words, when
+    it cannot be read, is larger or is not UTF-8."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        data = jsonin.read_head(p, MAX_CONFIG_BYTES)
+    except OSError as exc:
+        raise ModelSpecError(f"cannot read {label} {str(p)!r}: {exc.strerror or exc}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ModelSpecError(f"{label} {str(p)!r} is larger than {MAX_CONFIG_BYTES // 1024} KiB: "
+                             "a Hugging Face config.json is a few kilobytes")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ModelSpecError(f"{label} {str(p)!r} is not UTF-8 (byte offset {exc.start})") from None
+
+
+def parse_model_config(text: str | bytes) -> dict[str, Any]:
+    """A config.json's object, its size and nesting bounded before it is parsed (a deep one would
+    exhaust the JSON parser's recursion); ModelSpecError saying what is wrong."""
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ModelSpecError(f"it is larger than {MAX_CONFIG_BYTES // 1024} KiB: a Hugging Face config.json "
+                             "is a few kilobytes")
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8-sig")
+        except UnicodeDecodeError as exc:
+            raise ModelSpecError(f"it is not UTF-8 (byte offset {exc.start})") from None
+    if jsonin.too_deep(text, MAX_CONFIG_DEPTH):
+        raise ModelSpecError(f"it nests more than {MAX_CONFIG_DEPTH} levels deep (a config.json nests about 4)")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ModelSpecError(f"it is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # an integer beyond Python's digit limit, ...
+        raise ModelSpecError(f"it is not JSON the twin can read: {str(exc)[:200]}") from None
+    if not isinstance(data, dict):
+        raise ModelSpecError("it must hold a JSON object")
+    return data
 
 
 def load_model_config(path: str | Path, name: str | None = None) -> ModelSpec:
@@ -264,15 +359,11 @@ def load_model_config(path: str | Path, name: str | None = None) -> ModelSpec:
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
+    text = read_model_config(p)
     try:
-        data = json.loads(p.read_text())
-    except OSError as exc:
-        raise ModelSpecError(f"cannot read model config {str(p)!r}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise ModelSpecError(f"model config {str(p)!r} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ModelSpecError(f"model config {str(p)!r} must hold a JSON object")
-    return ModelSpec.from_hf_config(data, name=name or p.parent.name or None)
+        return ModelSpec.from_hf_config(parse_model_config(text), name=name or p.parent.name or None)
+    except ModelSpecError as exc:
+        raise ModelSpecError(f"model config {str(p)!r}: {exc}") from None
 
 
 def _moe(name: str, hidden: int, layers: int, heads: int, kv: int, head_dim: int, vocab: int, max_pos: int, *,

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from kvpilot.twin import jsonin
 from kvpilot.twin.hardware import GpuSpec
 from kvpilot.twin.steptime import StepTimeParams
 
@@ -58,13 +59,26 @@ class DeviceProfile:
 
 
 def read_json(path: str | Path, what: str, error: type[ValueError]) -> Any:
-    """The JSON in `path`; `error` names `what` it is when the file cannot be read or is not JSON."""
+    """The JSON in `path`, at most jsonin.MAX_BYTES nested at most jsonin.MAX_DEPTH deep; `error` names
+    `what` it is when the file cannot be read, is larger or deeper, or is not JSON."""
     try:
-        return json.loads(Path(path).read_text())
+        data = jsonin.read_head(path)
     except OSError as e:
-        raise error(f"cannot read {what} {path}: {e.strerror}") from None
+        raise error(f"cannot read {what} {path}: {e.strerror or e}") from None
+    if len(data) > jsonin.MAX_BYTES:
+        raise error(f"{what} {path} is larger than {jsonin.MAX_BYTES // 1024} KiB: it is a few kilobytes")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise error(f"{what} {path} is not UTF-8 (byte offset {e.start})") from None
+    if jsonin.too_deep(text):
+        raise error(f"{what} {path} nests more than {jsonin.MAX_DEPTH} levels deep")
+    try:
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise error(f"{what} {path} is not JSON: {e}") from None
+    except ValueError as e:  # an integer beyond Python's digit limit
+        raise error(f"{what} {path} is not JSON the twin can read: {str(e)[:200]}") from None
 
 
 def _typed(kind: Any, data: Any, where: str, *, required: tuple[str, ...]) -> Any:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpilot.api.documents import MAX_BYTES
+from kvpilot.api.documents import MAX_BYTES, MAX_DOCUMENTS, MAX_STREAM_NODES
 
 HEAD = "apiVersion: kvpilot.dev/v1alpha1\nkind: InferenceService\nmetadata: {name: svc, namespace: ml}\n"
 
@@ -21,8 +21,7 @@ class Case:
     id: str
     data: bytes
     expect: str | tuple[str, ...]  # "valid", or a phrase the error output must contain (one of several)
-    # Commands the case runs through; a thousand services take `render` and `slo rules` ~4 CPU-seconds
-    # to write out (27 MB of YAML), which is output, not hostile input, so that case is validated only.
+    # Commands the case runs through.
     commands: tuple[str, ...] = ("validate", "render", "slo-rules")
 
 
@@ -46,7 +45,44 @@ def _many_docs(n: int) -> bytes:
     ).encode()
 
 
+def _fill(unit: bytes) -> bytes:
+    """`unit` repeated to fill the size limit."""
+    return unit * (MAX_BYTES // len(unit))
+
+
+def _minimal_services(n: int) -> bytes:
+    return "---\n".join(
+        f"apiVersion: kvpilot.dev/v1alpha1\nkind: InferenceService\nmetadata: {{name: s{i}}}\nspec: {{model: m}}\n"
+        for i in range(n)
+    ).encode()
+
+
+def _values_across_documents(n: int, values: int) -> bytes:
+    """n documents of `values` values each, every one under the per-document limit."""
+    return "---\n".join(HEAD.replace("name: svc", f"name: s{i}") + "spec: {model: m}\nx: [" + ",".join(["1"] * values)
+                        + "]\n" for i in range(n)).encode()
+
+
+def _aliases_across_documents(n: int) -> bytes:
+    """n documents that each expand an alias to 9,000 values."""
+    doc = (HEAD + 'a0: &a0 ["x","x","x","x","x","x","x","x","x"]\n' + "a1: &a1 [" + ",".join(["*a0"] * 10) + "]\n"
+           + "a2: &a2 [" + ",".join(["*a1"] * 10) + "]\n" + "a3: &a3 [" + ",".join(["*a2"] * 10) + "]\n"
+           + "spec: {model: m}\n")
+    return "---\n".join(doc.replace("name: svc", f"name: s{i}") for i in range(n)).encode()
+
+
 CASES: list[Case] = [
+    # --- the stream as a whole (each document in it within every per-document limit)
+    Case("449k-empty-documents", _fill(b"{}\n---\n"), f"more than {MAX_DOCUMENTS} YAML documents"),
+    Case("786k-document-markers", _fill(b"---\n"), f"more than {MAX_DOCUMENTS} YAML documents"),
+    Case("29k-minimal-services", _minimal_services(29_501), f"more than {MAX_DOCUMENTS} YAML documents"),
+    Case("a-thousand-and-one-documents", _many_docs(MAX_DOCUMENTS + 1), f"more than {MAX_DOCUMENTS} YAML documents"),
+    Case("values-across-documents", _values_across_documents(15, 99_000),
+         f"more than {MAX_STREAM_NODES} values across its documents"),
+    Case("aliases-across-documents", _aliases_across_documents(30),
+         f"more than {MAX_STREAM_NODES} values across its documents"),
+    Case("a-thousand-services-rendered", _many_docs(MAX_DOCUMENTS), "valid", commands=("render", "slo-rules")),
+
     # --- alias expansion
     Case("billion-laughs-565b", _bomb(9, 9), "aliases expanded"),
     Case("billion-laughs-465b", _bomb(8, 9), "aliases expanded"),

@@ -3,7 +3,7 @@
     python -m tests.fuzz.harness < jobs.json > results.jsonl
 
 A job is `{"id", "argv", "input"}` (`input` is base64; `{input}` in argv is replaced by the path of
-a file holding it).  The harness imports kvpilot once, then forks one child per job: the child
+a file holding it, named `input_name` when the job gives one, else input.yaml).  The harness imports kvpilot once, then forks one child per job: the child
 runs `kvpilot.cli.main(argv)` with stdout and stderr in files and exits with its return code.  The
 kernel measures the child (os.wait4): CPU seconds (user + system, which a loaded machine does not
 inflate the way it inflates wall time) and peak resident memory, of which the part above the
@@ -114,7 +114,7 @@ def _read_head(path: str) -> tuple[str, int]:
 
 def run_job(job: dict, workdir: str) -> dict:
     data = base64.b64decode(job["input"])
-    in_path = os.path.join(workdir, "input.yaml")
+    in_path = os.path.join(workdir, job.get("input_name", "input.yaml"))  # a command may read the name
     with open(in_path, "wb") as f:
         f.write(data)
     argv = [in_path if a == "{input}" else a for a in job["argv"]]
