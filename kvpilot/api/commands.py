@@ -30,8 +30,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     validate.add_argument(
         "-f", "--filename", action="append", required=True, metavar="FILE",
-        help="a YAML file, or - for stdin; repeatable",
+        help="a YAML or JSON file, a directory (its .json, .yaml and .yml files), or - for stdin; repeatable. "
+             "A List (what `kubectl get kvis -o yaml` prints) is read item by item",
     )
+    validate.add_argument("-R", "--recursive", action="store_true",
+                          help="with a directory, read its subdirectories too (as kubectl -R)")
     validate.add_argument("-q", "--quiet", action="store_true", help="print only the problems")
     validate.set_defaults(handler=validate_command)
 
@@ -51,11 +54,16 @@ def _crd(args: argparse.Namespace) -> int:
 
 
 def validate_command(args: argparse.Namespace) -> int:
-    from kvpilot.api.documents import DocumentError, read_source
+    from kvpilot.api.documents import DocumentError, expand_filenames, read_source
     from kvpilot.api.validation import validate_text
 
+    try:
+        names = expand_filenames(args.filename, args.recursive)
+    except DocumentError as exc:
+        print(f"kvpilot validate: -f {exc}", file=sys.stderr)
+        return 1
     failed = False
-    for name in args.filename:
+    for name in names:
         source = "<stdin>" if name == "-" else name
         try:
             data = read_source(name)

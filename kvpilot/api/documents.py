@@ -21,8 +21,9 @@ Every problem is a `DocumentError` whose message says where (line, column) and w
 
 from __future__ import annotations
 
+import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import IO, Any
 
 import yaml
@@ -119,6 +120,29 @@ def _too_big(size: int) -> str:
         f"the input is larger than {MAX_BYTES // (1024 * 1024)} MiB ({size} bytes or more); "
         "the Kubernetes API server refuses bodies that large"
     )
+
+
+# The files kubectl reads from a directory given to -f (others there are skipped).
+MANIFEST_SUFFIXES = (".json", ".yaml", ".yml")
+
+
+def expand_filenames(names: Sequence[str], recursive: bool = False) -> list[str]:
+    """-f arguments as kubectl reads them: a directory stands for its .json, .yaml and .yml files in
+    name order (its subdirectories' too with `recursive`); files and `-` stay as given."""
+    out: list[str] = []
+    for name in names:
+        if name == "-" or not os.path.isdir(name):
+            out.append(name)
+            continue
+        found: list[str] = []
+        for root, dirs, files in os.walk(name):
+            dirs[:] = sorted(dirs) if recursive else []
+            found.extend(os.path.join(root, f) for f in sorted(files) if f.endswith(MANIFEST_SUFFIXES))
+        if not found:
+            raise DocumentError(f"{name}: a directory with no {', '.join(MANIFEST_SUFFIXES)} files"
+                                + ("" if recursive else " (-R reads its subdirectories too)"))
+        out.extend(found)
+    return out
 
 
 def read_source(name: str, stdin: IO[bytes] | None = None) -> bytes:

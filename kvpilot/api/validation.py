@@ -46,6 +46,7 @@ class DocumentResult:
     name: str | None  # namespace/name when the document got that far
     issues: list[ValidationIssue]
     warnings: list[ValidationIssue] = dataclasses.field(default_factory=list)  # legal, but likely not what was meant
+    item: int | None = None  # 0-based position in the document's List, when it is one
 
     @property
     def valid(self) -> bool:
@@ -53,7 +54,8 @@ class DocumentResult:
 
     @property
     def label(self) -> str:
-        return f"document {self.index + 1}" + (f" ({self.name})" if self.name else "")
+        item = f" item {self.item + 1}" if self.item is not None else ""
+        return f"document {self.index + 1}{item}" + (f" ({self.name})" if self.name else "")
 
 
 _PLAIN_KEY = re.compile(r"[A-Za-z_$][A-Za-z0-9_.$-]{0,100}")
@@ -194,6 +196,12 @@ class ParsedDocument:
     result: DocumentResult
 
 
+def _is_list(doc: Any) -> bool:
+    """A v1 List (`kubectl get ... -o yaml`) or an InferenceServiceList: read item by item, as kubectl does."""
+    return isinstance(doc, dict) and doc.get("kind") in ("List", f"{KIND}List") \
+        and isinstance(doc.get("items"), list)
+
+
 def parse_text(data: bytes | str) -> list[ParsedDocument]:
     """Every document of a multi-document YAML stream with its validation result.
 
@@ -204,9 +212,12 @@ def parse_text(data: bytes | str) -> list[ParsedDocument]:
     index = 0
     try:
         for doc in load_documents(data):
-            service, issues = check_object(doc)
-            warnings = advise(service) if service is not None else []
-            parsed.append(ParsedDocument(index, doc, DocumentResult(index, _name_of(doc), issues, warnings)))
+            items = doc.get("items") if _is_list(doc) else None
+            for item, obj in enumerate(items) if isinstance(items, list) else [(None, doc)]:
+                service, issues = check_object(obj)
+                warnings = advise(service) if service is not None else []
+                result = DocumentResult(index, _name_of(obj), issues, warnings, item)
+                parsed.append(ParsedDocument(index, obj, result))
             index += 1
     except DocumentError as exc:
         # The stream is walked whole before any document is built: the error names the document it is in.

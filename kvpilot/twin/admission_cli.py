@@ -108,14 +108,19 @@ def _read_model_config(path: str) -> tuple[str | None, str | None]:
 
 
 def _predict(args: argparse.Namespace) -> int:
-    from kvpilot.api.documents import DocumentError, read_source
+    from kvpilot.api.documents import DocumentError, expand_filenames, read_source
     from kvpilot.api.validation import parse_text, strict_validate
     from kvpilot.twin.admission import Prediction, predict
 
     configs = _parse_model_configs(args.model_config)
+    try:
+        names = expand_filenames(args.filename, args.recursive)
+    except DocumentError as exc:
+        print(f"kvpilot validate: -f {exc}", file=sys.stderr)
+        return 1
     failed = False
     inputs: list[tuple[str, list[Any]]] = []
-    for name in args.filename:
+    for name in names:
         source = "<stdin>" if name == "-" else name
         try:
             inputs.append((source, parse_text(read_source(name))))

@@ -106,3 +106,42 @@ def test_known_gpu_types_in_any_spelling_pass_without_a_warning(tmp_path, capsys
     for value in ("H100", "H100-80GB", "NVIDIA-H100-80GB-HBM3", "nvidia-l4", "Tesla-T4", "NVIDIA-A100-SXM4-40GB"):
         assert main(["validate", "-f", _with_gpu_type(tmp_path, value)]) == 0
         assert capsys.readouterr().err == "", value
+
+
+def test_validate_reads_a_directory_as_kubectl_does(tmp_path, capsys):
+    (tmp_path / "sub").mkdir()
+    for name in ("b.yaml", "a.yml", "sub/c.yaml"):
+        (tmp_path / name).write_text((ROOT / "examples" / "minimal.yaml").read_text())
+    (tmp_path / "d.json").write_text(
+        '{"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "j"}, '
+        '"spec": {"model": "m"}}')
+    (tmp_path / "notes.txt").write_text("not a manifest")
+    assert main(["validate", "-f", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert [line.split(":")[0] for line in out.splitlines()] == [str(tmp_path / n) for n in ("a.yml", "b.yaml", "d.json")]
+    assert main(["validate", "-R", "-f", str(tmp_path)]) == 0
+    assert str(tmp_path / "sub" / "c.yaml") in capsys.readouterr().out
+
+
+def test_validate_refuses_a_directory_with_nothing_to_read(tmp_path, capsys):
+    assert main(["validate", "-f", str(tmp_path)]) == 1
+    assert "a directory with no .json, .yaml, .yml files" in capsys.readouterr().err
+
+
+def test_validate_reads_a_list_item_by_item(tmp_path, capsys):
+    # What `kubectl get kvis -o yaml` prints: one v1 List holding the objects.
+    items = [
+        {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "a"},
+         "spec": {"model": "m"}},
+        {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "b"},
+         "spec": {"model": "m", "engine": {"maxNumSeqs": 0}}},
+    ]
+    import yaml
+
+    path = tmp_path / "list.yaml"
+    path.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "metadata": {"resourceVersion": ""},
+                                    "items": items}))
+    assert main(["validate", "-f", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "document 1 item 1 (a): valid" in out
+    assert "document 1 item 2 (b): spec.engine.maxNumSeqs" in out
