@@ -89,7 +89,7 @@ image:
 crd: setup
 	$(VENV)/bin/kvpilot crd --write
 	cp crds/*.yaml charts/kvpilot/crds/
-	$(VENV)/bin/kvpilot slo dashboard --all -o charts/kvpilot/dashboards/kvpilot.json
+	$(VENV)/bin/kvpilot slo dashboard --all > charts/kvpilot/dashboards/kvpilot.json.tmp && mv charts/kvpilot/dashboards/kvpilot.json.tmp charts/kvpilot/dashboards/kvpilot.json
 
 clean:
 	rm -rf $(VENV) .venv-lowest .pytest_cache .ruff_cache .mypy_cache .import_linter_cache

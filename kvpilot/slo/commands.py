@@ -74,7 +74,9 @@ def register(subparsers: Any) -> None:
     which = dash.add_mutually_exclusive_group(required=True)
     which.add_argument("-f", "--filename", metavar="FILE", help="InferenceService YAML ('-' for stdin)")
     which.add_argument("--all", action="store_true", help="one dashboard for every InferenceService")
-    dash.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
+    dash.add_argument("-o", "--output", default="json", metavar="FORMAT",
+                      help="json (the default: the dashboard model Grafana imports); write a file with > FILE. "
+                           "A file name here (the older -o FILE) still writes it, with a warning")
     dash.set_defaults(handler=_dashboard)
 
     query = sub.add_parser(
@@ -84,7 +86,10 @@ def register(subparsers: Any) -> None:
     )
     _add_target(query, file_required=False)
     query.add_argument("--window", default="5m", help="range of rates and quantiles (default %(default)s)")
-    query.add_argument("--json", action="store_true", help="print a JSON object instead of text")
+    query.add_argument("-o", "--output", choices=("text", "json"), default="text",
+                       help="text (default) or json: one JSON object")
+    query.add_argument("--json", dest="output", action="store_const", const="json",
+                       help=argparse.SUPPRESS)  # the older spelling of -o json
     query.set_defaults(handler=_query)
 
     signals = sub.add_parser(
@@ -101,7 +106,10 @@ def register(subparsers: Any) -> None:
     signals.add_argument("--window", default="5m", help="range of rates and quantiles (default %(default)s)")
     signals.add_argument("--at", type=float, metavar="UNIX_SECONDS", help="evaluation time (default: now)")
     signals.add_argument("--timeout", type=float, default=10.0, help="seconds per query (default %(default)s)")
-    signals.add_argument("--json", action="store_true", help="print a JSON object instead of text")
+    signals.add_argument("-o", "--output", choices=("text", "json"), default="text",
+                       help="text (default) or json: one JSON object")
+    signals.add_argument("--json", dest="output", action="store_const", const="json",
+                       help=argparse.SUPPRESS)  # the older spelling of -o json
     signals.set_defaults(handler=_signals)
 
 
@@ -230,7 +238,10 @@ def _dashboard(args: argparse.Namespace) -> int:
     except (UsageError, ValueError) as exc:
         return _error(str(exc))
     text = json.dumps(board, indent=2) + "\n"
-    if args.output:
+    if args.output != "json":
+        # -o is the output format, as in kubectl and the other commands; a path was the older spelling.
+        print(f"Warning: kvpilot slo dashboard: -o {args.output}: -o takes the output format (json); "
+              f"write the file with `kvpilot slo dashboard ... > {args.output}`", file=sys.stderr)
         try:
             with open(args.output, "w", encoding="utf-8") as f:
                 f.write(text)
@@ -256,7 +267,7 @@ def _query(args: argparse.Namespace) -> int:
         queries["requests_waiting"] = promql.requests_waiting(selector)
     except (UsageError, ValueError) as exc:
         return _error(str(exc))
-    if args.json:
+    if args.output == "json":
         print(json.dumps(queries, indent=2))
     else:
         for name, expr in queries.items():
@@ -276,7 +287,7 @@ def _signals(args: argparse.Namespace) -> int:
     except (SignalsError, UsageError, ValueError) as exc:
         return _error(str(exc))
     data = snap.to_dict()
-    if args.json:
+    if args.output == "json":
         print(json.dumps(data, indent=2))
     else:
         width = max(len(k) for k in data)

@@ -52,7 +52,7 @@ def extend_validate(validate: argparse.ArgumentParser) -> None:
                           help="a Hugging Face config.json (file or directory) for the services whose spec.model "
                                "is MODEL, or for all of them; repeatable; with --predict")
     validate.add_argument("-o", "--output", choices=("text", "json"), default="text",
-                          help="text (default) or json: one JSON object per input with every document's result")
+                          help="text (default) or json: a JSON array with every document's result (and its prediction, with --predict)")
     validate.set_defaults(handler=validate_command)
 
 
@@ -88,12 +88,13 @@ def _is_config_map(obj: Any) -> bool:
 
 def validate_command(args: argparse.Namespace) -> int:
     if not args.predict:
-        if args.model_config or args.output != "text":
-            print("kvpilot validate: error: --model-config and --output need --predict", file=sys.stderr)
+        if args.model_config:
+            print("kvpilot validate: error: --model-config needs --predict", file=sys.stderr)
             return 2
-        from kvpilot.api.commands import validate_command as plain_validate
+        if args.output == "text":
+            from kvpilot.api.commands import validate_command as plain_validate
 
-        return plain_validate(args)
+            return plain_validate(args)
     return _predict(args)
 
 
@@ -135,6 +136,8 @@ def _predict(args: argparse.Namespace) -> int:
     for source, docs in inputs:
         for doc in docs:
             entry: dict[str, Any] = {"source": source, "document": doc.result.index + 1, "name": doc.result.name}
+            if doc.result.item is not None:
+                entry["item"] = doc.result.item + 1
             reports.append(entry)
             if _is_config_map(doc.obj):
                 entry["kind"] = "ConfigMap"
@@ -146,6 +149,12 @@ def _predict(args: argparse.Namespace) -> int:
                 entry["issues"] = [str(i) for i in doc.result.issues]
                 for issue in doc.result.issues:
                     _say(args, f"{source}: {doc.result.label}: {issue}", quiet_too=True)
+                continue
+            if doc.result.warnings:
+                entry["warnings"] = [str(w) for w in doc.result.warnings]
+            for warning in doc.result.warnings:
+                print(f"Warning: {source}: {doc.result.label}: {warning}", file=sys.stderr)
+            if not args.predict:
                 continue
             service = strict_validate(doc.obj)
             model_config, unreadable = _model_config_for(service, configs, config_maps)

@@ -145,3 +145,13 @@ def test_validate_reads_a_list_item_by_item(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "document 1 item 1 (a): valid" in out
     assert "document 1 item 2 (b): spec.engine.maxNumSeqs" in out
+
+
+def test_validate_minus_o_json_needs_no_prediction(tmp_path, capsys):
+    # -o json was refused without --predict; a script reading results should not need the twin.
+    import json
+
+    assert main(["validate", "-o", "json", "-f", _with_gpu_type(tmp_path, "H1OO")]) == 0
+    (entry,) = json.loads(capsys.readouterr().out)
+    assert entry["valid"] is True and "prediction" not in entry
+    assert entry["warnings"][0].startswith("spec.resources.gpuType: 'H1OO'")

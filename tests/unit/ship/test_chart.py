@@ -448,7 +448,7 @@ def test_checked_in_dashboard_is_the_generated_one(tmp_path: Path) -> None:
     assert main(["slo", "dashboard", "--all", "-o", str(out)]) == 0
     checked_in = CHART / "dashboards" / "kvpilot.json"
     assert checked_in.read_text() == out.read_text(), (
-        "the chart's dashboard is stale: kvpilot slo dashboard --all -o charts/kvpilot/dashboards/kvpilot.json"
+        "the chart's dashboard is stale: kvpilot slo dashboard --all > charts/kvpilot/dashboards/kvpilot.json"
     )
 
 

@@ -43,9 +43,23 @@ def test_rules_as_rule_file(isvc_file: Path, capsys: pytest.CaptureFixture[str])
 def test_dashboard_one_and_all(isvc_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["slo", "dashboard", "-f", str(isvc_file)]) == 0
     assert json.loads(capsys.readouterr().out)["title"] == "kvpilot / prod / llama"
+    assert main(["slo", "dashboard", "--all", "-o", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["uid"] == "kvpilot-inferenceservices"
+
+
+def test_dashboard_minus_o_is_the_format_and_a_file_name_there_still_writes_with_a_warning(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "d.json"
     assert main(["slo", "dashboard", "--all", "-o", str(out)]) == 0
     assert json.loads(out.read_text())["uid"] == "kvpilot-inferenceservices"
+    printed = capsys.readouterr()
+    assert printed.out == "" and f"write the file with `kvpilot slo dashboard ... > {out}`" in printed.err
+
+
+@pytest.mark.parametrize("spelling", [["-o", "json"], ["--output", "json"], ["--json"]])
+def test_query_takes_minus_o_json_like_every_command(spelling: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["slo", "query", "--selector", "job=twin", *spelling]) == 0
+    assert "ttft_p99_seconds" in json.loads(capsys.readouterr().out)
 
 
 def test_query_prints_promql_for_a_selector(capsys: pytest.CaptureFixture[str]) -> None:

@@ -71,7 +71,7 @@ def test_whatever_query_prints_prometheus_parses(tmp_path: Path, capsys: pytest.
     exprs: list[str] = []
     for name in accepted:
         for window in ("1ms", "292y", "1h30m"):
-            assert main(["slo", "query", "--selector", f"{name}=v\"\\{{}}", "--window", window, "--json"]) == 0
+            assert main(["slo", "query", "--selector", f"{name}=v\"\\{{}}", "--window", window, "-o", "json"]) == 0
             exprs += json.loads(capsys.readouterr().out).values()
     assert all(_parses(exprs[:: max(1, len(exprs) // 12)], tmp_path))
 

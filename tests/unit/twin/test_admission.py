@@ -269,9 +269,9 @@ def test_cli_json_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert reports[2]["valid"] is False and reports[2]["issues"]
 
 
-def test_cli_prediction_options_need_predict(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["validate", "-o", "json", "-f", "-"]) == 2
-    assert "need --predict" in capsys.readouterr().err
+def test_cli_model_config_needs_predict(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", "--model-config", str(tmp_path), "-f", "-"]) == 2
+    assert "--model-config needs --predict" in capsys.readouterr().err
 
 
 def test_cli_as_a_real_process_exits_one_on_a_predicted_failure_with_vllms_words(tmp_path: Path) -> None:
