@@ -14,6 +14,7 @@ from kvpilot.api.vocabulary import (
     ENGINE_INFO_LABELS,
     METRIC_ADMISSION_REVIEWS_TOTAL,
     METRIC_ENGINE_INFO,
+    METRIC_OPERATOR_LEADER,
     METRIC_RECONCILE_DURATION,
     METRIC_RECONCILES_TOTAL,
     METRIC_ROLLBACKS_TOTAL,
@@ -53,6 +54,10 @@ class OperatorMetrics:
             "would not start, bad_review: a malformed review answered 400-class).",
             ["result"], registry=self.registry)
         self._admission = {r: self.admission_reviews.labels(result=r) for r in ADMISSION_RESULTS}
+        self.leader = Gauge(
+            METRIC_OPERATOR_LEADER, "1 while this replica runs the reconcile (it holds the leader Lease, or "
+            "runs without leader election), else 0; every replica serves the admission webhook.",
+            registry=self.registry)
         # (namespace, name) -> the label values of its one engine_info series.
         self._engine_series: dict[tuple[str, str], tuple[str, ...]] = {}
 
@@ -77,10 +82,17 @@ class OperatorMetrics:
     def forget_engine(self, namespace: str, name: str) -> None:
         self.set_engine(namespace, name, None)
 
+    def clear_engines(self) -> None:
+        """Drop every engine_info series: a replica that stops leading no longer knows the engines,
+        and two replicas exporting them would count each engine twice."""
+        for namespace, name in list(self._engine_series):
+            self.set_engine(namespace, name, None)
+
 
 async def start_http(metrics: OperatorMetrics, host: str, port: int,
                      healthy: Callable[[], bool]) -> web.AppRunner:
-    """Serve /healthz (200 once kopf is watching, 503 before or after) and /metrics."""
+    """Serve /healthz (200 while `healthy()`: a leader once kopf watches, a follower while it serves;
+    503 otherwise) and /metrics."""
 
     async def healthz(_: web.Request) -> web.Response:
         ok = healthy()
