@@ -304,7 +304,9 @@ def test_tuner_reads_the_configured_prometheus() -> None:
 
 def test_cluster_scope_binds_cluster_roles_to_the_service_accounts() -> None:
     objects = render("default")
-    assert find(objects, "Role") == [] and find(objects, "RoleBinding") == []
+    # The one Role is leader election's, in the release namespace (test_chart_rbac.py).
+    assert [r["metadata"]["name"] for r in find(objects, "Role") + find(objects, "RoleBinding")] == \
+        [f"{FULLNAME}-operator-leader-election"] * 2
     for component in ("operator", "tuner"):
         binding = one(objects, "ClusterRoleBinding", f"-{component}")
         assert binding["roleRef"]["name"] == one(objects, "ClusterRole", f"-{component}")["metadata"]["name"]
@@ -354,7 +356,7 @@ def test_schema_rejects_wrong_types_and_values(values: dict[str, Any], where: st
     ("values", "key"),
     [
         ({"replicaCount": 2}, "replicaCount"),
-        ({"operator": {"replicas": 2}}, "replicas"),
+        ({"operator": {"replica": 2}}, "replica"),
         ({"tuner": {"storage": {"sqlite": {"sise": "1Gi"}}}}, "sise"),
         ({"monitoring": {"serviceMonitor": {"enable": True}}}, "enable"),
     ],
