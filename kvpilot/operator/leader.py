@@ -51,11 +51,17 @@ class LeaseClient(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class LeaseTimings:
-    """client-go's three durations; `check` says what is wrong with a combination."""
+    """client-go's three durations; `problems` says what is wrong with a combination."""
 
     lease_duration_seconds: int = 15
     renew_deadline_seconds: float = 10.0
     retry_period_seconds: float = 2.0
+
+    @property
+    def stop_seconds(self) -> float:
+        """How long a leader that lost the Lease may take to stop reconciling: the margin between its
+        renew deadline and the earliest takeover (at least 1 s, for kopf to stop at all)."""
+        return max(1.0, self.lease_duration_seconds - self.renew_deadline_seconds)
 
     def problems(self) -> list[str]:
         found = []

@@ -135,9 +135,9 @@ async def _lead(settings: OperatorSettings, metrics: OperatorMetrics, leadership
             task.cancel()
         metrics.leader.set(0)
     if not term.finished.is_set():
-        timeout = float(settings.leader_election.timings.lease_duration_seconds)
+        timeout = settings.leader_election.timings.stop_seconds
         if not await term.stop(timeout):
-            raise OperatorStopped(f"kopf did not stop within {timeout:g}s of losing the lease; exiting so that "
+            raise OperatorStopped(f"kopf did not stop within {timeout:g}s of being asked to; exiting so that "
                                   "nothing more is written")
     metrics.clear_engines()  # the next leader exports them
     leadership.term = None

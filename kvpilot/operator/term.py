@@ -46,6 +46,8 @@ class ReconcileTerm:
         self._loop = asyncio.get_running_loop()
         self.finished = asyncio.Event()  # set in the caller's loop once the thread is done
         self._thread = threading.Thread(target=self._main, name="kopf", daemon=True)
+        self._kopf_loop: asyncio.AbstractEventLoop | None = None
+        self._kopf_task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -55,11 +57,23 @@ class ReconcileTerm:
         return self._thread.is_alive()
 
     async def stop(self, timeout: float) -> bool:
-        """Ask kopf to stop and wait up to `timeout` seconds; False when it has not stopped by then
-        (the thread cannot be killed: the caller must end the process)."""
+        """Ask kopf to stop, and after half of `timeout` cancel it outright; False when it has still
+        not stopped after `timeout` seconds (the thread cannot be killed: the caller must end the
+        process).  Why the cancel: asked to stop while it is still starting, kopf waits for its
+        discovery calls, which retry against a connection its own shutdown has closed, for seconds;
+        cancelled, it stops them at once, as on a second Ctrl+C."""
         self._stop_flag.set()
+        if await self._finished_within(timeout / 2):
+            return True
+        kopf_loop, task = self._kopf_loop, self._kopf_task
+        if kopf_loop is not None and task is not None:
+            with contextlib.suppress(RuntimeError):  # that loop has just closed
+                kopf_loop.call_soon_threadsafe(task.cancel)
+        return await self._finished_within(timeout / 2)
+
+    async def _finished_within(self, seconds: float) -> bool:
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(seconds):
                 await self.finished.wait()
         except TimeoutError:
             return False
@@ -68,6 +82,9 @@ class ReconcileTerm:
     def _main(self) -> None:
         try:
             asyncio.run(self._operate())
+        except asyncio.CancelledError:
+            if not self._stop_flag.is_set():  # cancelled only by stop(), after the flag
+                self.error = RuntimeError("kopf was cancelled")
         except BaseException as exc:  # handed to the caller's loop, which decides
             self.error = exc
         finally:
@@ -75,6 +92,7 @@ class ReconcileTerm:
                 self._loop.call_soon_threadsafe(self.finished.set)
 
     async def _operate(self) -> None:
+        self._kopf_loop, self._kopf_task = asyncio.get_running_loop(), asyncio.current_task()
         settings = self.settings
         client = KubeClient(backoff=settings.api_backoff, field_manager=settings.field_manager,
                             timeout_s=settings.api_timeout_seconds, rng=random.Random(settings.retry_seed))
