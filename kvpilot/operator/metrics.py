@@ -91,8 +91,7 @@ class OperatorMetrics:
 
 async def start_http(metrics: OperatorMetrics, host: str, port: int,
                      healthy: Callable[[], bool]) -> web.AppRunner:
-    """Serve /healthz (200 while `healthy()`: a leader once kopf watches, a follower while it serves;
-    503 otherwise) and /metrics."""
+    """Serve /healthz (200 once kopf is watching, 503 before or after) and /metrics."""
 
     async def healthz(_: web.Request) -> web.Response:
         ok = healthy()
