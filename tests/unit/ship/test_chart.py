@@ -484,7 +484,7 @@ def test_monitoring_objects_are_off_by_default_and_on_when_asked() -> None:
     assert sm["spec"]["namespaceSelector"]["matchNames"] == [NAMESPACE]
     rule = one(objects, "PrometheusRule")
     alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
-    assert alerts == {"KvpilotOperatorDown", "KvpilotReconcileErrors", "KvpilotRollback"}
+    assert alerts == {"KvpilotOperatorDown", "KvpilotReconcileErrors", "KvpilotRollback", "KvpilotOperatorNoLeader"}
     for g in rule["spec"]["groups"]:
         for r in g["rules"]:
             assert r["labels"]["severity"] in ("critical", "warning")
@@ -494,7 +494,7 @@ def test_monitoring_objects_are_off_by_default_and_on_when_asked() -> None:
 def test_operator_down_alert_needs_the_service_monitor_it_keys_on() -> None:
     rule = one(render({"monitoring": {"prometheusRule": {"enabled": True}}}), "PrometheusRule")
     alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
-    assert alerts == {"KvpilotReconcileErrors", "KvpilotRollback"}
+    assert alerts == {"KvpilotReconcileErrors", "KvpilotRollback", "KvpilotOperatorNoLeader"}
 
 
 def test_notes_render() -> None:
