@@ -109,6 +109,8 @@ class LeaseElector:
         self._observed: dict[str, Any] | None = None
         self._observed_at = 0.0
         self.leading = False
+        # When the last successful try began (our monotonic clock).
+        self.renewed_at = 0.0
 
     @property
     def path(self) -> str:
@@ -178,9 +180,16 @@ class LeaseElector:
 
     async def _try(self, budget: float) -> bool:
         """One try within `budget` seconds; a failed call counts as not holding it."""
+        started = self._monotonic()
         try:
             async with asyncio.timeout(budget):
-                return await self.try_acquire_or_renew()
+                held = await self.try_acquire_or_renew()
+            # The renew deadline runs from when the try began, not from its answer: the write landed
+            # in between, and a follower's wait starts once it sees it, so a slow answer must not
+            # stretch this replica's idea of how long it still leads.
+            if held:
+                self.renewed_at = started
+            return held
         except (ApiError, TimeoutError) as exc:
             if isinstance(exc, ApiError) and exc.status == 401 and self._on_unauthorized is not None:
                 self._on_unauthorized()
@@ -202,18 +211,16 @@ class LeaseElector:
     async def renew(self, stopping: asyncio.Event) -> str:
         """Renew every retry period while leading; return why it stopped: "stopping", or the reason
         leadership was lost (not renewed within the renew deadline, or another holder)."""
-        last = self._monotonic()
         while True:
             await _wait(stopping, self.timings.retry_period_seconds)
             if stopping.is_set():
                 return "stopping"
-            left = last + self.timings.renew_deadline_seconds - self._monotonic()
+            left = self.renewed_at + self.timings.renew_deadline_seconds - self._monotonic()
             if left > 0 and await self._try(left):
-                last = self._monotonic()
                 continue
             if self.holder_is_other():
                 return f"the lease is held by {self._observed_holder()}"
-            if self._monotonic() >= last + self.timings.renew_deadline_seconds:
+            if self._monotonic() >= self.renewed_at + self.timings.renew_deadline_seconds:
                 return f"not renewed within the renew deadline ({self.timings.renew_deadline_seconds:g}s)"
 
     async def _renew_until_lost(self, lost: asyncio.Event, stopping: asyncio.Event) -> None:

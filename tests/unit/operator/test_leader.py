@@ -180,3 +180,23 @@ def test_timings_take_seconds_as_kubernetes_components_write_them() -> None:
                    "--leader-elect-retry-period", "--leader-elect-resource-name",
                    "--leader-elect-resource-namespace"):
         assert option in out
+
+
+def test_the_renew_deadline_runs_from_when_a_try_began_not_from_its_slow_answer(api: KMockAPI) -> None:
+    """The renewal lands, but its answer comes 9 s later: a follower's wait began when the write
+    landed, so of the 10 s renew deadline 1 s is left, not 10."""
+    clock = Clock()
+
+    async def main() -> float:
+        candidate, client = elector(api, "me", clock)
+        try:
+            assert await candidate._try(10)  # creates the Lease
+            began = clock.now
+            api.after("PATCH", PATH + "$", lambda: setattr(clock, "now", clock.now + 9))
+            assert await candidate._try(10)
+            assert candidate.renewed_at == began
+            return candidate.renewed_at + TIMINGS.renew_deadline_seconds - clock.now
+        finally:
+            await client.close()
+
+    assert asyncio.run(main()) == 1.0
