@@ -186,6 +186,7 @@ METRIC_RECONCILE_DURATION = "kvpilot_reconcile_duration_seconds"
 METRIC_ROLLBACKS_TOTAL = "kvpilot_rollbacks_total"
 METRIC_ENGINE_INFO = "kvpilot_engine_info"
 METRIC_ADMISSION_REVIEWS_TOTAL = "kvpilot_admission_reviews_total"
+METRIC_OPERATOR_LEADER = "kvpilot_operator_leader"
 # kvpilot_engine_info's labels, as the dashboard reads them.
 # The tuned fields' labels are their snake_case names (max_num_batched_tokens, ...).
 ENGINE_INFO_LABELS: tuple[str, ...] = ("namespace", "name", *(f.attr for f in TUNED), "config_hash")

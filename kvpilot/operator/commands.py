@@ -16,6 +16,7 @@ from kvpilot.api.vocabulary import (
     WEBHOOK_PATH,
 )
 from kvpilot.operator.builders.common import DEFAULT_TWIN_IMAGE
+from kvpilot.operator.settings import LEASE_NAME
 
 
 def _port(text: str) -> int:
@@ -47,11 +48,23 @@ _count = _whole(0)
 
 def _seconds(text: str) -> float:
     try:
-        value = float(text)
+        value = float(text.strip().removesuffix("s"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0 (got {text!r})") from None
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0 (got {text})")
+    return value
+
+
+def _whole_seconds(text: str) -> int:
+    """Whole seconds, as a Lease's leaseDurationSeconds is; "15" or "15s"."""
+    digits = text.strip().removesuffix("s")
+    try:
+        value = int(digits)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of seconds >= 1 (got {text!r})") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of seconds >= 1 (got {text!r})")
     return value
 
 
@@ -130,6 +143,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     hook.add_argument("--webhook-key-file", default=None, metavar="FILE",
                       help=f"PEM private key of that certificate (also ${ENV_WEBHOOK_KEY_FILE}); "
                       "required with --webhook-port")
+    elect = op.add_argument_group(
+        "leader election",
+        "Run several replicas: every one serves the webhook, /healthz and /metrics, and only the holder of a "
+        "coordination.k8s.io/v1 Lease reconciles, with client-go's rules (a leader that cannot renew within "
+        "the renew deadline stops reconciling; a follower takes over once the lease duration has passed "
+        "without a renewal, or at once when the leader shuts down cleanly). Off: this process reconciles.")
+    elect.add_argument("--leader-elect", action="store_true",
+                       help="reconcile only while holding the Lease (needs get, create and patch on leases)")
+    elect.add_argument("--leader-elect-lease-duration", type=_whole_seconds, default=15, metavar="SECONDS",
+                       help="how long followers wait after the last renewal before taking over "
+                       "(default: %(default)s)")
+    elect.add_argument("--leader-elect-renew-deadline", type=_seconds, default=10.0, metavar="SECONDS",
+                       help="how long the leader keeps trying to renew before it stops reconciling; shorter than "
+                       "the lease duration (default: %(default)s)")
+    elect.add_argument("--leader-elect-retry-period", type=_seconds, default=2.0, metavar="SECONDS",
+                       help="how often the leader renews and followers try to take over (default: %(default)s)")
+    elect.add_argument("--leader-elect-resource-name", default=LEASE_NAME, metavar="NAME",
+                       help="name of the Lease (default: %(default)s)")
+    elect.add_argument("--leader-elect-resource-namespace", default="", metavar="NS",
+                       help="namespace of the Lease (default: the operator's own, from its service account "
+                       "or kubeconfig context, else 'default')")
     op.add_argument("-v", "--verbose", action="store_true", help="log more")
     # `predictor`: a factory of the webhook's start-up prediction, set by the CLI layer (kvpilot.cli), which
     # may import the twin; the operator does not.
@@ -160,8 +194,9 @@ def _operator(args: argparse.Namespace) -> int:
     from kvpilot.api.retry import Backoff
     from kvpilot.operator.handlers import CredentialsError
     from kvpilot.operator.images import AllowlistError, ImageAllowlist
-    from kvpilot.operator.runner import configure_logging, run_operator
-    from kvpilot.operator.settings import OperatorSettings
+    from kvpilot.operator.leader import LeaseTimings
+    from kvpilot.operator.runner import OperatorStopped, configure_logging, run_operator
+    from kvpilot.operator.settings import LeaderElection, OperatorSettings
 
     try:
         allowed = ImageAllowlist.parse([os.environ.get(ENV_ALLOWED_IMAGES, ""), *args.allowed_image])
@@ -173,8 +208,18 @@ def _operator(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvpilot operator: {exc}", file=sys.stderr)
         return 2
+    try:
+        election = LeaderElection(
+            enabled=args.leader_elect, lease_name=args.leader_elect_resource_name,
+            lease_namespace=args.leader_elect_resource_namespace,
+            timings=LeaseTimings(lease_duration_seconds=args.leader_elect_lease_duration,
+                                 renew_deadline_seconds=args.leader_elect_renew_deadline,
+                                 retry_period_seconds=args.leader_elect_retry_period))
+    except ValueError as exc:
+        print(f"kvpilot operator: {exc}", file=sys.stderr)
+        return 2
     settings = OperatorSettings(
-        **webhook,
+        **webhook, leader_election=election,
         namespaces=tuple(args.namespace), all_namespaces=args.all_namespaces, twin_image=args.twin_image,
         metrics_host=args.metrics_host, metrics_port=args.metrics_port, log_format=args.log_format,
         verbose=args.verbose, max_workers=args.max_workers, api_timeout_seconds=args.api_timeout,
@@ -186,7 +231,7 @@ def _operator(args: argparse.Namespace) -> int:
     configure_logging(settings)
     try:
         asyncio.run(run_operator(settings, args.predictor() if args.predictor else None))
-    except (OSError, CredentialsError) as exc:  # no cluster credentials; the metrics port is taken
+    except (OSError, CredentialsError, OperatorStopped) as exc:  # no credentials; a taken port; kopf ended
         print(f"kvpilot operator: {exc}", file=sys.stderr)
         return 1
     return 0

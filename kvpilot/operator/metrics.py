@@ -15,6 +15,7 @@ from kvpilot.api.vocabulary import (
     ENGINE_INFO_LABELS,
     METRIC_ADMISSION_REVIEWS_TOTAL,
     METRIC_ENGINE_INFO,
+    METRIC_OPERATOR_LEADER,
     METRIC_RECONCILE_DURATION,
     METRIC_RECONCILES_TOTAL,
     METRIC_ROLLBACKS_TOTAL,
@@ -55,6 +56,10 @@ class OperatorMetrics:
             "would not start, bad_review: a malformed review answered 400-class).",
             ["result"], registry=self.registry)
         self._admission = {r: self.admission_reviews.labels(result=r) for r in ADMISSION_RESULTS}
+        self.leader = Gauge(
+            METRIC_OPERATOR_LEADER, "1 while this replica runs the reconcile (it holds the leader Lease, or "
+            "runs without leader election), else 0; every replica serves the admission webhook.",
+            registry=self.registry)
         # (namespace, name) -> the label values of its one engine_info series.
         self._engine_series: dict[tuple[str, str], tuple[str, ...]] = {}
 
@@ -79,6 +84,12 @@ class OperatorMetrics:
     def forget_engine(self, namespace: str, name: str) -> None:
         self.set_engine(namespace, name, None)
 
+    def clear_engines(self) -> None:
+        """Drop every engine_info series: a replica that stops leading no longer knows the engines,
+        and two replicas exporting them would count each engine twice."""
+        for namespace, name in list(self._engine_series):
+            self.set_engine(namespace, name, None)
+
 
 # The metrics port's bounds: kubelet's probes and a Prometheus or two are its clients.  aiohttp's
 # own default keeps an idle or half-sent connection for an hour, and accepts without limit.
@@ -89,8 +100,8 @@ HTTP_MAX_CONNECTIONS = 64
 async def start_http(metrics: OperatorMetrics, host: str, port: int, healthy: Callable[[], bool], *,
                      idle_timeout_seconds: float = HTTP_IDLE_TIMEOUT_SECONDS,
                      max_connections: int = HTTP_MAX_CONNECTIONS) -> BoundedListener:
-    """Serve /healthz (200 once kopf is watching, 503 before or after) and /metrics (GET or HEAD);
-    `close()` the listener returned to stop.  A connection idle, or without a whole request head,
+    """Serve /healthz (200 while `healthy()`: kopf watching, or a follower ready to take over; 503
+    otherwise) and /metrics (GET or HEAD); `close()` the listener returned to stop.  A connection idle, or without a whole request head,
     for idle_timeout_seconds is closed; at most max_connections are open at once."""
 
     async def handle(request: web.BaseRequest) -> web.Response:

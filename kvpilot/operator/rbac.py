@@ -7,6 +7,8 @@ What kopf itself reads depends on how the operator is scoped (`rules_for`):
 - `--all-namespaces`: RULES plus CRD_WATCH (kopf watches CRDs to notice resources being installed);
 - `--namespace` with glob patterns: also NAMESPACE_WATCH (kopf lists and watches Namespaces to
   match the patterns against).
+
+With `--leader-elect`, LEADER_ELECTION too, in the namespace of the Lease only.
 """
 
 from __future__ import annotations
@@ -55,6 +57,12 @@ RULES: tuple[Rule, ...] = (
 # CRDs being (re)installed while it runs.
 CRD_WATCH: tuple[Rule, ...] = (
     Rule(("apiextensions.k8s.io",), ("customresourcedefinitions",), ("list", "watch")),
+)
+
+# Leader election (--leader-elect), in the Lease's namespace only (the operator's own): read the Lease,
+# create it the first time, renew and take it over with resourceVersion-checked merge patches.
+LEADER_ELECTION: tuple[Rule, ...] = (
+    Rule(("coordination.k8s.io",), ("leases",), ("get", "create", "patch")),
 )
 
 # With glob patterns in --namespace, kopf lists and watches Namespaces to find the matching ones.

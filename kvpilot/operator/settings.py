@@ -8,8 +8,29 @@ from typing import Literal
 from kvpilot.api.retry import Backoff
 from kvpilot.operator.builders.common import DEFAULT_TWIN_IMAGE
 from kvpilot.operator.images import ImageAllowlist
+from kvpilot.operator.leader import LeaseTimings
 
 FIELD_MANAGER = "kvpilot-operator"
+LEASE_NAME = "kvpilot-operator"
+
+
+@dataclass(frozen=True, slots=True)
+class LeaderElection:
+    """Leader election on a Lease (kvpilot.operator.leader): off, the process reconciles from the start,
+    as one replica must; on, only the Lease's holder does, and every replica serves the webhook."""
+
+    enabled: bool = False
+    lease_name: str = LEASE_NAME
+    # "": the namespace of the operator's credentials (its pod's service account), else "default".
+    lease_namespace: str = ""
+    # "": the host name (a pod's name) and a random suffix, so a restarted pod is a new candidate.
+    identity: str = ""
+    timings: LeaseTimings = field(default_factory=LeaseTimings)
+
+    def __post_init__(self) -> None:
+        problems = self.timings.problems()
+        if problems:
+            raise ValueError("; ".join(problems))
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +81,7 @@ class OperatorSettings:
     webhook_cert_file: str | None = None
     webhook_key_file: str | None = None
     webhook_cert_reload_seconds: float = 60.0
+    leader_election: LeaderElection = field(default_factory=LeaderElection)
 
     @property
     def watched_namespaces(self) -> tuple[str, ...]:

@@ -23,6 +23,7 @@ PRINTS = {
     "gpu_probe": r"h200_meta-llama_Llama-3.1-70B.mlp.csv: as committed",
     "live_steps": r"(?m)^\s+128/8: \d+ token gaps",
     "live_tuning": r"(?m)^warm start\s+\d+\.\d%",
+    "operator_failover": r'"sigkill_takeover_max_s": \d',
     "operator_scale": r"operator peak RSS \(VmHWM\):\s+\d",
     "tune_workers": r"(?m)^workers\s+2\s+\d",
     "tuner_quality": r"goal tuner median regret <= 5% on every scenario: (met|NOT met)",

@@ -34,7 +34,7 @@ def replica_set_failures(cp: ControlPlane, namespace: str) -> list[str]:
 
 
 def test_the_chart_installs_and_its_pods_pass_restricted_pod_security(
-        control_plane: ControlPlane, chart_identities: dict[str, str]) -> None:
+        control_plane: ControlPlane, chart_identities: dict[str, str], crd: dict[str, Any]) -> None:
     ns = chart.NAMESPACE
     control_plane.merge_patch(f"/api/v1/namespaces/{ns}", {"metadata": {"labels": RESTRICTED}})
     # What `helm install` would create (default values; CRDs come from crds/, not templates).
@@ -55,6 +55,29 @@ def test_the_chart_installs_and_its_pods_pass_restricted_pod_security(
     # Leave the chart's Deployments at zero: their pods would never run anything here anyway.
     for name in deployments:
         control_plane.merge_patch(f"/apis/apps/v1/namespaces/{ns}/deployments/{name}", {"spec": {"replicas": 0}})
+    # No operator answers the webhook now, and the chart's failurePolicy is Fail: the API server
+    # refuses an InferenceService write rather than admit it unchecked.
+    webhook = next(o for o in objects if o["kind"] == "ValidatingWebhookConfiguration")
+    assert webhook["webhooks"][0]["failurePolicy"] == "Fail"
+    isvcs = "/apis/kvpilot.dev/v1alpha1/namespaces/default/inferenceservices"
+    probe = {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService",
+             "metadata": {"name": "unchecked", "namespace": "default"},
+             "spec": {"model": "Qwen/Qwen2.5-0.5B-Instruct"}}
+    with pytest.raises(ApiError) as refused:
+        control_plane.create(isvcs, probe, params={"dryRun": "All"})
+    assert 'failed calling webhook "validate.inferenceservices.kvpilot.dev"' in refused.value.message
+    # The other tests run their operator as a local process, which the API server cannot call.
+    control_plane.delete(f"/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/"
+                         f"{webhook['metadata']['name']}")
+    wait_for(lambda: _admitted(control_plane, isvcs, probe), timeout=30, what="writes admitted without the webhook")
+
+
+def _admitted(cp: ControlPlane, path: str, obj: dict[str, Any]) -> bool:
+    try:
+        cp.create(path, obj, params={"dryRun": "All"})
+    except ApiError:
+        return False  # the API server's webhook cache has not dropped the configuration yet
+    return True
 
 
 def test_twin_engine_pods_are_admitted_where_restricted_is_enforced(

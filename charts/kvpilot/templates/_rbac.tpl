@@ -42,6 +42,13 @@ add a rule here only together with the code that needs it.
   verbs: [create]
 {{- end -}}
 
+{{/* The operator's leader election (rbac.py LEADER_ELECTION): its Lease, in the release namespace only. */}}
+{{- define "kvpilot.operatorLeaseRules" -}}
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  verbs: [get, create, patch]
+{{- end -}}
+
 {{/* Cluster-scoped resources the operator reads (rbac.py CRD_WATCH): only when it watches every
 namespace, where kopf watches CRDs to notice the InferenceService (or Prometheus Operator) CRDs
 being installed while it runs. Watching a list of namespaces (exact names; the values schema admits

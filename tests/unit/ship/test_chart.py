@@ -304,7 +304,9 @@ def test_tuner_reads_the_configured_prometheus() -> None:
 
 def test_cluster_scope_binds_cluster_roles_to_the_service_accounts() -> None:
     objects = render("default")
-    assert find(objects, "Role") == [] and find(objects, "RoleBinding") == []
+    # The one Role is leader election's, in the release namespace (test_chart_rbac.py).
+    assert [r["metadata"]["name"] for r in find(objects, "Role") + find(objects, "RoleBinding")] == \
+        [f"{FULLNAME}-operator-leader-election"] * 2
     for component in ("operator", "tuner"):
         binding = one(objects, "ClusterRoleBinding", f"-{component}")
         assert binding["roleRef"]["name"] == one(objects, "ClusterRole", f"-{component}")["metadata"]["name"]
@@ -354,7 +356,7 @@ def test_schema_rejects_wrong_types_and_values(values: dict[str, Any], where: st
     ("values", "key"),
     [
         ({"replicaCount": 2}, "replicaCount"),
-        ({"operator": {"replicas": 2}}, "replicas"),
+        ({"operator": {"replica": 2}}, "replica"),
         ({"tuner": {"storage": {"sqlite": {"sise": "1Gi"}}}}, "sise"),
         ({"monitoring": {"serviceMonitor": {"enable": True}}}, "enable"),
     ],
@@ -482,7 +484,7 @@ def test_monitoring_objects_are_off_by_default_and_on_when_asked() -> None:
     assert sm["spec"]["namespaceSelector"]["matchNames"] == [NAMESPACE]
     rule = one(objects, "PrometheusRule")
     alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
-    assert alerts == {"KvpilotOperatorDown", "KvpilotReconcileErrors", "KvpilotRollback"}
+    assert alerts == {"KvpilotOperatorDown", "KvpilotReconcileErrors", "KvpilotRollback", "KvpilotOperatorNoLeader"}
     for g in rule["spec"]["groups"]:
         for r in g["rules"]:
             assert r["labels"]["severity"] in ("critical", "warning")
@@ -492,7 +494,7 @@ def test_monitoring_objects_are_off_by_default_and_on_when_asked() -> None:
 def test_operator_down_alert_needs_the_service_monitor_it_keys_on() -> None:
     rule = one(render({"monitoring": {"prometheusRule": {"enabled": True}}}), "PrometheusRule")
     alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
-    assert alerts == {"KvpilotReconcileErrors", "KvpilotRollback"}
+    assert alerts == {"KvpilotReconcileErrors", "KvpilotRollback", "KvpilotOperatorNoLeader"}
 
 
 def test_notes_render() -> None:

@@ -50,7 +50,7 @@ def test_rules_pass_promtool_check(promtool: str, rules_file: Path) -> None:
         [promtool, "check", "rules", str(rules_file)], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "3 rules found" in result.stdout
+    assert "4 rules found" in result.stdout
 
 
 def _series(name: str, labels: dict[str, str], values: str) -> dict[str, str]:
@@ -100,10 +100,33 @@ def test_alerts_fire_on_their_signal_and_not_before(promtool: str, rules_file: P
                 _series("kvpilot_reconciles_total", {**target, "result": "success"}, "0+60x30"),
                 _series("kvpilot_reconciles_total", {**target, "result": "error"}, "0x30"),
                 _series("kvpilot_rollbacks_total", target, "0x30"),
+                _series("kvpilot_operator_leader", {**target, "pod": "a"}, "1x30"),
+                _series("kvpilot_operator_leader", {**target, "pod": "b"}, "0x30"),
             ],
             "alert_rule_test": [
                 {"eval_time": "25m", "alertname": name, "exp_alerts": []}
-                for name in ("KvpilotOperatorDown", "KvpilotReconcileErrors", "KvpilotRollback")
+                for name in ("KvpilotOperatorDown", "KvpilotReconcileErrors", "KvpilotRollback",
+                             "KvpilotOperatorNoLeader")
+            ],
+        },
+        {  # The leader changes hands (a takeover within a scrape or two): silence.
+            "interval": "1m",
+            "input_series": [
+                _series("kvpilot_operator_leader", {**target, "pod": "a"}, "1 1 1 0 0 0 0 0 0 0 0 0"),
+                _series("kvpilot_operator_leader", {**target, "pod": "b"}, "0 0 0 0 1 1 1 1 1 1 1 1"),
+            ],
+            "alert_rule_test": [{"eval_time": "10m", "alertname": "KvpilotOperatorNoLeader", "exp_alerts": []}],
+        },
+        {  # Both replicas up from minute 3 on, neither leading: firing from minute 5 (`for: 2m`).
+            "interval": "1m",
+            "input_series": [
+                _series("kvpilot_operator_leader", {**target, "pod": "a"}, "1 1 1 0x12"),
+                _series("kvpilot_operator_leader", {**target, "pod": "b"}, "0x15"),
+            ],
+            "alert_rule_test": [
+                {"eval_time": "4m", "alertname": "KvpilotOperatorNoLeader", "exp_alerts": []},
+                {"eval_time": "6m", "alertname": "KvpilotOperatorNoLeader",
+                 "exp_alerts": expected("KvpilotOperatorNoLeader")},
             ],
         },
         {  # Half the reconciles fail from the start; `for: 10m` after a 5m rate window fills.

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from harness.chart import ROOT, VALUE_SETS, Rendered, find, local_operator_args, render
+from harness.chart import NAMESPACE, ROOT, VALUE_SETS, Rendered, find, local_operator_args, render
 
 Permission = tuple[str, str, str]
 
@@ -92,6 +92,16 @@ def declared_operator(objects: list[Rendered] | None = None) -> set[Permission]:
     return expand(rbac.cluster_role_rules(all_namespaces="--all-namespaces" in args, namespaces=namespaces))
 
 
+def declared_lease(objects: list[Rendered] | None = None) -> set[Permission]:
+    """What rbac.py declares for leader election, which the chart's operator always runs with; the
+    Lease lives in the release namespace (--leader-elect-resource-namespace)."""
+    from kvpilot.operator import rbac
+
+    args = operator_args(objects if objects is not None else render("default"))
+    assert "--leader-elect" in args and f"--leader-elect-resource-namespace={NAMESPACE}" in args, args
+    return expand(rule.as_manifest() for rule in rbac.LEADER_ELECTION)
+
+
 def diff(granted: set[Permission], needed: set[Permission]) -> str:
     missing, extra = sorted(needed - granted), sorted(granted - needed)
     return f"missing: {missing}; granted but not needed: {extra}"
@@ -103,15 +113,18 @@ def diff(granted: set[Permission], needed: set[Permission]) -> str:
 def test_cluster_scope_grants_the_operator_exactly_what_it_declares() -> None:
     objects = render("default")
     grants = chart_grants(objects, "operator")
-    assert set(grants) == {None}
+    assert set(grants) == {None, NAMESPACE}
     assert grants[None] == declared_operator(objects), diff(grants[None], declared_operator(objects))
     assert ("apiextensions.k8s.io", "customresourcedefinitions", "watch") in grants[None]
+    # Leases only in the release namespace, where the operator's own Lease is.
+    assert grants[NAMESPACE] == declared_lease(objects), diff(grants[NAMESPACE], declared_lease(objects))
+    assert not any(resource == "leases" for _, resource, _ in grants[None])
 
 
 def test_cluster_scope_watching_named_namespaces_grants_no_cluster_scoped_reads() -> None:
     objects = render({"watch": {"allNamespaces": False, "namespaces": ["team-a"]}})
     grants = chart_grants(objects, "operator")
-    assert set(grants) == {None}
+    assert set(grants) == {None, NAMESPACE} and grants[NAMESPACE] == declared_lease(objects)
     assert grants[None] == declared_operator(objects), diff(grants[None], declared_operator(objects))
     assert not {p for p in grants[None] if (p[0], p[1].split("/")[0]) in CLUSTER_SCOPED}
 
@@ -125,9 +138,11 @@ def test_namespace_scope_grants_the_same_in_each_namespace_and_nothing_cluster_w
     declared = declared_operator(objects)
     assert not {p for p in declared if (p[0], p[1].split("/")[0]) in CLUSTER_SCOPED}
     namespaces = set(VALUE_SETS[value_set]["watch"]["namespaces"])
-    assert set(grants) == namespaces
+    assert NAMESPACE not in namespaces
+    assert set(grants) == namespaces | {NAMESPACE}
     for ns in namespaces:
         assert grants[ns] == declared, diff(grants[ns], declared)
+    assert grants[NAMESPACE] == declared_lease(objects)
     assert find(objects, "ClusterRole", "-operator") == []
 
 
@@ -328,7 +343,8 @@ def test_every_call_of_a_real_operator_run_is_granted(tmp_path: Path) -> None:
     denied = sorted(((ns, perm) for ns, perm in seen if not allowed(grants, ns, perm)), key=str)
     assert denied == [], f"the operator called what the chart does not grant: {denied}"
     # And nothing it called is missing from what it declares (kvpilot/operator/rbac.py).
-    declared = {None: declared_operator()}
+    declared = {None: declared_operator(), NAMESPACE: declared_lease()}
+    assert any(perm == ("coordination.k8s.io", "leases", "patch") for _, perm in seen), sorted(seen)
     undeclared = sorted(((ns, perm) for ns, perm in seen if not allowed(declared, ns, perm)), key=str)
     assert undeclared == [], f"the operator called what rbac.py does not declare: {undeclared}"
 

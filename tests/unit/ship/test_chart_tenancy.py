@@ -96,10 +96,32 @@ def _prometheus_peer(peers: list[dict[str, Any]]) -> bool:
             "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}} in peers
 
 
-def test_network_policies_are_off_by_default() -> None:
+def test_only_the_webhooks_network_policy_is_on_by_default() -> None:
     for value_set in VALUE_SETS:
         if value_set != "multi-tenant":
-            assert find(render(value_set), "NetworkPolicy") == [], value_set
+            names = [p["metadata"]["name"] for p in find(render(value_set), "NetworkPolicy")]
+            assert names == ["kvp-kvpilot-webhook"], value_set
+
+
+def test_the_webhooks_own_policy_admits_the_api_server_and_leaves_metrics_as_they_were() -> None:
+    objects = render("default")
+    policy = _policies(objects)[(NAMESPACE, "kvp-kvpilot-webhook")]["spec"]
+    pod = one(objects, "Deployment", "-operator")["spec"]["template"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    # Ingress only: the operator's egress is not touched (it would cut it off from the API server).
+    assert policy["policyTypes"] == ["Ingress"]
+    assert policy["ingress"] == [{"ports": [{"port": "https-webhook", "protocol": "TCP"}]},
+                                 {"ports": [{"port": "http-metrics", "protocol": "TCP"}]}]
+    ports = {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
+    assert {"https-webhook", "http-metrics"} <= ports
+    narrowed = render({"networkPolicy": {"webhook": {"sourceCidrs": ["10.0.0.0/24"]}}})
+    (webhook, _) = _policies(narrowed)[(NAMESPACE, "kvp-kvpilot-webhook")]["spec"]["ingress"]
+    assert webhook["from"] == [{"ipBlock": {"cidr": "10.0.0.0/24"}}]
+    # Off when asked, and when the full policies are on (the operator's own admits the webhook port).
+    assert find(render({"networkPolicy": {"webhook": {"enabled": False}}}), "NetworkPolicy") == []
+    assert (NAMESPACE, "kvp-kvpilot-webhook") not in _policies(render("multi-tenant"))
+    # And not without a webhook (the operator watching only its own namespace serves none).
+    assert find(render({"watch": {"allNamespaces": False}}), "NetworkPolicy") == []
 
 
 @pytest.mark.parametrize("component", ["operator", "tuner"])

@@ -55,7 +55,8 @@ def test_the_webhook_is_configured_as_kubernetes_asks() -> None:
     assert hook["name"] == "validate.inferenceservices.kvpilot.dev"
     assert hook["admissionReviewVersions"] == ["v1"]
     assert hook["sideEffects"] == "None"
-    assert (hook["failurePolicy"], hook["timeoutSeconds"], hook["matchPolicy"]) == ("Ignore", 5, "Equivalent")
+    # Fail: an operator that is down or starved never admits anything unchecked (two replicas serve it).
+    assert (hook["failurePolicy"], hook["timeoutSeconds"], hook["matchPolicy"]) == ("Fail", 5, "Equivalent")
     assert hook["rules"] == [{"apiGroups": ["kvpilot.dev"], "apiVersions": ["*"], "operations": ["CREATE", "UPDATE"],
                               "resources": ["inferenceservices"], "scope": "Namespaced"}]
     # The operator's own namespace is never reviewed (nor blocked).
@@ -192,7 +193,10 @@ def test_no_webhook_objects_args_or_ports_when_it_is_not_served(values: dict[str
 
 def test_notes_say_where_the_webhook_reviews() -> None:
     notes = render_raw(VALUE_SETS["namespace-scoped"])["kvpilot/templates/NOTES.txt"]
-    assert "The admission webhook (failurePolicy Ignore) reviews InferenceService creates and updates in team-a" in notes
+    assert "The admission webhook (failurePolicy Fail) reviews InferenceService creates and updates in team-a" in notes
+    assert "one operator replica" not in notes
+    one_replica = render_raw({**VALUE_SETS["namespace-scoped"], "operator": {"replicas": 1}})["kvpilot/templates/NOTES.txt"]
+    assert "With failurePolicy Fail and one operator replica, every InferenceService write is refused" in one_replica
 
 
 @pytest.mark.parametrize(("values", "where"), [
