@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from optuna.trial import FrozenTrial
+from optuna.trial import FrozenTrial, TrialState
 
 from kvpilot.api.tuned import TUNED
 from kvpilot.api.vocabulary import TrialStrategy
@@ -365,8 +365,12 @@ def _open_offline_study(args: argparse.Namespace, target: Any, workload: Any, sl
         raise UsageError("--join: several independent processes on one study need a database server "
                          "(postgresql://...); a SQLite file is locked by one writer at a time and no other "
                          "machine sees its heartbeats: use --workers N on one machine instead")
+    # Owning its study, a run measures a trial a kill cut off again under its own number (`adopt`), so
+    # that a rerun ends with the study, and the answer, of a run never killed; joined, a dead worker's
+    # trial is failed and queued again (another process's trials are not this one's to finish).
     st = open_study(storage=study_storage(url, args), name=name, inputs=inputs, goal=goal, space=space,
-                    slo=slo, seed=args.seed, n_trials=args.trials, workers=args.workers, joined=args.join)
+                    slo=slo, seed=args.seed, n_trials=args.trials, workers=args.workers, joined=args.join,
+                    adopt=not args.join)
     st.enqueue(defaults, "vllmDefaults")
     already = st.finished_count()
     print(f"kvpilot tune --offline: {target.model} on {target.gpu}, workload {workload.name} "
@@ -444,7 +448,8 @@ def _offline_answer(args: argparse.Namespace, st: TunerStudy, target: Any, workl
         return 1
     params, value = best
     accuracy = _twin_accuracy(target, evaluator, st, params, value) if goal is Goal.CAPACITY else []
-    dflt = next((t for t in st.trials() if t.user_attrs.get("source") == "vllmDefaults"), None)
+    dflt = next((t for t in st.trials() if t.user_attrs.get(ATTR_SOURCE) == "vllmDefaults"
+                 and t.state is TrialState.COMPLETE), None)
     unit = "req/s sustained within SLO" if goal is Goal.CAPACITY else "x SLO (lower is better)"
     comment = f"kvpilot tune --offline: {value:.3f} {unit}"
     if dflt is not None and dflt.value is not None and goal is Goal.CAPACITY:
@@ -477,6 +482,8 @@ def tune_offline(args: argparse.Namespace) -> int:
                               warmup_s=args.probe_seconds / 5)
     evaluate = _offline_objective(args, goal, slo, evaluator)
     st, name, report, already = _open_offline_study(args, target, workload, slo, goal, space, defaults)
+    evaluator.resume(m.capacity for t in st.trials() if t.state is TrialState.COMPLETE
+                     and (m := st.measurement_of(t)) is not None)
     _run_offline_study(args, st, evaluate, already)
     return _offline_answer(args, st, target, workload, slo, goal, evaluator, name, report)
 
