@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import shlex
 import signal
@@ -238,16 +239,23 @@ def run_workers(st: TunerStudy, evaluate: Callable[[EngineParams], Outcome], arg
 
     This process opened the study (recovering a killed run and queueing vLLM's defaults) before
     any worker starts, so the workers open it without recovering: a RUNNING trial is a sibling's.
-    Each runs a fixed share, so together they run the budget and no more."""
+    The trials a kill cut off are shared out among them, each measured first by one worker.  Each
+    runs a fixed share, so together they run the budget and no more.  A worker dies with this
+    process (`die_with_parent`): one left running would go on measuring the trials a rerun measures."""
     import multiprocessing
     import time
 
     from kvpilot.tuner.core.search import run_joined, run_offline
+    from kvpilot.tuner.orphans import die_with_parent
 
-    def work(share: int) -> None:
+    parent = os.getpid()
+
+    def work(share: int, cut: list[int]) -> None:
+        die_with_parent(parent)
         mine = TunerStudy(storage=study_storage(url, args), name=st.name, goal=st.goal, space=st.space,
                           slo=st.slo, seed=args.seed, n_trials=args.trials, workers=args.workers,
                           recover=False, joined=args.join)
+        mine.take_over(cut)
         if args.join:  # the budget is the study's, shared with the other processes' workers
             run_joined(mine, evaluate, args.trials, wait=_poll_wait(args))
         else:
@@ -256,8 +264,9 @@ def run_workers(st: TunerStudy, evaluate: Callable[[EngineParams], Outcome], arg
     url = sqlite_url(args.storage)
     # Joined, every worker runs until the study's budget is finished; else each a fixed share.
     remaining = args.workers if args.join else max(0, args.trials - st.finished_count())
+    cut = st.hand_out()  # at most one a worker's share: the killed run ran as many at once
     ctx = multiprocessing.get_context("fork")  # the evaluator is a closure: forked, not pickled
-    procs = [ctx.Process(target=work, args=(n,), name=f"kvpilot-tune-worker-{i}")
+    procs = [ctx.Process(target=work, args=(n, cut[i::args.workers]), name=f"kvpilot-tune-worker-{i}")
              for i, n in enumerate(shares(remaining, args.workers)) if n]
     for p in procs:
         p.start()

@@ -162,3 +162,53 @@ def test_a_failed_defaults_trial_is_queued_again(uninterrupted: str, tmp_path: P
     # Trial numbers moved by one (so other draws): only the defaults' value is the uninterrupted one.
     comment = str(_answer(uninterrupted)["comment"])
     assert comment[comment.index("(vLLM defaults:"):] in rerun.stdout
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone while listed
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for whoever adopted it to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="lists processes through /proc")
+def test_workers_die_with_their_killed_parent_and_the_rerun_measures_each_trial_once(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    budget = 24  # enough left at the kill that a worker left behind would still be measuring
+    workers: list[int] = []
+    try:
+        with _started(["-m", "kvpilot.cli", *_argv(db, "--workers", "2", "--trials", str(budget))],
+                      tmp_path / "killed.log") as proc:
+            _wait(lambda: len(_children(proc.pid)) == 2 and _complete(db) >= 2, proc, "two workers measured 2 trials")
+            workers = _children(proc.pid)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [w for w in workers if _alive(w)], "workers outlived their killed parent"
+    finally:
+        for w in workers:  # only on failure: a worker left running would write into the rerun's study
+            if _alive(w):
+                os.kill(w, signal.SIGKILL)
+    cut = _count(db, "SELECT count(*) FROM trials WHERE state = 'RUNNING'")
+    rerun = _run(db, "--workers", "2", "--trials", str(budget))
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    trials = optuna.load_study(study_name=None, storage=f"sqlite:///{db}").trials
+    # Every trial measured once: the cut ones finished under their numbers, none failed, none extra.
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * budget, (cut, [t.state for t in trials])
+    assert len({t.number for t in trials}) == budget
