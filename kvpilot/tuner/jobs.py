@@ -33,6 +33,7 @@ from kvpilot.tuner.core.study import (
     worker_id,
 )
 from kvpilot.tuner.identity import StudyMismatch, digest, identity
+from kvpilot.tuner.iofailure import IO_EXIT_CODES
 from kvpilot.tuner.storage import redacted
 
 log = logging.getLogger(__name__)
@@ -246,12 +247,23 @@ def run_workers(st: TunerStudy, evaluate: Callable[[EngineParams], Outcome], arg
     import time
 
     from kvpilot.tuner.core.search import run_joined, run_offline
+    from kvpilot.tuner.iofailure import IOFailure, storage_failure
     from kvpilot.tuner.orphans import die_with_parent
 
     parent = os.getpid()
 
     def work(share: int, cut: list[int]) -> None:
         die_with_parent(parent)
+        try:
+            measure(share, cut)
+        except Exception as exc:  # a full disk, say: one line and its exit status, which the parent reads
+            failure = storage_failure(exc, url, redacted(url))
+            if failure is None:
+                raise
+            print(f"kvpilot tune: {multiprocessing.current_process().name}: {failure}", file=sys.stderr)
+            sys.exit(failure.exit_code)
+
+    def measure(share: int, cut: list[int]) -> None:
         mine = TunerStudy(storage=study_storage(url, args), name=st.name, goal=st.goal, space=st.space,
                           slo=st.slo, seed=args.seed, n_trials=args.trials, workers=args.workers,
                           recover=False, joined=args.join)
@@ -281,6 +293,9 @@ def run_workers(st: TunerStudy, evaluate: Callable[[EngineParams], Outcome], arg
             p.join()
     bar.update(min(st.finished_count(), args.trials) - bar.n)
     failed = [p.name for p in procs if p.exitcode != 0]
+    named = sorted({p.exitcode for p in procs if p.exitcode in IO_EXIT_CODES})
+    if named:  # each worker said what stopped it
+        raise IOFailure(f"{len(failed)} of {len(procs)} workers stopped ({', '.join(failed)}); see above", named[0])
     if failed:
         raise UsageError(f"{len(failed)} of {len(procs)} workers failed ({', '.join(failed)}); rerun to resume")
 
@@ -465,16 +480,32 @@ def _offline_answer(args: argparse.Namespace, st: TunerStudy, target: Any, workl
         comment += f" (vLLM defaults: {dflt.value:.3f})"
     yml = engine_yaml(params, comment, {"maxModelLen": target.max_model_len,
                                         "tensorParallelSize": target.tensor_parallel_size})
+    print_answer(yml)
     if report is not None:
-        from kvpilot.tuner.report import write_report
-
         facts = _offline_report_facts(args, target, workload, slo, goal, name, accuracy)
-        out = write_report(st, report, f"kvpilot tune: {target.model} on {target.gpu}, {workload.name}",
-                           yml, table, facts=facts)
-        print(f"\nreport: {out}", file=sys.stderr)
-    print()
-    print(yml, end="")
+        write_report_after(st, report, f"kvpilot tune: {target.model} on {target.gpu}, {workload.name}",
+                           yml, table, facts)
     return 0
+
+
+def print_answer(yml: str) -> None:
+    """The recommended block, last on stdout, and out before the report is written: a report that
+    cannot be written (a full disk, say) must not cost the answer the run paid for."""
+    print()
+    print(yml, end="", flush=True)
+
+
+def write_report_after(st: TunerStudy, path: Path, title: str, yml: str, table: str,
+                       facts: list[tuple[str, str]]) -> None:
+    """Write the report once the answer is printed; an IOFailure naming what stopped it."""
+    from kvpilot.tuner.iofailure import report_failure
+    from kvpilot.tuner.report import write_report
+
+    try:
+        out = write_report(st, path, title, yml, table, facts=facts)
+    except OSError as exc:
+        raise report_failure(exc, path) from exc
+    print(f"\nreport: {out}", file=sys.stderr)
 
 
 def tune_offline(args: argparse.Namespace) -> int:
@@ -577,9 +608,8 @@ def tune_local(args: argparse.Namespace) -> int:
     table = trials_table(st)
     print(table)
     yml = engine_yaml(best, "kvpilot tune --local")
+    print_answer(yml)
     if report is not None:
-        from kvpilot.tuner.report import write_report
-
         facts = [
             ("Engine", shlex.join(command)),
             ("Workload", f"the live traffic Prometheus at {args.prometheus} saw"
@@ -591,10 +621,7 @@ def tune_local(args: argparse.Namespace) -> int:
                       "(lower is better)"),
             ("Study", f"{name} in {redacted(args.storage)}"),
         ]
-        out = write_report(st, report, f"kvpilot tune --local: port {port}", yml, table, facts=facts)
-        print(f"\nreport: {out}", file=sys.stderr)
-    print()
-    print(yml, end="")
+        write_report_after(st, report, f"kvpilot tune --local: port {port}", yml, table, facts)
     return 0
 
 
