@@ -64,14 +64,16 @@ def _copy(study: Path, to: Path) -> Path:
     return to / study.name
 
 
-def test_a_full_disk_under_the_study_is_named_with_its_exit_status(study: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_full_disk_under_the_study_is_named_with_its_exit_status(workers: int, study: Path, tmp_path: Path) -> None:
+    """In the run's own process, or in its forked workers (each says so; the run ends with their status)."""
     db = _copy(study, tmp_path / "full")
     limit = db.stat().st_size + 8192  # room to open and resume the study, none for the trials to come
 
     def fsize() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # Python ignores SIGXFSZ: writes get EFBIG
 
-    done = _tune(db, 12, preexec=fsize)
+    done = _tune(db, 12, "--workers", str(workers), preexec=fsize)
     _one_clear_line(done, EX_IOERR, "cannot write the study storage", f"ulimit -f: {limit} bytes")
 
 
