@@ -276,10 +276,12 @@ def run_workers(st: TunerStudy, evaluate: Callable[[EngineParams], Outcome], arg
     url = sqlite_url(args.storage)
     # Joined, every worker runs until the study's budget is finished; else each a fixed share.
     remaining = args.workers if args.join else max(0, args.trials - st.finished_count())
-    cut = st.hand_out()  # at most one a worker's share: the killed run ran as many at once
+    sizes = [n for n in shares(remaining, args.workers) if n]
+    cut = st.hand_out()  # round the workers that run: each measures its cut trials first, in its share
+    given = [cut[i::len(sizes)] for i in range(len(sizes))] if sizes else []
     ctx = multiprocessing.get_context("fork")  # the evaluator is a closure: forked, not pickled
-    procs = [ctx.Process(target=work, args=(n, cut[i::args.workers]), name=f"kvpilot-tune-worker-{i}")
-             for i, n in enumerate(shares(remaining, args.workers)) if n]
+    procs = [ctx.Process(target=work, args=(max(n, len(mine)), mine), name=f"kvpilot-tune-worker-{i}")
+             for i, (n, mine) in enumerate(zip(sizes, given, strict=True))]
     for p in procs:
         p.start()
     try:
