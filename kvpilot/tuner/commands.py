@@ -29,6 +29,11 @@ examples:
   kvpilot tune --local --prometheus http://127.0.0.1:9090 --trials 8 --window 300 -- \\
       kvpilot twin serve --model Llama-3.1-8B --port 8000
 
+exit status: 0 an answer; 1 no config met the SLO; 2 bad input; 65 the study file is not a
+database or is damaged; 73 the study or the report cannot be written (read-only, no permission);
+74 the disk is full (or a file size limit); the recommended block is printed before the report is
+written, so a report that fails does not take the answer with it.
+
 workloads: the twin's workload language (as `kvpilot twin run --workload`): a preset (chat, rag,
 decode, bursty, sharegpt) with optional keys, e.g. rag:cv=2, or keys alone,
 prompt=LEN,output=LEN[,cv=X], where LEN is N, LO..HI or lognormal/MEDIAN/SIGMA.  The rate is what
@@ -188,7 +193,9 @@ def _setup_logging(verbose: bool = False) -> None:
 
 
 def _tune(args: argparse.Namespace) -> int:
+    from kvpilot.tuner.iofailure import IOFailure, storage_failure
     from kvpilot.tuner.jobs import UsageError, tune_local, tune_offline
+    from kvpilot.tuner.storage import redacted
 
     if args.engine_command and args.engine_command[0] == "--":
         args.engine_command = args.engine_command[1:]
@@ -222,9 +229,20 @@ def _tune(args: argparse.Namespace) -> int:
     except UsageError as exc:
         print(f"kvpilot tune: {exc}", file=sys.stderr)
         return 2
-    except ValueError as exc:
+    except IOFailure as exc:
         print(f"kvpilot tune: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
+    except Exception as exc:
+        # The study's storage failing (a full disk, a read-only file, a damaged one) is named as that;
+        # what else comes here is bad input (a ValueError) or a bug.
+        failure = storage_failure(exc, args.storage, redacted(args.storage))
+        if failure is not None:
+            print(f"kvpilot tune: {failure}", file=sys.stderr)
+            return failure.exit_code
+        if isinstance(exc, ValueError):
+            print(f"kvpilot tune: {exc}", file=sys.stderr)
+            return 2
+        raise
 
 
 def tuner_storage(args: argparse.Namespace, environ: dict[str, str] | None = None) -> str:

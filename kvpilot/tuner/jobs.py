@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import re
 import shlex
 import signal
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from optuna.trial import FrozenTrial
+from optuna.trial import FrozenTrial, TrialState
 
 from kvpilot.api.tuned import TUNED
 from kvpilot.api.vocabulary import TrialStrategy
@@ -34,6 +35,7 @@ from kvpilot.tuner.core.study import (
     worker_id,
 )
 from kvpilot.tuner.identity import StudyMismatch, digest, identity
+from kvpilot.tuner.iofailure import IO_EXIT_CODES
 from kvpilot.tuner.storage import redacted
 
 log = logging.getLogger(__name__)
@@ -270,16 +272,34 @@ def run_workers(st: TunerStudy, evaluate: Callable[[EngineParams], Outcome], arg
 
     This process opened the study (recovering a killed run and queueing vLLM's defaults) before
     any worker starts, so the workers open it without recovering: a RUNNING trial is a sibling's.
-    Each runs a fixed share, so together they run the budget and no more."""
+    The trials a kill cut off are shared out among them, each measured first by one worker.  Each
+    runs a fixed share, so together they run the budget and no more.  A worker dies with this
+    process (`die_with_parent`): one left running would go on measuring the trials a rerun measures."""
     import multiprocessing
     import time
 
     from kvpilot.tuner.core.search import run_joined, run_offline
+    from kvpilot.tuner.iofailure import IOFailure, storage_failure
+    from kvpilot.tuner.orphans import die_with_parent
 
-    def work(share: int) -> None:
+    parent = os.getpid()
+
+    def work(share: int, cut: list[int]) -> None:
+        die_with_parent(parent)
+        try:
+            measure(share, cut)
+        except Exception as exc:  # a full disk, say: one line and its exit status, which the parent reads
+            failure = storage_failure(exc, url, redacted(url))
+            if failure is None:
+                raise
+            print(f"kvpilot tune: {multiprocessing.current_process().name}: {failure}", file=sys.stderr)
+            sys.exit(failure.exit_code)
+
+    def measure(share: int, cut: list[int]) -> None:
         mine = TunerStudy(storage=study_storage(url, args), name=st.name, goal=st.goal, space=st.space,
                           slo=st.slo, seed=args.seed, n_trials=args.trials, workers=args.workers,
                           recover=False, joined=args.join)
+        mine.take_over(cut)
         if args.join:  # the budget is the study's, shared with the other processes' workers
             run_joined(mine, evaluate, args.trials, wait=_poll_wait(args))
         else:
@@ -288,9 +308,12 @@ def run_workers(st: TunerStudy, evaluate: Callable[[EngineParams], Outcome], arg
     url = sqlite_url(args.storage)
     # Joined, every worker runs until the study's budget is finished; else each a fixed share.
     remaining = args.workers if args.join else max(0, args.trials - st.finished_count())
+    sizes = [n for n in shares(remaining, args.workers) if n]
+    cut = st.hand_out()  # round the workers that run: each measures its cut trials first, in its share
+    given = [cut[i::len(sizes)] for i in range(len(sizes))] if sizes else []
     ctx = multiprocessing.get_context("fork")  # the evaluator is a closure: forked, not pickled
-    procs = [ctx.Process(target=work, args=(n,), name=f"kvpilot-tune-worker-{i}")
-             for i, n in enumerate(shares(remaining, args.workers)) if n]
+    procs = [ctx.Process(target=work, args=(max(n, len(mine)), mine), name=f"kvpilot-tune-worker-{i}")
+             for i, (n, mine) in enumerate(zip(sizes, given, strict=True))]
     for p in procs:
         p.start()
     try:
@@ -304,6 +327,9 @@ def run_workers(st: TunerStudy, evaluate: Callable[[EngineParams], Outcome], arg
             p.join()
     bar.update(min(st.finished_count(), args.trials) - bar.n)
     failed = [p.name for p in procs if p.exitcode != 0]
+    named = sorted({p.exitcode for p in procs if p.exitcode in IO_EXIT_CODES})
+    if named:  # each worker said what stopped it
+        raise IOFailure(f"{len(failed)} of {len(procs)} workers stopped ({', '.join(failed)}); see above", named[0])
     if failed:
         raise UsageError(f"{len(failed)} of {len(procs)} workers failed ({', '.join(failed)}); rerun to resume")
 
@@ -397,8 +423,12 @@ def _open_offline_study(args: argparse.Namespace, target: Any, workload: Any, sl
         raise UsageError("--join: several independent processes on one study need a database server "
                          "(postgresql://...); a SQLite file is locked by one writer at a time and no other "
                          "machine sees its heartbeats: use --workers N on one machine instead")
+    # Owning its study, a run measures a trial a kill cut off again under its own number (`adopt`), so
+    # that a rerun ends with the study, and the answer, of a run never killed; joined, a dead worker's
+    # trial is failed and queued again (another process's trials are not this one's to finish).
     st = open_study(storage=study_storage(url, args), name=name, inputs=inputs, goal=goal, space=space,
-                    slo=slo, seed=args.seed, n_trials=args.trials, workers=args.workers, joined=args.join)
+                    slo=slo, seed=args.seed, n_trials=args.trials, workers=args.workers, joined=args.join,
+                    adopt=not args.join)
     st.enqueue(defaults, "vllmDefaults")
     already = st.finished_count()
     print(f"kvpilot tune --offline: {target.model} on {target.gpu}, workload {workload.name} "
@@ -476,23 +506,40 @@ def _offline_answer(args: argparse.Namespace, st: TunerStudy, target: Any, workl
         return 1
     params, value = best
     accuracy = _twin_accuracy(target, evaluator, st, params, value) if goal is Goal.CAPACITY else []
-    dflt = next((t for t in st.trials() if t.user_attrs.get("source") == "vllmDefaults"), None)
+    dflt = next((t for t in st.trials() if t.user_attrs.get(ATTR_SOURCE) == "vllmDefaults"
+                 and t.state is TrialState.COMPLETE), None)
     unit = "req/s sustained within SLO" if goal is Goal.CAPACITY else "x SLO (lower is better)"
     comment = f"kvpilot tune --offline: {value:.3f} {unit}"
     if dflt is not None and dflt.value is not None and goal is Goal.CAPACITY:
         comment += f" (vLLM defaults: {dflt.value:.3f})"
     yml = engine_yaml(params, comment, {"maxModelLen": target.max_model_len,
                                         "tensorParallelSize": target.tensor_parallel_size})
+    print_answer(yml)
     if report is not None:
-        from kvpilot.tuner.report import write_report
-
         facts = _offline_report_facts(args, target, workload, slo, goal, name, accuracy)
-        out = write_report(st, report, f"kvpilot tune: {target.model} on {target.gpu}, {workload.name}",
-                           yml, table, facts=facts)
-        print(f"\nreport: {out}", file=sys.stderr)
-    print()
-    print(yml, end="")
+        write_report_after(st, report, f"kvpilot tune: {target.model} on {target.gpu}, {workload.name}",
+                           yml, table, facts)
     return 0
+
+
+def print_answer(yml: str) -> None:
+    """The recommended block, last on stdout, and out before the report is written: a report that
+    cannot be written (a full disk, say) must not cost the answer the run paid for."""
+    print()
+    print(yml, end="", flush=True)
+
+
+def write_report_after(st: TunerStudy, path: Path, title: str, yml: str, table: str,
+                       facts: list[tuple[str, str]]) -> None:
+    """Write the report once the answer is printed; an IOFailure naming what stopped it."""
+    from kvpilot.tuner.iofailure import report_failure
+    from kvpilot.tuner.report import write_report
+
+    try:
+        out = write_report(st, path, title, yml, table, facts=facts)
+    except OSError as exc:
+        raise report_failure(exc, path) from exc
+    print(f"\nreport: {out}", file=sys.stderr)
 
 
 def tune_offline(args: argparse.Namespace) -> int:
@@ -509,6 +556,8 @@ def tune_offline(args: argparse.Namespace) -> int:
                               warmup_s=args.probe_seconds / 5)
     evaluate = _offline_objective(args, goal, slo, evaluator)
     st, name, report, already = _open_offline_study(args, target, workload, slo, goal, space, defaults)
+    evaluator.resume(m.capacity for t in st.trials() if t.state is TrialState.COMPLETE
+                     and (m := st.measurement_of(t)) is not None)
     _run_offline_study(args, st, evaluate, already)
     return _offline_answer(args, st, target, workload, slo, goal, evaluator, name, report)
 
@@ -594,9 +643,8 @@ def tune_local(args: argparse.Namespace) -> int:
     table = trials_table(st)
     print(table)
     yml = engine_yaml(best, "kvpilot tune --local")
+    print_answer(yml)
     if report is not None:
-        from kvpilot.tuner.report import write_report
-
         facts = [
             ("Engine", shlex.join(command)),
             ("Workload", f"the live traffic Prometheus at {args.prometheus} saw"
@@ -608,10 +656,7 @@ def tune_local(args: argparse.Namespace) -> int:
                       "(lower is better)"),
             ("Study", f"{name} in {redacted(args.storage)}"),
         ]
-        out = write_report(st, report, f"kvpilot tune --local: port {port}", yml, table, facts=facts)
-        print(f"\nreport: {out}", file=sys.stderr)
-    print()
-    print(yml, end="")
+        write_report_after(st, report, f"kvpilot tune --local: port {port}", yml, table, facts)
     return 0
 
 

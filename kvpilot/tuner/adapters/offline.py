@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -158,7 +159,9 @@ class TwinEvaluator:
         # Per path: its requests at rate 1, enough for the highest rate probed so far.
         self._units: list[Any] = [None] * paths
         self._runs: dict[tuple[EngineParams, float], RunStats] = {}
-        self._caps: dict[EngineParams, CapacityResult | StartupFailed] = {}
+        # By config and hint: the bisection ends where its bracket from the hint leads, so one config
+        # searched from two hints may answer two capacities a tolerance apart.
+        self._caps: dict[tuple[EngineParams, float], CapacityResult | StartupFailed] = {}
         self._latency: dict[tuple[EngineParams, float], Outcome] = {}
         self.simulations = 0
         self.hint = 1.0
@@ -210,8 +213,9 @@ class TwinEvaluator:
     # -- capacity -------------------------------------------------------------------------
     def capacity(self, params: EngineParams) -> CapacityResult | StartupFailed:
         """The capacity search for `params`, or why the twin could not start (or serve) it."""
-        if params in self._caps:
-            return self._caps[params]
+        key = (params, self.hint)
+        if key in self._caps:
+            return self._hinted(self._caps[key])
         from kvpilot.twin.memory import EngineStartupError
 
         def probe(rate: float) -> tuple[float, float]:
@@ -226,10 +230,21 @@ class TwinEvaluator:
             res = StartupFailed.of(exc)
         except ValueError as exc:  # a request the config cannot serve (longer than max_model_len)
             res = StartupFailed(str(exc))
+        self._caps[key] = res
+        return self._hinted(res)
+
+    def _hinted(self, res: CapacityResult | StartupFailed) -> CapacityResult | StartupFailed:
         if isinstance(res, CapacityResult) and res.capacity > 0:
             self.hint = res.capacity  # the next search starts near the last answer
-        self._caps[params] = res
         return res
+
+    def resume(self, capacities: Iterable[float | None]) -> None:
+        """Carry on from a study an earlier process searched (the capacities it found, in trial
+        order): the next search starts from the hint that process would have had, so a run resumed
+        after a kill finds the capacities the uninterrupted run found."""
+        for capacity in capacities:
+            if capacity is not None and capacity > 0:
+                self.hint = capacity
 
     def evaluate(self, params: EngineParams) -> Outcome:
         """The capacity goal's outcome for one config."""

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from collections.abc import Callable, Mapping, Sequence
@@ -46,24 +47,39 @@ def make_sampler(seed: int | None, n_trials: int, sampler: str = "tpe",
     if sampler != "tpe":
         raise ValueError(f"sampler: expected one of {', '.join(SAMPLERS)}, got {sampler!r}")
     n = startup_trials(n_trials)
+
     # Optuna 5's TPE is multivariate (the joint density keeps "bigger budget <-> fewer KV blocks").
     # constant_liar (several workers on one study): trials still running count as bad ones, so a
     # worker does not draw next to what another is measuring (Optuna's advice for parallel TPE).
-    tpe = optuna.samplers.TPESampler(seed=seed, n_startup_trials=n, constant_liar=constant_liar)
-    return LatinHypercubeStart(tpe, n_startup_trials=n, seed=seed, redo=redo, drawn=drawn, claim=claim,
-                               bounds=bounds)
+    def tpe(trial_seed: int | None) -> BaseSampler:
+        return optuna.samplers.TPESampler(seed=trial_seed, n_startup_trials=n, constant_liar=constant_liar)
+
+    return LatinHypercubeStart(tpe(seed), n_startup_trials=n, seed=seed, redo=redo, drawn=drawn, claim=claim,
+                               bounds=bounds, per_trial=tpe)
+
+
+def trial_seed(seed: int, number: int, salt: str = "") -> int:
+    """The seed of one trial's draws: a function of the study's seed and the trial's number alone,
+    so that a study resumed after a kill draws what the uninterrupted one drew (a generator carried
+    from trial to trial restarts with the process, and every later draw would differ)."""
+    digest = hashlib.sha256(f"{seed}/{number}/{salt}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")  # numpy's RandomState takes 32 bits
 
 
 class LatinHypercubeStart(BaseSampler):
     """`main` after `n_startup_trials` trials; before that, Latin hypercube draws.
 
     `drawn(trial)` tells a trial the sampler drew from one that was enqueued with its params (the
-    caller marks those; Optuna's own mark is private): only drawn trials take a stratum."""
+    caller marks those; Optuna's own mark is private): only drawn trials take a stratum.
+
+    With a seed, every trial's draws are seeded by its number (`trial_seed`): the start-up's
+    offsets within strata, and `main` made afresh by `per_trial(seed)` before each trial."""
 
     def __init__(self, main: BaseSampler, *, n_startup_trials: int, seed: int | None = None,
                  redo: Callable[[FrozenTrial], bool] | None = None,
                  drawn: Callable[[FrozenTrial], bool] | None = None,
-                 claim: bool = False, bounds: Mapping[str, str] | None = None) -> None:
+                 claim: bool = False, bounds: Mapping[str, str] | None = None,
+                 per_trial: Callable[[int | None], BaseSampler] | None = None) -> None:
         if n_startup_trials < 1:
             raise ValueError(f"n_startup_trials must be >= 1, got {n_startup_trials}")
         self._main = main
@@ -74,6 +90,7 @@ class LatinHypercubeStart(BaseSampler):
         self._claim = claim
         self._bounds = dict(bounds or {})
         self._rng = random.Random(seed)
+        self._per_trial = per_trial
 
     # -- which phase ----------------------------------------------------------------------
     def _earlier(self, study: optuna.Study, trial: FrozenTrial) -> list[FrozenTrial]:
@@ -118,9 +135,9 @@ class LatinHypercubeStart(BaseSampler):
             claimed = self._claimed(study, trial, param_name, param_distribution)
             free = [s for s in free if s not in claimed]
         if index >= len(free):  # more drawn trials than strata (pruned or failed ones): plain random
-            return self._uniform(param_name, param_distribution, self._rng.random())
+            return self._uniform(param_name, param_distribution, self._offset(trial, param_name))
         stratum = free[index]
-        u = (stratum + self._rng.random()) / self._n
+        u = (stratum + self._offset(trial, param_name)) / self._n
         value = self._uniform(param_name, param_distribution, u)
         upper = self._bounds.get(param_name)
         if upper is not None and upper in trial.params and isinstance(param_distribution, IntDistribution):
@@ -130,7 +147,16 @@ class LatinHypercubeStart(BaseSampler):
             value = max(min(value, int(trial.params[upper])), param_distribution.low)
         return value
 
+    def _offset(self, trial: FrozenTrial, param_name: str) -> float:
+        """Where in its stratum a start-up draw lies: seeded by the trial and the knob, so a trial cut
+        off between two of its knobs draws the rest as it would have."""
+        if self._seed is None:
+            return self._rng.random()
+        return random.Random(trial_seed(self._seed, trial.number, param_name)).random()
+
     def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        if self._seed is not None and self._per_trial is not None:
+            self._main = self._per_trial(trial_seed(self._seed, trial.number))
         self._main.before_trial(study, trial)
 
     def after_trial(

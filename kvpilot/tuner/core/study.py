@@ -25,7 +25,7 @@ from optuna.trial import FrozenTrial, TrialState
 from kvpilot.tuner.core.objective import SLO, Goal, Measurement, Outcome, better
 from kvpilot.tuner.core.polish import pick_neighbour, polish_turn
 from kvpilot.tuner.core.sampler import make_sampler, startup_trials
-from kvpilot.tuner.core.space import EngineParams, SearchSpace
+from kvpilot.tuner.core.space import PARAM_GPU_UTIL, EngineParams, SearchSpace
 from kvpilot.tuner.core.startup import (
     MemoryFailure,
     StartupMemory,
@@ -107,15 +107,30 @@ def worker_id() -> str:
     return f"{platform.node()}/{os.getpid()}"
 
 
+def cut_config(trial: FrozenTrial) -> dict[str, Any] | None:
+    """The whole config a trial cut off (a kill, a dead worker) was to measure, as trial params; None
+    when its draw was never whole (cut between two knobs: nothing of it was measured, and the
+    sampler draws again).  A queued config is the one queued, whatever part of it was written; a
+    drawn one is the engine it applied (the fraction a memory floor raised, not the one drawn)."""
+    fixed = trial.system_attrs.get("fixed_params")
+    if fixed:
+        return dict(fixed)
+    engine = trial.user_attrs.get(ATTR_ENGINE)
+    if not engine:
+        return None
+    return {**trial.params, PARAM_GPU_UTIL: engine[PARAM_GPU_UTIL]}
+
+
 def requeue_stale(study: optuna.Study, trial: FrozenTrial) -> None:
     """The storage's `heartbeat_stale_trial_callback`: a trial whose worker stopped heart-beating was
-    failed; queue its config again so that it is measured rather than lost (as `recover` does)."""
-    if not trial.params:  # asked but never drawn: nothing to measure again
+    failed; queue its whole config again so that it is measured rather than lost (as `recover` does)."""
+    params = cut_config(trial)
+    if params is None:  # its draw was never whole: nothing to measure again
         return
     attrs = {ATTR_SOURCE: "resume", ATTR_KIND: trial.user_attrs.get(ATTR_KIND, KIND_TRIAL)}
     if ATTR_REMEASURE_OF in trial.user_attrs:
         attrs[ATTR_REMEASURE_OF] = trial.user_attrs[ATTR_REMEASURE_OF]
-    study.enqueue_trial(dict(trial.params), user_attrs=attrs)
+    study.enqueue_trial(params, user_attrs=attrs)
     log.warning("trial %d stopped heart-beating (its worker %s is gone); its config is queued to be measured again",
                 trial.number, trial.user_attrs.get(ATTR_WORKER, "?"))
 
@@ -185,6 +200,7 @@ class TunerStudy:
         workers: int = 1,
         recover: bool = True,
         joined: bool = False,
+        adopt: bool = False,
     ) -> None:
         self.goal, self.space, self.slo, self.name = goal, space, slo, name
         self.seed = seed
@@ -209,6 +225,8 @@ class TunerStudy:
             self.study.set_user_attr("slo", {"ttftSeconds": slo.ttft_seconds, "itlSeconds": slo.itl_seconds})
         self.distributions = space.distributions()
         self._open: dict[int, optuna.Trial] = {}
+        self.adopt = adopt
+        self._adopted: list[int] = []  # cut trials this process measures first, under their own numbers
         self._constrained: dict[int, set[str]] = {}
         self.joined = joined
         # Optuna wraps an RDB storage in a cache; the heartbeat settings are the RDB storage's.
@@ -224,20 +242,38 @@ class TunerStudy:
 
     # -- resume ---------------------------------------------------------------------------
     def recover(self) -> list[int]:
-        """Fail trials cut off mid-window and enqueue their configs again.  Returns their numbers."""
+        """Trials cut off mid-window (RUNNING, their process gone).  Adopting (`adopt`), each is
+        measured again first under its own number, its missing knobs drawn as they would have been
+        (the sampler seeds each trial by its number): the study ends as an uninterrupted one would.
+        Else each is failed and its whole config queued again (`cut_config`).  Returns their numbers."""
         cut: list[int] = []
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            if not t.params:  # asked but never drawn: nothing to measure again
-                self.study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
+            if self.adopt:
+                self._adopted.append(t.number)
+                cut.append(t.number)
+                log.info("trial %d was cut off; it is measured again first, with its whole config", t.number)
                 continue
             self.study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
+            params = cut_config(t)
+            if params is None:  # its draw was never whole: nothing to measure again
+                continue
             attrs = {ATTR_SOURCE: "resume", ATTR_KIND: t.user_attrs.get(ATTR_KIND, KIND_TRIAL)}
             if ATTR_REMEASURE_OF in t.user_attrs:
                 attrs[ATTR_REMEASURE_OF] = t.user_attrs[ATTR_REMEASURE_OF]
-            self.study.enqueue_trial(dict(t.params), user_attrs=attrs)
+            self.study.enqueue_trial(params, user_attrs=attrs)
             cut.append(t.number)
             log.info("trial %d was cut off mid-window; its config is queued to be measured again", t.number)
         return cut
+
+    def take_over(self, numbers: Iterable[int]) -> None:
+        """Measure these cut trials first, under their own numbers (a worker given its share of the
+        trials the opening process adopted)."""
+        self._adopted.extend(numbers)
+
+    def hand_out(self) -> list[int]:
+        """The adopted trials not measured yet, no longer this process's (for its workers to take over)."""
+        out, self._adopted = self._adopted, []
+        return out
 
     # -- several independent workers (joined) ----------------------------------------------
     def fail_stale(self) -> list[int]:
@@ -297,9 +333,10 @@ class TunerStudy:
         frozen = self.study.get_trials(deepcopy=False)[number]
         trial.set_user_attr(ATTR_REASON, REASON_BUDGET_SPENT)
         self.study.tell(number, state=TrialState.FAIL, skip_if_finished=True)
-        if frozen.user_attrs.get(ATTR_SOURCE, "sampler") != "sampler" and frozen.params:
+        params = cut_config(frozen)
+        if frozen.user_attrs.get(ATTR_SOURCE, "sampler") != "sampler" and params is not None:
             attrs = {k: v for k, v in frozen.user_attrs.items() if k in (ATTR_SOURCE, ATTR_KIND, ATTR_REMEASURE_OF)}
-            self.study.enqueue_trial(dict(frozen.params), user_attrs=attrs)
+            self.study.enqueue_trial(params, user_attrs=attrs)
 
     def _beat(self, number: int) -> None:
         if self._heartbeat is not None:
@@ -336,20 +373,28 @@ class TunerStudy:
 
     # -- seeding --------------------------------------------------------------------------
     def enqueue(self, params: EngineParams, source: str) -> bool:
-        """Queue a known config (clipped into the space).  False if it was already tried or queued."""
+        """Queue a known config (clipped into the space).  False if it was already tried or queued: a
+        trial holds it that is not FAIL (a failed one measured nothing, e.g. vLLM's defaults cut off
+        by a kill: queued again, so that the defaults are always measured)."""
         raw = self.space.raw_params(params)
-        before = len(self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
-        self.study.enqueue_trial(raw, user_attrs={ATTR_SOURCE: source, ATTR_KIND: KIND_TRIAL}, skip_if_exists=True)
-        after = len(self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
-        return after > before
+        wanted = self.space.resolve(raw)
+        for t in self.study.get_trials(deepcopy=False):
+            fixed = t.system_attrs.get("fixed_params")
+            if t.state != TrialState.FAIL and (self.space.resolve(fixed) if fixed else self._config_of(t)) == wanted:
+                return False
+        self.study.enqueue_trial(raw, user_attrs={ATTR_SOURCE: source, ATTR_KIND: KIND_TRIAL})
+        return True
 
     # -- ask and tell ---------------------------------------------------------------------
     def ask(self) -> tuple[int, EngineParams]:
         g = self.guidance
         floor = self.util_floor() if g.memory_floor else UtilFloor([], self.space.util_step)
-        if g.polish and polish_turn(self.finished_count(), self.n_startup) and not self._queued():
-            self._enqueue_polish(floor)
-        trial = self._ask()
+        if self._adopted:  # asked before the kill: its polish turn, if any, was taken then
+            trial = self._readopt(self._adopted.pop(0))
+        else:
+            if g.polish and polish_turn(self.finished_count(), self.n_startup) and not self._queued():
+                self._enqueue_polish(floor)
+            trial = self._ask()
         params = self.space.resolve(trial.params)
         for _ in range(_DRAWS):
             if not self._shared or not self._taken(params, trial.number):
@@ -360,7 +405,7 @@ class TunerStudy:
             self.study.tell(trial.number, state=TrialState.FAIL)
             trial = self._ask()
             params = self.space.resolve(trial.params)
-        if ATTR_SOURCE not in trial.user_attrs:  # drawn; enqueued configs are measured as given
+        if trial.user_attrs.get(ATTR_SOURCE, "sampler") == "sampler":  # drawn; enqueued configs as given
             # A draw the memory failures so far rule out would waste a trial (live: a rollout)
             # on a known start-up failure: map the fraction onto what is still possible.
             raised = self.space.above_floor(params, floor(params.max_num_batched_tokens, params.max_num_seqs))
@@ -389,6 +434,17 @@ class TunerStudy:
             warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
             trial = self.study.ask(self.distributions)
         self._beat(trial.number)
+        return trial
+
+    def _readopt(self, number: int) -> optuna.Trial:
+        """A cut trial, open again under its number with every knob: those written before the kill, a
+        queued config's from the queue, the rest drawn now (as they would have been: see `recover`)."""
+        # Optuna syncs its trial cache on each ask; this is an ask too (TPE reads the cache).
+        self.study._thread_local.cached_all_trials = None
+        trial = optuna.Trial(self.study, self.study.get_trials(deepcopy=False)[number]._trial_id)
+        for name, distribution in self.distributions.items():
+            trial._suggest(name, distribution)  # what `Study.ask(fixed_distributions)` does
+        self._beat(number)
         return trial
 
     def _taken(self, params: EngineParams, number: int) -> bool:

@@ -85,7 +85,7 @@ def test_offline_study_lives_in_postgres_and_a_rerun_resumes_it(
     assert not (tmp_path / "out").exists(), "the SQLite default was used instead of the PostgreSQL study"
 
 
-def test_a_run_killed_mid_trial_resumes_with_the_cut_trial_failed_and_measured_again(
+def test_a_run_killed_mid_trial_measures_the_cut_trial_again_under_its_number(
     postgres_url: str, tmp_path: Path  # noqa: F811
 ) -> None:
     from optuna.trial import TrialState
@@ -137,12 +137,12 @@ def test_a_run_killed_mid_trial_resumes_with_the_cut_trial_failed_and_measured_a
     for t in complete:
         kept = after[t.number]
         assert (kept.state, kept.params, kept.value) == (TrialState.COMPLETE, t.params, t.value)
-    # The cut trial is failed, and its config is measured again as the next trial.
-    assert after[cut.number].state == TrialState.FAIL
-    redo = after[cut.number + 1]
+    # The cut trial is measured again under its own number, with its config: the rerun's study is
+    # the one a run never killed would have made, no trial failed.
+    redo = after[cut.number]
     assert redo.state == TrialState.COMPLETE and redo.params == cut.params
-    assert redo.user_attrs["source"] == "resume"
-    assert sum(t.state == TrialState.COMPLETE for t in after) == 4
+    assert redo.user_attrs["source"] == cut.user_attrs.get("source", "sampler")
+    assert [t.state for t in after] == [TrialState.COMPLETE] * 4
 
 
 def test_two_workers_run_the_budget_on_one_study_without_measuring_a_config_twice(

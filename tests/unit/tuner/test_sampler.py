@@ -166,3 +166,25 @@ def test_unbounded_startup_loses_small_budgets_to_the_clamp() -> None:
     space = SearchSpace(scale="pow2", util_step=0.05)
     raised = sum(drawn != applied for seed in range(8) for drawn, applied in _startup_budgets(space, seed, False))
     assert raised > 0
+
+
+def test_a_study_resumed_by_a_new_process_draws_what_the_uninterrupted_one_drew(tmp_path: Path) -> None:
+    """Start-up and TPE draws alike: each trial's draws are seeded by its number, so a sampler made
+    afresh (the process killed and started again) continues with the draws the first would have made."""
+    space = SearchSpace()
+
+    def draw(study: optuna.Study, k: int) -> list[dict[str, float]]:
+        out = []
+        for _ in range(k):
+            t = study.ask(space.distributions())
+            study.tell(t, t.params[PARAM_TOKENS] / 1000 - abs(t.params["gpuMemoryUtilization"] - 0.85))
+            out.append(dict(t.params))
+        return out
+
+    n = 12  # startup_trials(12) == 4: the last 8 draws are TPE's
+    whole = draw(optuna.create_study(direction="maximize", sampler=make_sampler(5, n)), n)
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    first = draw(optuna.create_study(storage=url, study_name="s", direction="maximize", sampler=make_sampler(5, n)), 2)
+    rest = draw(optuna.create_study(storage=url, study_name="s", direction="maximize", sampler=make_sampler(5, n),
+                                    load_if_exists=True), n - 2)
+    assert first + rest == whole

@@ -177,3 +177,35 @@ def test_workers_on_one_study_keep_each_others_trials_and_never_measure_a_config
     assert [t.state for t in dup] == [TrialState.FAIL] and dup[0].params == space.raw_params(config)
     a.tell(na, score(Goal.CAPACITY, Measurement(ttft_p99=0.1, itl_p99=0.01, request_rate=3, capacity=3), SLO()))
     assert a.finished_count() == 1 and nb > na
+
+
+def test_a_queued_trial_cut_with_its_params_half_written_is_queued_again_whole(tmp_path: Path) -> None:
+    """The live tuner's recovery (fail, queue again): a kill between two of the knobs of vLLM's
+    defaults leaves one written; the whole queued config is queued again, never that one knob with
+    the others drawn anew."""
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    defaults = EngineParams(8192, 0.92, 1024)
+    first = _study(storage)
+    assert first.enqueue(defaults, "vllmDefaults")
+    cut = first.study.ask()  # what the killed process had done: popped the queued trial ...
+    name, dist = next(iter(first.distributions.items()))
+    cut._suggest(name, dist)  # ... and written one knob of three
+    assert len(first.study.trials[cut.number].params) == 1
+
+    again = _study(storage)
+    assert again.resumed == [cut.number] and again.study.trials[cut.number].state is TrialState.FAIL
+    assert not again.enqueue(defaults, "vllmDefaults")  # queued again already, by the recovery
+    n, p = again.ask()
+    assert n == cut.number + 1 and p == defaults
+    assert len(again.study.get_trials(states=(TrialState.WAITING,))) == 0
+
+
+def test_a_defaults_trial_that_failed_is_queued_again() -> None:
+    st = _study()
+    defaults = EngineParams(8192, 0.92, 1024)
+    assert st.enqueue(defaults, "vllmDefaults")
+    n, _ = st.ask()
+    st.study.tell(n, state=TrialState.FAIL)
+    assert st.enqueue(defaults, "vllmDefaults")
+    n2, p = st.ask()
+    assert p == defaults and st.study.trials[n2].user_attrs["source"] == "vllmDefaults"
