@@ -30,7 +30,8 @@ examples:
       kvpilot twin serve --model Llama-3.1-8B --port 8000
 
 exit status: 0 an answer; 1 no config met the SLO; 2 bad input; 65 the study file is not a
-database or is damaged; 73 the study or the report cannot be written (read-only, no permission);
+database or is damaged; 69 the study's database server cannot be reached (down, wrong host or port,
+login refused); 73 the study or the report cannot be written (read-only, no permission);
 74 the disk is full (or a file size limit); the recommended block is printed before the report is
 written, so a report that fails does not take the answer with it.
 

@@ -17,10 +17,13 @@ import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
+from kvpilot.tuner.secrets import redacted
+
 EX_DATAERR = 65  # the study file is not a database, or is damaged
+EX_UNAVAILABLE = 69  # the database server cannot be reached or refuses the connection
 EX_CANTCREAT = 73  # a file or directory that cannot be written: read-only, no permission
 EX_IOERR = 74  # the disk is full (or a file size limit), or another I/O error
-IO_EXIT_CODES = (EX_DATAERR, EX_CANTCREAT, EX_IOERR)
+IO_EXIT_CODES = (EX_DATAERR, EX_UNAVAILABLE, EX_CANTCREAT, EX_IOERR)
 
 _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _READ_ONLY = {errno.EROFS, errno.EACCES, errno.EPERM}
@@ -91,6 +94,10 @@ def storage_failure(exc: BaseException, url: str, shown: str) -> IOFailure | Non
     path = sqlite_path(url)
     where = f"the study storage {shown}"
     for e in _chain(exc):
+        if path is None and _is_connection_failure(e):
+            # The user's environment (the server down, a wrong host or port, a refused login), not a bug.
+            said = " ".join(str(getattr(e, "orig", None) or e).split())
+            return IOFailure(f"cannot connect to {where}: {redacted(said)}", EX_UNAVAILABLE)
         if isinstance(e, sqlite3.Error) and path is not None:
             name = getattr(e, "sqlite_errorname", "") or ""
             if name.startswith(("SQLITE_FULL", "SQLITE_IOERR")):
@@ -107,6 +114,15 @@ def storage_failure(exc: BaseException, url: str, shown: str) -> IOFailure | Non
             if failure is not None:
                 return failure
     return None
+
+
+def _is_connection_failure(e: BaseException) -> bool:
+    """SQLAlchemy's OperationalError from connecting to a database server (psycopg's, PyMySQL's)."""
+    try:
+        from sqlalchemy.exc import OperationalError
+    except ImportError:  # pragma: no cover - optuna depends on SQLAlchemy
+        return False
+    return isinstance(e, OperationalError) and "connect" in str(e).lower()
 
 
 def report_failure(exc: OSError, path: Path) -> IOFailure:

@@ -309,3 +309,20 @@ def test_a_trace_is_its_content_not_how_its_path_is_written(tmp_path: Path, caps
     trace.write_text(trace.read_text().replace('"output_tokens": 20', '"output_tokens": 40'))
     assert main(_tune(tmp_path, "--workload", "t.jsonl")) == 0
     assert len(_studies(tmp_path)) == 2
+
+
+def test_a_database_that_refuses_connections_is_the_environment_not_a_bug(capsys: pytest.CaptureFixture[str]) -> None:
+    # It ended as "internal error" (exit 70); nothing listens on a port just freed.  Needs the driver
+    # (the lowest-dependencies run has none: the test above covers that case).
+    import socket
+
+    pytest.importorskip("psycopg")
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["tune", "--offline", "--trials", "1", "--storage",
+                 f"postgresql://kv:s3cret@127.0.0.1:{port}/studies"]) == 69
+    err = capsys.readouterr().err
+    assert f"cannot connect to the study storage postgresql://kv:***@127.0.0.1:{port}/studies" in err
+    assert "s3cret" not in err and "internal error" not in err
