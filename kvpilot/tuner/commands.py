@@ -119,6 +119,10 @@ def register(subparsers: Any) -> None:
     for f in TUNED:
         p.add_argument(f"--{f.short}", metavar="MIN:MAX", help=f"{f.name} range (default {f.space[0]:g}:{f.space[1]:g})")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml",
+                   help="what stdout gets: yaml (default), the recommended spec.engine block to merge into an "
+                        "InferenceService (`kvpilot tune ... > engine.yaml`); json, the result as one object. "
+                        "The trials table and the rest go to stderr")
     _add_live_arguments(p)
     p.set_defaults(handler=_tune)
     _register_tuner(subparsers)

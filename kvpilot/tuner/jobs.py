@@ -26,6 +26,7 @@ from kvpilot.api.vocabulary import TrialStrategy
 from kvpilot.tuner.core.objective import SLO, Goal, Measurement, Outcome, infeasible, score
 from kvpilot.tuner.core.space import EngineParams, SearchSpace
 from kvpilot.tuner.core.study import (
+    ATTR_ENGINE,
     ATTR_MESSAGE,
     ATTR_RAISED_FROM,
     ATTR_REASON,
@@ -267,7 +268,7 @@ def shares(remaining: int, workers: int) -> list[int]:
 
 
 def run_workers(st: TunerStudy, evaluate: Callable[[EngineParams], Outcome], args: argparse.Namespace,
-                bar: Any) -> None:
+                bar: Any, ctrl_c: Any = None) -> None:
     """Run the rest of the budget in `args.workers` forked processes on the same storage.
 
     This process opened the study (recovering a killed run and queueing vLLM's defaults) before
@@ -286,6 +287,8 @@ def run_workers(st: TunerStudy, evaluate: Callable[[EngineParams], Outcome], arg
 
     def work(share: int, cut: list[int]) -> None:
         die_with_parent(parent)
+        # Ctrl-C reaches the whole process group: the parent decides, and stops the workers itself.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             measure(share, cut)
         except Exception as exc:  # a full disk, say: one line and its exit status, which the parent reads
@@ -319,6 +322,8 @@ def run_workers(st: TunerStudy, evaluate: Callable[[EngineParams], Outcome], arg
     try:
         while any(p.is_alive() for p in procs):
             bar.update(min(st.finished_count(), args.trials) - bar.n)
+            if ctrl_c is not None and ctrl_c.asked:
+                raise _Stopped  # the workers are stopped below; the trials they cut are measured again on resume
             time.sleep(0.5)
     finally:
         for p in procs:
@@ -443,6 +448,52 @@ def _open_offline_study(args: argparse.Namespace, target: Any, workload: Any, sl
     return st, name, report, already
 
 
+class _Stopped(Exception):
+    """The run stopped at a trial boundary because the user asked (Ctrl-C)."""
+
+
+class _CtrlC:
+    """Ctrl-C as a request: the first stops the run where a trial ends, the second at once.  Raised
+    anywhere, KeyboardInterrupt lands in SQLAlchemy's cleanup callbacks, which print it and go on: the
+    run then carried on with a traceback on the screen."""
+
+    def __init__(self) -> None:
+        self.asked = False
+
+    def __enter__(self) -> _CtrlC:
+        self.previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGINT, self.previous)
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self.asked:
+            raise KeyboardInterrupt
+        self.asked = True
+        print("\nkvpilot tune: stopping where the trial in progress ends (Ctrl-C again to stop at once)",
+              file=sys.stderr, flush=True)
+
+
+class _LineProgress:
+    """The progress bar where stderr is a log, not a terminal: a line per finished trial, no carriage returns."""
+
+    def __init__(self, total: int, initial: int, quiet: bool) -> None:
+        self.total, self.n, self.quiet, self.postfix = total, initial, quiet, ""
+
+    def update(self, k: int) -> None:
+        if k > 0:
+            self.n += k
+            if not self.quiet:
+                print(f"kvpilot tune: {self.n}/{self.total} trials{self.postfix}", file=sys.stderr, flush=True)
+
+    def set_postfix_str(self, text: str) -> None:
+        self.postfix = f", {text}"
+
+    def close(self) -> None:
+        pass
+
+
 def _run_offline_study(args: argparse.Namespace, st: TunerStudy, evaluate: Callable[[EngineParams], Outcome],
                        already: int) -> None:
     """Run the budget (in this process, or in --workers forked ones) behind a progress bar."""
@@ -450,22 +501,28 @@ def _run_offline_study(args: argparse.Namespace, st: TunerStudy, evaluate: Calla
 
     from kvpilot.tuner.core.search import run_joined, run_offline
 
-    bar = tqdm(total=args.trials, initial=min(already, args.trials), unit="trial", file=sys.stderr,
-               disable=args.quiet, dynamic_ncols=True)
+    initial = min(already, args.trials)
+    bar: Any = tqdm(total=args.trials, initial=initial, unit="trial", file=sys.stderr, disable=args.quiet,
+                    dynamic_ncols=True) if sys.stderr.isatty() else _LineProgress(args.trials, initial, args.quiet)
+
+    ctrl_c = _CtrlC()
 
     def on_trial(frozen: Any, params: EngineParams, outcome: Outcome) -> None:
-        bar.update(min(st.finished_count(), args.trials) - bar.n)  # the study's, siblings' trials too
         best = st.best_trial()
         if best is not None and best.value is not None:
             bar.set_postfix_str(f"best {best.value:.3f}")
+        bar.update(min(st.finished_count(), args.trials) - bar.n)  # the study's, siblings' trials too
+        if ctrl_c.asked:
+            raise _Stopped
 
     try:
-        if args.workers == 1 and args.join:
-            run_joined(st, evaluate, args.trials, _poll_wait(args), on_trial)
-        elif args.workers == 1:
-            run_offline(st, evaluate, args.trials, on_trial)
-        else:
-            run_workers(st, evaluate, args, bar)
+        with ctrl_c:
+            if args.workers == 1 and args.join:
+                run_joined(st, evaluate, args.trials, _poll_wait(args), on_trial)
+            elif args.workers == 1:
+                run_offline(st, evaluate, args.trials, on_trial)
+            else:
+                run_workers(st, evaluate, args, bar, ctrl_c)
     finally:
         bar.close()
 
@@ -495,11 +552,11 @@ def _offline_answer(args: argparse.Namespace, st: TunerStudy, target: Any, workl
     """Print the trials, the twin's accuracy and the recommended engine block (and write the report);
     1 when no config is recommended."""
     table = trials_table(st)
-    print(table)
+    print(table, file=sys.stderr)  # stdout is the answer alone (-o yaml|json), for a file or a pipe
     if goal is Goal.CAPACITY:
         print(f"\nvalue: capacity, the highest arrival rate (req/s) each config sustains in steady state with "
               f"both p99s within the SLO ({args.probe_seconds:g} s of arrivals per rate, the first "
-              f"{args.probe_seconds / 5:g} s not measured, on two request sequences)")
+              f"{args.probe_seconds / 5:g} s not measured, on two request sequences)", file=sys.stderr)
     best = st.best_engine()
     if best is None:
         print(f"\n{no_answer(st)}", file=sys.stderr)
@@ -510,11 +567,22 @@ def _offline_answer(args: argparse.Namespace, st: TunerStudy, target: Any, workl
                  and t.state is TrialState.COMPLETE), None)
     unit = "req/s sustained within SLO" if goal is Goal.CAPACITY else "x SLO (lower is better)"
     comment = f"kvpilot tune --offline: {value:.3f} {unit}"
+    baseline: dict[str, Any] | None = None
     if dflt is not None and dflt.value is not None and goal is Goal.CAPACITY:
-        comment += f" (vLLM defaults: {dflt.value:.3f})"
-    yml = engine_yaml(params, comment, {"maxModelLen": target.max_model_len,
-                                        "tensorParallelSize": target.tensor_parallel_size})
-    print_answer(yml)
+        # Named with its values: vLLM's own defaults on this GPU (what `vllm serve` runs without the flags),
+        # which are not an InferenceService's (kvpilot renders 2048 tokens and 256 seqs when the spec is silent).
+        engine = dflt.user_attrs.get(ATTR_ENGINE, {})
+        shown = "/".join(f"{engine[f.name]:g}" for f in TUNED if f.name in engine)
+        comment += f" (vLLM defaults: {dflt.value:.3f} at {shown}, `vllm serve` without these flags)"
+        baseline = {"engine": engine, "value": dflt.value}
+    extra = {"maxModelLen": target.max_model_len, "tensorParallelSize": target.tensor_parallel_size}
+    yml = engine_yaml(params, comment, extra)
+    if args.output == "json":
+        print(json.dumps({"study": name, "goal": goal.value, "value": value, "unit": unit,
+                          "engine": {**params.as_spec(), **extra}, "vllmDefaults": baseline,
+                          "twinAccuracy": accuracy}, indent=2), flush=True)
+    else:
+        print_answer(yml)
     if report is not None:
         facts = _offline_report_facts(args, target, workload, slo, goal, name, accuracy)
         write_report_after(st, report, f"kvpilot tune: {target.model} on {target.gpu}, {workload.name}",
@@ -558,7 +626,14 @@ def tune_offline(args: argparse.Namespace) -> int:
     st, name, report, already = _open_offline_study(args, target, workload, slo, goal, space, defaults)
     evaluator.resume(m.capacity for t in st.trials() if t.state is TrialState.COMPLETE
                      and (m := st.measurement_of(t)) is not None)
-    _run_offline_study(args, st, evaluate, already)
+    try:
+        _run_offline_study(args, st, evaluate, already)
+    except (_Stopped, KeyboardInterrupt):
+        done = st.finished_count()
+        print(f"kvpilot tune: interrupted: {done} of {args.trials} trials are kept in study {name!r} "
+              f"({redacted(args.storage)}); run the same command again to resume (a trial cut off is "
+              "measured again)", file=sys.stderr)
+        return 130
     return _offline_answer(args, st, target, workload, slo, goal, evaluator, name, report)
 
 
@@ -641,9 +716,12 @@ def tune_local(args: argparse.Namespace) -> int:
             applier.stop()
         signal.signal(signal.SIGTERM, previous)
     table = trials_table(st)
-    print(table)
+    print(table, file=sys.stderr)
     yml = engine_yaml(best, "kvpilot tune --local")
-    print_answer(yml)
+    if args.output == "json":
+        print(json.dumps({"study": st.name, "engine": best.as_spec()}, indent=2), flush=True)
+    else:
+        print_answer(yml)
     if report is not None:
         facts = [
             ("Engine", shlex.join(command)),

@@ -512,14 +512,20 @@ class TunerStudy:
         if frozen.state.is_finished():
             return frozen
         trial = self._trial(number)
-        self._set_constraints(trial, outcome.constraints)
-        trial.set_user_attr(ATTR_REASON, outcome.reason)
-        trial.set_user_attr(ATTR_MESSAGE, outcome.message)
-        if outcome.memory is not None:
-            trial.set_user_attr(ATTR_MEMORY, outcome.memory.as_dict())
-        if outcome.measurement is not None:
-            trial.set_user_attr(ATTR_MEASUREMENT, outcome.measurement.as_dict())
-        done = self.study.tell(number, outcome.value, skip_if_finished=True)
+        try:
+            self._set_constraints(trial, outcome.constraints)
+            trial.set_user_attr(ATTR_REASON, outcome.reason)
+            trial.set_user_attr(ATTR_MESSAGE, outcome.message)
+            if outcome.memory is not None:
+                trial.set_user_attr(ATTR_MEMORY, outcome.memory.as_dict())
+            if outcome.measurement is not None:
+                trial.set_user_attr(ATTR_MEASUREMENT, outcome.measurement.as_dict())
+            done = self.study.tell(number, outcome.value, skip_if_finished=True)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            # Finished by another process since the read above (the storage's cached view lagged):
+            # the stored outcome stands, as for a second tell.
+            done = self.study._storage.get_trial(self.study._storage.get_trial_id_from_study_id_trial_number(
+                self.study._study_id, number))
         self._open.pop(number, None)
         self._constrained.pop(number, None)
         return done

@@ -326,3 +326,22 @@ def test_a_database_that_refuses_connections_is_the_environment_not_a_bug(capsys
     err = capsys.readouterr().err
     assert f"cannot connect to the study storage postgresql://kv:***@127.0.0.1:{port}/studies" in err
     assert "s3cret" not in err and "internal error" not in err
+
+
+def test_stdout_is_the_answer_alone_yaml_or_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # `kvpilot tune --offline > engine.yaml` did not parse: the trials table shared stdout with the block.
+    import json
+
+    assert main(_tune(tmp_path)) == 0
+    out, err = capsys.readouterr()
+    assert set(yaml.safe_load(out)) == {"spec"} and "WithinSLO" in err
+    assert main(_tune(tmp_path, "-o", "json")) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["engine"] == yaml.safe_load(out)["spec"]["engine"]
+    assert result["study"] in _studies(tmp_path)
+    # The baseline says which it is, with its values: vLLM's own defaults on an H100, not an InferenceService's.
+    baseline = result["vllmDefaults"]["engine"]
+    assert (baseline["maxNumBatchedTokens"], baseline["maxNumSeqs"]) == (8192, 1024)
+    shown = f"{baseline['maxNumBatchedTokens']}/{baseline['gpuMemoryUtilization']:g}/{baseline['maxNumSeqs']}"
+    assert f"(vLLM defaults: {result['vllmDefaults']['value']:.3f} at {shown}, `vllm serve` without these flags)" \
+        in out.strip().splitlines()[0]

@@ -55,8 +55,8 @@ def test_offline_tune_on_the_measured_cpu(tiny: Path, tmp_path: Path, capsys: py
             "--trials", "2", "--tokens", "64:2048", "--util", "0.10:0.20", "--seqs", "4:16",
             "--storage", f"sqlite:///{tmp_path}/s.db", "--report", ""]
     assert main(argv) == 0
-    out = capsys.readouterr().out
-    assert "WithinSLO" in out and "maxNumBatchedTokens" in out
+    out, err = capsys.readouterr()
+    assert "WithinSLO" in err and "maxNumBatchedTokens" in out
     # Another device is another study: the profile is one of the study's inputs.
     other = tmp_path / "other.json"
     data = json.loads(PROFILE.read_text())
