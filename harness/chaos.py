@@ -99,43 +99,32 @@ class Report:
     wall_s: float = 0.0
 
 
-class Invariants:
-    """Incremental checks over the watched history; `check()` returns what broke since the last call."""
+class DeploymentLedger:
+    """Deployment writes, replayed in the API server's order: zero ready replicas once there were some
+    (unless excused: a node went with every ready pod), and a generation that applies the engine already
+    in force (the operator writing the same engine twice). Pure: fed the watched events."""
 
-    def __init__(self, bed: ChaosBed) -> None:
-        self.bed = bed
-        self.deployments = History(bed.cp, DEPLOYMENTS)
-        self.pods = History(bed.cp, PODS)
-        self._seen = 0
+    def __init__(self, services: tuple[str, ...] = SERVICES) -> None:
         self._ready: dict[str, int] = {}  # deployment -> readyReplicas last seen
         self._applied: dict[str, tuple[int, tuple[Any, ...]]] = {}  # deployment -> (generation, engine)
-        self.engines_applied: dict[str, set[tuple[float, ...]]] = {s: set() for s in SERVICES}
+        self.engines_applied: dict[str, set[tuple[float, ...]]] = {s: set() for s in services}
         self.excused: dict[str, str] = {}  # deployment -> why its zero ready is not a rollout's doing
-        self._log_offsets: dict[str, int] = {}
-
-    def stop(self) -> None:
-        self.deployments.stop()
-        self.pods.stop()
 
     def excuse(self, deployment: str, why: str) -> None:
         self.excused[deployment] = why
 
-    def check_history(self) -> tuple[list[str], list[str]]:
-        """(violations, excused) from the Deployment writes since the last call."""
+    def feed(self, events: list[tuple[str, dict[str, Any]]]) -> tuple[list[str], list[str]]:
+        """(violations, excused zero-ready windows) in `events`, (type, Deployment) in write order."""
         problems: list[str] = []
         excused: list[str] = []
-        events = self.deployments.events[self._seen:]
-        self._seen += len(events)
-        for _, type_, dep in events:
+        for type_, dep in events:
             name = dep["metadata"]["name"]
             if type_ == "DELETED":
                 continue
             template = dep["spec"]["template"]
-            container = template["spec"]["containers"][0]
-            engine = (container.get("image"), *engine_of_template(template))
+            engine = (template["spec"]["containers"][0].get("image"), *engine_of_template(template))
             generation = int(dep["metadata"]["generation"])
-            if name in self.engines_applied:
-                self.engines_applied[name].add(engine_of_template(template))
+            self.engines_applied.setdefault(name, set()).add(engine_of_template(template))
             last = self._applied.get(name)
             if last is not None and generation > last[0] and engine == last[1]:
                 problems.append(f"Deployment {name} generation {generation} applied again the engine already in "
@@ -150,12 +139,33 @@ class Invariants:
                     excused.append(f"Deployment {name} at zero ready replicas after {why}")
                 else:
                     problems.append(f"Deployment {name} at zero ready replicas (resourceVersion "
-                                    f"{dep['metadata']['resourceVersion']}, generation {generation}, had {had})")
+                                    f"{dep['metadata'].get('resourceVersion')}, generation {generation}, had {had})")
             if ready > 0:
                 self.excused.pop(name, None)
             self._ready[name] = ready
-        for at, message in self.deployments.gaps:
-            problems.append(f"the Deployment watch lost history at {at:.0f}: {message}")
+        return problems, excused
+
+
+class Invariants:
+    """The checks on a live bed; each returns what broke since its last call."""
+
+    def __init__(self, bed: ChaosBed) -> None:
+        self.bed = bed
+        self.deployments = History(bed.cp, DEPLOYMENTS)
+        self.ledger = DeploymentLedger()
+        self._seen = 0
+        self._log_offsets: dict[str, int] = {}
+
+    def stop(self) -> None:
+        self.deployments.stop()
+
+    def check_history(self) -> tuple[list[str], list[str]]:
+        """(violations, excused) from the Deployment writes since the last call."""
+        events = self.deployments.events[self._seen:]
+        self._seen += len(events)
+        problems, excused = self.ledger.feed([(type_, obj) for _, type_, obj in events])
+        problems += [f"the Deployment watch lost history at {at:.0f}: {message}"
+                     for at, message in self.deployments.gaps]
         self.deployments.gaps.clear()
         return problems, excused
 
@@ -207,40 +217,48 @@ class Invariants:
         return found
 
     def trials(self) -> tuple[list[str], Counter[str]]:
-        """No trial lost or measured twice, from the tuner's study and its Events."""
+        """No trial lost or measured twice, from the tuner's study and its Events; and the study's states."""
         import optuna
-        from optuna.trial import TrialState
 
-        problems: list[str] = []
         tuning = (self.bed.cp.get(f"{ISVCS}/{TUNED}").get("status") or {}).get("tuning") or {}
         if not tuning.get("study"):
-            return problems, Counter()
+            return [], Counter()
         trials = optuna.load_study(study_name=tuning["study"], storage=self.bed.storage).trials
-        states = Counter(t.state.name for t in trials)
-        for i, t in enumerate(trials):
-            later = trials[i + 1:]
-            if t.state is TrialState.FAIL and later and not any(u.params == t.params for u in later):
-                problems.append(f"trial {t.number} was cut ({t.params}) and never measured again")
-            if t.user_attrs.get("source") == "resume":
-                before = [u for u in trials[:i] if u.params == t.params]
-                if before and before[-1].state is not TrialState.FAIL:
-                    problems.append(f"trial {t.number} measured again trial {before[-1].number}'s config, "
-                                    f"which was {before[-1].state.name}, not cut")
-            engine = t.user_attrs.get("engine")
-            if (t.state is TrialState.COMPLETE and engine is not None
-                    and engine_of_spec(engine) not in self.engines_applied[TUNED]):
-                problems.append(f"trial {t.number} was measured on {engine_of_spec(engine)}, "
-                                "an engine never rolled out")
-        started: Counter[int] = Counter()
-        told: Counter[int] = Counter()
-        for e in self.bed.cp.get(EVENTS)["items"]:
-            if e["involvedObject"].get("name") != TUNED or not e.get("reason", "").startswith("Trial"):
-                continue
-            number = int(e["message"].split()[1].rstrip(":"))
-            (started if e["reason"] == "TrialStarted" else told)[number] += int(e.get("count") or 1)
-        problems += [f"trial {n} started {c} times (Events)" for n, c in sorted(started.items()) if c > 1]
-        problems += [f"trial {n} told {c} times (Events)" for n, c in sorted(told.items()) if c > 1]
-        return problems, states
+        events = [e for e in self.bed.cp.get(EVENTS)["items"] if e["involvedObject"].get("name") == TUNED]
+        return (check_trials(trials, events, self.ledger.engines_applied[TUNED]),
+                Counter(t.state.name for t in trials))
+
+
+def check_trials(trials: list[Any], events: list[dict[str, Any]], applied: set[tuple[float, ...]]) -> list[str]:
+    """What a study (its FrozenTrials, in order) and the tuner's Events show lost or measured twice:
+    a cut (FAIL) trial with later trials but its config never measured again; a `resume` trial whose
+    config's last trial was told, not cut; a told trial on an engine never rolled out (`applied`);
+    a trial number started or told in more than one Event."""
+    from optuna.trial import TrialState
+
+    problems: list[str] = []
+    for i, t in enumerate(trials):
+        later = trials[i + 1:]
+        if t.state is TrialState.FAIL and later and not any(u.params == t.params for u in later):
+            problems.append(f"trial {t.number} was cut ({t.params}) and never measured again")
+        if t.user_attrs.get("source") == "resume":
+            before = [u for u in trials[:i] if u.params == t.params]
+            if before and before[-1].state is not TrialState.FAIL:
+                problems.append(f"trial {t.number} measured again trial {before[-1].number}'s config, "
+                                f"which was {before[-1].state.name}, not cut")
+        engine = t.user_attrs.get("engine")
+        if t.state is TrialState.COMPLETE and engine is not None and engine_of_spec(engine) not in applied:
+            problems.append(f"trial {t.number} was measured on {engine_of_spec(engine)}, an engine never rolled out")
+    started: Counter[int] = Counter()
+    told: Counter[int] = Counter()
+    for e in events:
+        if not e.get("reason", "").startswith("Trial"):
+            continue
+        number = int(e["message"].split()[1].rstrip(":"))
+        (started if e["reason"] == "TrialStarted" else told)[number] += int(e.get("count") or 1)
+    problems += [f"trial {n} started {c} times (Events)" for n, c in sorted(started.items()) if c > 1]
+    problems += [f"trial {n} told {c} times (Events)" for n, c in sorted(told.items()) if c > 1]
+    return problems
 
 
 def inject(bed: ChaosBed, fault: Fault, invariants: Invariants, rng: random.Random,
@@ -266,7 +284,7 @@ def inject(bed: ChaosBed, fault: Fault, invariants: Invariants, rng: random.Rand
         for deployment, pods in taken.items():
             ready = (bed.cp.get(f"{DEPLOYMENTS}/{deployment}").get("status") or {}).get("readyReplicas") or 0
             if deployment and len(pods) >= int(ready):
-                invariants.excuse(deployment, f"node {node} went with all its ready pods {pods}")
+                invariants.ledger.excuse(deployment, f"node {node} went with all its ready pods {pods}")
         return f"removed node {node} (ready pods on it: {taken})"
     else:
         raise ValueError(f"unknown fault kind {fault.kind!r}; known: {', '.join(KINDS)}")
