@@ -16,6 +16,7 @@ invariant was violated, 2 if the bed cannot be built here.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -27,6 +28,8 @@ from harness.chaos_bed import BedUnavailable  # noqa: E402
 
 
 def main() -> int:
+    # SIGTERM (`timeout`, a CI runner) unwinds like Ctrl-C, so every process the bed started is stopped.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--faults", type=int, default=20, help="faults to inject (default 20)")
     parser.add_argument("--seed", type=int, default=1, help="the schedule's seed (default 1)")

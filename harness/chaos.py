@@ -72,7 +72,7 @@ def schedule(faults: int, seed: int, kinds: tuple[str, ...] = KINDS) -> list[Fau
         rng.shuffle(round_)
         for kind in round_[:faults - len(plan)]:
             tokens = rng.choice([t for t in STEADY_TOKENS if t != tokens])
-            delay = rng.uniform(0.0, 1.5)  # kwok's pods are Ready at once: a rollout takes about a second
+            delay = rng.uniform(0.0, 4.0)  # a rollout of 2 pods, each Ready 1-4 s after binding
             seconds = rng.uniform(5.0, 20.0) if kind == "prometheus-down" else rng.uniform(2.0, 8.0)
             fraction = rng.uniform(0.5, 1.0) if kind == "api-errors" else 0.0
             plan.append(Fault(len(plan) + 1, kind, tokens, delay, seconds, fraction))

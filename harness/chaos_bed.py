@@ -2,7 +2,8 @@
 faults it can suffer (harness/chaos.py schedules them and checks the invariants after each).
 
 - the control plane of harness/cluster.py, its API server keeping etcd's whole history watchable
-  (`--watch-cache=false`, no compaction) and Events for a day, on `NODES` kwok GPU nodes;
+  (`--watch-cache=false`, no compaction) and Events for a day, on `NODES` kwok GPU nodes whose pods
+  turn Ready 1 to 4 s after they are bound (chaos-kwok-stages.yaml);
 - the operator and the tuner as real processes, each as the chart's ServiceAccount, both talking to the
   API server through a FaultProxy (harness/fault_proxy.py) that can answer bursts of 429/5xx;
 - a real Prometheus scraping a synthetic vLLM exporter (kwok pods serve nothing) as the tuner's signals;
@@ -43,6 +44,8 @@ ENGINE_FLAGS = ("--max-num-batched-tokens", "--gpu-memory-utilization", "--max-n
 START = {"maxNumBatchedTokens": 2048, "gpuMemoryUtilization": 0.9, "maxNumSeqs": 256}
 NODES = 3
 TOKEN_S = 24 * 3600  # the ServiceAccount tokens outlive the longest run
+# Pods turn Ready 1 to 4 s after they are bound: a rollout lasts long enough for a fault to land in it.
+KWOK_STAGES = Path(__file__).resolve().parent / "chaos-kwok-stages.yaml"
 APISERVER_ARGS = ("--watch-cache=false", "--etcd-compaction-interval=0", "--event-ttl=24h")
 
 
@@ -132,7 +135,7 @@ class ChaosBed:
 
     def _start(self, bin_dir: Path) -> None:
         cp = self.cp = self._stack.enter_context(ControlPlane(
-            bin_dir, self.workdir / "control-plane", apiserver_args=APISERVER_ARGS))
+            bin_dir, self.workdir / "control-plane", kwok_config=KWOK_STAGES, apiserver_args=APISERVER_ARGS))
         for _ in range(NODES):
             self.add_node()
         operator_sa, tuner_sa = self._install()
