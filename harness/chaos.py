@@ -238,7 +238,8 @@ def check_trials(trials: list[Any], events: list[dict[str, Any]], applied: set[t
 
     problems: list[str] = []
     for i, t in enumerate(trials):
-        later = trials[i + 1:]
+        # A WAITING trial is queued, not started: its params are empty until it is asked for.
+        later = [u for u in trials[i + 1:] if u.state is not TrialState.WAITING]
         if t.state is TrialState.FAIL and later and not any(u.params == t.params for u in later):
             problems.append(f"trial {t.number} was cut ({t.params}) and never measured again")
         if t.user_attrs.get("source") == "resume":

@@ -81,6 +81,12 @@ def test_a_cut_trial_measured_again_is_clean() -> None:
     assert check_trials(trials, events, APPLIED) == []
 
 
+def test_a_cut_trial_whose_config_is_queued_but_not_yet_asked_for_is_not_lost() -> None:
+    queued = create_trial(state=TrialState.WAITING, params={}, distributions={})
+    queued.number = 1
+    assert check_trials([trial(0, TrialState.FAIL, 4096), queued], [], APPLIED) == []
+
+
 def test_a_lost_trial_a_told_trial_measured_again_and_double_events_are_violations() -> None:
     lost = [trial(0, TrialState.FAIL, 4096), trial(1, TrialState.COMPLETE, 2048)]
     assert check_trials(lost, [], APPLIED) == ["trial 0 was cut ({'tokens': 4096}) and never measured again"]
