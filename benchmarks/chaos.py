@@ -8,7 +8,8 @@ The bed is harness/chaos_bed.py: etcd, kube-apiserver, the controllers and kwok 
 the API server killed and restarted, the operator and the tuner SIGKILLed and restarted, Prometheus down
 for a while, bursts of 429/5xx, a kwok node removed during a rollout. Prints the faults injected, every
 invariant violation (what and when) and the time to converge after a fault (p50/p99); exits 1 if any
-invariant was violated, 2 if the bed cannot be built here.
+invariant was violated, 2 if the bed cannot be built here, 3 if stopped (SIGTERM, Ctrl-C) before the
+last fault; what ran is reported either way.
 
 --smoke: two faults (an operator kill and a burst of API errors), the same path in about a minute (CI).
 """
@@ -54,7 +55,7 @@ def main() -> int:
             print(f"chaos: {exc}")
             return 2
     print(chaos.render(report))
-    return 1 if report.violations else 0
+    return 1 if report.violations else 3 if report.interrupted else 0
 
 
 if __name__ == "__main__":

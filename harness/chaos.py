@@ -90,6 +90,8 @@ class Violation:
 class Report:
     seed: int
     faults: list[Fault] = field(default_factory=list)
+    injected: int = 0  # faults injected: all of `faults` unless the run was interrupted
+    interrupted: bool = False
     converge_s: list[float] = field(default_factory=list)
     violations: list[Violation] = field(default_factory=list)
     excused: list[str] = field(default_factory=list)
@@ -301,11 +303,16 @@ def run(faults: int, seed: int, workdir: Path, *, converge_s: float = CONVERGE_S
         invariants = Invariants(bed)
         try:
             wait_converged(invariants, converge_s, "the bed to settle")
-            for fault in report.faults:
-                _one(bed, fault, invariants, rng, report, began, converge_s, progress)
-            bed.tuner.stop()
-            problems, report.trials = invariants.trials()
-            report.violations += [Violation(time.monotonic() - began, "end", p) for p in problems]
+            try:
+                for fault in report.faults:
+                    _one(bed, fault, invariants, rng, report, began, converge_s, progress)
+            except (KeyboardInterrupt, SystemExit):
+                # Stopped (Ctrl-C, SIGTERM at a deadline): what ran so far is still reported.
+                report.interrupted = True
+            if not report.interrupted:
+                bed.tuner.stop()
+                problems, report.trials = invariants.trials()
+                report.violations += [Violation(time.monotonic() - began, "end", p) for p in problems]
         finally:
             report.proxy = bed.proxy.stats()
             report.watch_reconnects = invariants.deployments.reconnects
@@ -322,6 +329,7 @@ def _one(bed: ChaosBed, fault: Fault, invariants: Invariants, rng: random.Random
     bed.set_steady_tokens(fault.tokens)
     pause(fault.delay_s)  # the random point of the rollout the fault lands at
     detail = inject(bed, fault, invariants, rng, pause)
+    report.injected += 1
     recovered = time.monotonic()
     bed.cp.check_alive()  # a control-plane process that died is the bed's failure, not kvpilot's
     found: list[str] = []
@@ -366,10 +374,11 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def render(report: Report) -> str:
-    kinds = Counter(f.kind for f in report.faults)
-    lines = [f"chaos run, seed {report.seed}: {len(report.faults)} faults on a real control plane "
+    kinds = Counter(f.kind for f in report.faults[:report.injected])
+    lines = [f"chaos run, seed {report.seed}: {len(report.faults)} faults scheduled on a real control plane "
              f"(etcd, kube-apiserver, controllers, kwok) with the real operator and tuner, in {report.wall_s:.0f} s",
-             f"faults injected: {len(report.faults)} (" + ", ".join(f"{k} {kinds[k]}" for k in KINDS if kinds[k]) + ")",
+             f"faults injected: {report.injected} (" + ", ".join(f"{k} {kinds[k]}" for k in KINDS if kinds[k]) + ")"
+             + (f"; interrupted after {report.injected} of {len(report.faults)}" if report.interrupted else ""),
              f"API requests through the proxy: {report.proxy.get('forwarded', 0)} forwarded, refused on purpose: "
              + (", ".join(f"{c}: {n}" for c, n in report.proxy.get("injected", {}).items()) or "none"),
              "trials in the study: " + (", ".join(f"{s} {n}" for s, n in sorted(report.trials.items())) or "none"),
