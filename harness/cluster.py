@@ -108,6 +108,10 @@ class Component:
     name: str
     proc: subprocess.Popen[bytes]
     log_path: Path
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    # Where and as whom its health is polled once started (ControlPlane.restart polls it again).
+    health: tuple[str, str | None] | None = None
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:]
@@ -135,6 +139,8 @@ class ControlPlane:
     kwok_config: Path | None = None
     # Write an audit log (audit.log, level Metadata): who made which call, for benchmarks.
     audit: bool = False
+    # More kube-apiserver flags (a chaos run keeps etcd's whole history watchable, for one).
+    apiserver_args: tuple[str, ...] = ()
     components: list[Component] = field(default_factory=list)
     api_port: int = 0
 
@@ -170,16 +176,34 @@ class ControlPlane:
 
     def _spawn(self, name: str, args: list[str]) -> Component:
         log_path = self.workdir / f"{name}.log"
+        argv = [str(self.bin_dir / name.split("@")[0]), *args]
+        env = {**os.environ, "HOME": str(self.workdir)}
         with log_path.open("wb") as log:
-            proc = subprocess.Popen([str(self.bin_dir / name.split("@")[0]), *args], stdout=log,
-                                    stderr=subprocess.STDOUT, cwd=self.workdir,
-                                    env={**os.environ, "HOME": str(self.workdir)})
-        component = Component(name, proc, log_path)
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir, env=env)
+        component = Component(name, proc, log_path, argv, env)
         self.components.append(component)
         return component
 
+    def restart(self, name: str, *, kill: bool = True) -> None:
+        """Stop one component (SIGKILL, or SIGTERM with kill=False) and start it again with the same
+        flags, ports and data; return once it is healthy again."""
+        (component,) = [c for c in self.components if c.name == name]
+        if kill:
+            component.proc.kill()
+            component.proc.wait(15)
+        else:
+            component.stop()
+        with component.log_path.open("ab") as log:
+            component.proc = subprocess.Popen(component.argv, stdout=log, stderr=subprocess.STDOUT,
+                                              cwd=self.workdir, env=component.env)
+        if component.health is not None:
+            url, token = component.health
+            self._wait_healthy(component, url, token=token, timeout=180)
+
     def _wait_healthy(self, component: Component, url: str, *, token: str | None = None,
                       timeout: float = 90.0) -> None:
+        component.health = (url, token)
+
         def healthy() -> bool:
             component.check_alive()
             try:
@@ -193,7 +217,7 @@ class ControlPlane:
 
         pki = self.workdir / "pki"
         pki.mkdir()
-        ca = trustme.CA()
+        ca = self.ca = trustme.CA()
         serving = ca.issue_cert("127.0.0.1", "localhost")
         self.ca_file = pki / "ca.crt"
         ca.cert_pem.write_to_path(str(self.ca_file))
@@ -238,7 +262,7 @@ class ControlPlane:
             f"--service-account-signing-key-file={pki / 'sa.key'}",
             "--service-cluster-ip-range=10.96.0.0/16",
             "--profiling=false",
-            *self._audit_flags(),
+            *self._audit_flags(), *self.apiserver_args,
         ])
         self.url = f"https://127.0.0.1:{self.api_port}"
         self._wait_healthy(apiserver, f"{self.url}/readyz", token=ADMIN_TOKEN, timeout=120)
@@ -314,10 +338,13 @@ class ControlPlane:
         return dict(wait_for(ready, timeout=60, what=f"node {name} Ready (kwok)"))
 
     # ---- credentials ----
-    def write_kubeconfig(self, path: Path, token: str, user: str, namespace: str = "default") -> Path:
+    def write_kubeconfig(self, path: Path, token: str, user: str, namespace: str = "default",
+                         server: str | None = None) -> Path:
+        """`server` (default: the API server) may be anything serving a certificate of this CA."""
         config = {
             "apiVersion": "v1", "kind": "Config", "current-context": user,
-            "clusters": [{"name": "test", "cluster": {"server": self.url, "certificate-authority": str(self.ca_file)}}],
+            "clusters": [{"name": "test", "cluster": {"server": server or self.url,
+                                                      "certificate-authority": str(self.ca_file)}}],
             "users": [{"name": user, "user": {"token": token}}],
             "contexts": [{"name": user, "context": {"cluster": "test", "user": user, "namespace": namespace}}],
         }

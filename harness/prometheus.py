@@ -148,33 +148,41 @@ class PrometheusServer(ServerProcess):
         config = root / "prometheus.yml"
         config.write_text(yaml.safe_dump(self.config(), sort_keys=False))
         self.log_path = root / "prometheus.log"
+        self._argv = [
+            binary,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={root / 'tsdb'}",
+            "--web.enable-lifecycle",
+            "--storage.tsdb.retention.time=1d",
+            "--log.level=warn",
+        ]
         last_error = ""
         for _attempt in range(3):  # a free port can be taken between picking and binding it
             self.port = free_port()
-            log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-            self._log = log
-            self.proc = subprocess.Popen(
-                [
-                    binary,
-                    f"--config.file={config}",
-                    f"--storage.tsdb.path={root / 'tsdb'}",
-                    f"--web.listen-address=127.0.0.1:{self.port}",
-                    "--web.enable-lifecycle",
-                    "--storage.tsdb.retention.time=1d",
-                    "--log.level=warn",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=root,
-            )
             try:
-                self._wait_ready()
+                self.up()
                 return self
             except PrometheusError as exc:
                 last_error = str(exc)
-                self._terminate()
         self.stop()
         raise PrometheusError(f"Prometheus did not start: {last_error}")
+
+    def down(self) -> None:
+        """Stop the process (an outage), keeping its port, config and TSDB for `up()`."""
+        self._terminate()
+
+    def up(self) -> None:
+        """Start the process (again) on the same port and TSDB; return once it is ready."""
+        assert self._tmp is not None, "start() first"
+        log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self._log = log
+        self.proc = subprocess.Popen([*self._argv, f"--web.listen-address=127.0.0.1:{self.port}"],
+                                     stdout=log, stderr=subprocess.STDOUT, cwd=Path(self._tmp.name))
+        try:
+            self._wait_ready()
+        except PrometheusError:
+            self._terminate()
+            raise
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout

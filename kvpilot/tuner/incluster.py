@@ -24,6 +24,7 @@ import time
 from argparse import Namespace
 from typing import Any, cast
 
+from kvpilot.api.rest import ApiError
 from kvpilot.api.vocabulary import TrialStrategy, TuningPhase
 from kvpilot.tuner.core.loop import LiveSettings, LiveTuner
 from kvpilot.tuner.core.objective import SLO, Goal
@@ -92,8 +93,12 @@ class Worker:
                 except Exception as exc:
                     self.restarts += 1
                     delay = min(self.RESTART_MAX_S, self.RESTART_BASE_S * 2 ** (self.restarts - 1))
-                    log.exception("tuning %s failed; starting again in %gs (restart %d)", target, delay,
-                                  self.restarts)
+                    # An API error is an answer that says what went wrong (a 403 from an API server
+                    # whose RBAC has not synced since it restarted, a 503 past the client's tries): its
+                    # words, not a traceback, which is kept for what nobody expected.
+                    log.error("tuning %s failed; starting again in %gs (restart %d)%s", target, delay,
+                              self.restarts, f": {exc}" if isinstance(exc, ApiError) else "",
+                              exc_info=not isinstance(exc, ApiError))
                     try:
                         self._report_failure(exc, delay)
                     except Exception:  # the API server may be what failed: the loop goes on regardless

@@ -19,6 +19,7 @@ TIMEOUT_S = 120
 PRINTS = {
     "admission_agreement": r"combinations checked: 40 ",
     "canary": r"(?m)^diurnal\s+canary\s+\d+",
+    "chaos": r"(?m)^invariant violations: \d+$",
     "capacity_holds": r"capacity holds \(meets at 95%, misses at 120%, every seed\): (yes|NO)",
     "gpu_probe": r"h200_meta-llama_Llama-3.1-70B.mlp.csv: as committed",
     "live_steps": r"(?m)^\s+128/8: \d+ token gaps",

@@ -20,10 +20,7 @@ import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +29,7 @@ import pytest
 from harness import chart
 from harness.cluster import ROOT, ControlPlane, Operator, Watch, wait_for
 from harness.prometheus import PrometheusServer, require_prometheus
+from harness.synthetic_vllm import SyntheticVllm
 from kvpilot.api import vllm
 from kvpilot.api.vocabulary import ANNOTATION_TUNING_TRIAL, SERIES_LABEL_INFERENCESERVICE, TuningPhase
 from tests.cluster.common import HELD_IMAGE, RELEASE_ANNOTATION
@@ -45,48 +43,6 @@ DEPLOYMENT = f"/apis/apps/v1/namespaces/{NS}/deployments/{NAME}"
 TUNED = ("maxNumBatchedTokens", "gpuMemoryUtilization", "maxNumSeqs")
 START = {"maxNumBatchedTokens": 2048, "gpuMemoryUtilization": 0.9, "maxNumSeqs": 256}
 RATE = 10.0  # synthetic requests per second
-
-
-class SyntheticVllm:
-    """/metrics with vLLM's TTFT and ITL histograms: RATE observations a second since start, each
-    in the histogram's lowest bucket (so p99 and burn rate are the same in every window)."""
-
-    def __init__(self) -> None:
-        started = time.monotonic()
-
-        def body() -> bytes:
-            n = int((time.monotonic() - started) * RATE)
-            lines: list[str] = []
-            for name, edges in ((vllm.METRIC_TTFT, vllm.TTFT_BUCKETS), (vllm.METRIC_ITL, vllm.ITL_BUCKETS)):
-                lines.append(f"# TYPE {name} histogram")
-                lines += [f'{name}_bucket{{le="{edge}"}} {n}' for edge in edges]
-                lines += [f'{name}_bucket{{le="+Inf"}} {n}', f"{name}_sum {n * edges[0]}", f"{name}_count {n}"]
-            return ("\n".join(lines) + "\n").encode()
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                payload = body()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.target = f"127.0.0.1:{self.server.server_address[1]}"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self) -> SyntheticVllm:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self._thread.join(10)
 
 
 class TunerProcess:
@@ -197,7 +153,7 @@ def test_a_tuner_killed_mid_trial_resumes_its_study_telling_and_applying_nothing
     require_prometheus()
     labels = {"namespace": NS, SERIES_LABEL_INFERENCESERVICE: NAME}
     storage = f"sqlite:///{tmp_path / 'study.db'}"
-    with SyntheticVllm() as exporter, PrometheusServer(scrape_configs=[
+    with SyntheticVllm(RATE) as exporter, PrometheusServer(scrape_configs=[
             {"job_name": "vllm", "static_configs": [{"targets": [exporter.target], "labels": labels}]}]) as prom:
         prom.wait_for(f"{vllm.METRIC_TTFT}_count > {RATE * 2}", timeout=30)
         control_plane.create(f"/apis/kvpilot.dev/v1alpha1/namespaces/{NS}/inferenceservices", {

@@ -266,7 +266,9 @@ async def run_steps(p: Pass, steps: tuple[Step, ...] = STEPS) -> ComputeStatus:
     except ApiError as exc:
         message = f"applying children failed: {exc}"
         p.emit("Warning", REASON_APPLY_FAILED, message)
-        if exc.retriable:
+        # A 403 is retried too: kube-apiserver answers it for a few seconds after it restarts, before its
+        # RBAC caches fill (a chaos run lost an engine change so); one that lasts stays in Degraded.
+        if exc.retriable or exc.status == 403:
             # The caller writes Degraded before kopf's retry, so the condition shows while we wait.
             raise p.rt.retry_later(message, exc.retry_after) from exc
         p.deployment = None

@@ -113,6 +113,20 @@ def test_a_create_converges_through_each_fault_class(api: KMockAPI, operator: Op
         assert "503 ServiceUnavailable" in failed["message"]
 
 
+def test_a_forbidden_apply_as_at_an_api_server_restart_is_retried_not_dropped(api: KMockAPI,
+                                                                               operator: OperatorProcess) -> None:
+    """kube-apiserver answers 403 for a few seconds after it restarts (its RBAC caches still empty): the
+    chaos run saw a change's Deployment write and its status write both refused so, and the change was
+    never applied. A 403 on the apply is retried like a 503."""
+    name = "create-403"
+    deployment = api.fail("POST", f"/namespaces/{NS}/deployments$", *[Fault(403)] * ALL_TRIES_OF_ONE_CALL)
+    status = api.fail("PATCH", f"/namespaces/{NS}/inferenceservices/{name}/status$", Fault(403))
+    api.create_isvc(make(name, replicas=2))
+    converged(api, name)
+    assert deployment.exhausted and status.exhausted
+    assert dep_path(name) in children(api, name)
+
+
 def test_a_retry_after_is_honoured_by_the_next_request(api: KMockAPI, operator: OperatorProcess) -> None:
     """The create-429 case above, read from KMock's side: one retry, no sooner than Retry-After."""
     name = "retry-after"

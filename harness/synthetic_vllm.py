@@ -1,0 +1,51 @@
+"""A stand-in for vLLM's /metrics where no engine runs (kwok pods serve nothing): TTFT and ITL
+histograms that grow by `rate` observations a second, each in the lowest bucket, so every p99 and
+burn rate is the same in any window and well inside any SLO."""
+
+from __future__ import annotations
+
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from kvpilot.api import vllm
+
+
+class SyntheticVllm:
+    def __init__(self, rate: float = 10.0) -> None:
+        started = time.monotonic()
+
+        def body() -> bytes:
+            n = int((time.monotonic() - started) * rate)
+            lines: list[str] = []
+            for name, edges in ((vllm.METRIC_TTFT, vllm.TTFT_BUCKETS), (vllm.METRIC_ITL, vllm.ITL_BUCKETS)):
+                lines.append(f"# TYPE {name} histogram")
+                lines += [f'{name}_bucket{{le="{edge}"}} {n}' for edge in edges]
+                lines += [f'{name}_bucket{{le="+Inf"}} {n}', f"{name}_sum {n * edges[0]}", f"{name}_count {n}"]
+            return ("\n".join(lines) + "\n").encode()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                payload = body()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.target = f"127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> SyntheticVllm:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self._thread.join(10)
