@@ -81,6 +81,17 @@ def test_a_cut_trial_measured_again_is_clean() -> None:
     assert check_trials(trials, events, APPLIED) == []
 
 
+def test_a_cut_trial_queued_again_by_its_engine_is_the_same_config_whatever_the_float() -> None:
+    # The 200-fault run reported trial 2 lost: cut with the sampler's 0.8099999999999999, measured again
+    # as 0.81 (the engine it had applied, queued whole).
+    cut, again = trial(0, TrialState.FAIL, 4096), trial(1, TrialState.COMPLETE, 4096, "resume")
+    cut.params = {"tokens": 4096, "util": 0.8099999999999999}
+    again.params = {"tokens": 4096, "util": 0.81}
+    cut.user_attrs["engine"] = {**cut.user_attrs["engine"], "gpuMemoryUtilization": 0.81}
+    again.user_attrs["engine"] = {**again.user_attrs["engine"], "gpuMemoryUtilization": 0.81}
+    assert check_trials([cut, again], [], APPLIED | {(4096.0, 0.81, 256.0)}) == []
+
+
 def test_a_cut_trial_whose_config_is_queued_but_not_yet_asked_for_is_not_lost() -> None:
     queued = create_trial(state=TrialState.WAITING, params={}, distributions={})
     queued.number = 1
