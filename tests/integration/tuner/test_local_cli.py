@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from harness.live_tuning import BackgroundLoad
 from harness.prometheus import PrometheusServer, require_prometheus
@@ -206,6 +207,13 @@ def test_a_warm_start_on_a_measured_device_tries_the_twins_best_first(tmp_path: 
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(int(pid), signal.SIGKILL)
     assert "warm start: the twin's best" in err and "Traceback" not in err
-    # Two live trials: the engine in force, then the twin's first pick (before vLLM's defaults).
-    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
-    assert sorted(r[-1] for r in rows) == ["current", "warmStart"], out
+    # Two live trials: the engine in force, then the twin's first pick (before vLLM's defaults).  The
+    # table is on stderr (stdout is the block alone): its rows follow the header and its rule.
+    table = err[err.index("  #  tokens"):].splitlines()[2:]
+    rows = []
+    for line in table:
+        if not line.strip()[:1].isdigit():
+            break
+        rows.append(line.split())
+    assert sorted(r[-1] for r in rows) == ["current", "warmStart"], err[-3000:]
+    assert yaml.safe_load(out)["spec"]["engine"], out
