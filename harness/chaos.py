@@ -248,7 +248,9 @@ def check_trials(trials: list[Any], events: list[dict[str, Any]], applied: set[t
     for i, t in enumerate(trials):
         # A WAITING trial is queued, not started: its params are empty until it is asked for.
         later = [u for u in trials[i + 1:] if u.state is not TrialState.WAITING]
-        if t.state is TrialState.FAIL and later and not any(config(u) == config(t) for u in later):
+        # A trial just asked for may hold neither params nor engine yet: it may be the re-measurement.
+        pending = any(not config(u) for u in later)
+        if t.state is TrialState.FAIL and later and not pending and not any(config(u) == config(t) for u in later):
             problems.append(f"trial {t.number} was cut ({t.params}) and never measured again")
         if t.user_attrs.get("source") == "resume":
             before = [u for u in trials[:i] if config(u) == config(t)]

@@ -92,6 +92,14 @@ def test_a_cut_trial_queued_again_by_its_engine_is_the_same_config_whatever_the_
     assert check_trials([cut, again], [], APPLIED | {(4096.0, 0.81, 256.0)}) == []
 
 
+def test_a_cut_trial_whose_re_measurement_has_just_been_asked_for_is_not_lost() -> None:
+    # The 200-fault run on main reported trial 81 lost while trial 82, its re-measurement, was RUNNING
+    # without its attributes written yet; the end-of-run check found it measured.
+    asked = create_trial(state=TrialState.RUNNING, params={}, distributions={})
+    asked.number = 1
+    assert check_trials([trial(0, TrialState.FAIL, 4096), asked], [], APPLIED) == []
+
+
 def test_a_cut_trial_whose_config_is_queued_but_not_yet_asked_for_is_not_lost() -> None:
     queued = create_trial(state=TrialState.WAITING, params={}, distributions={})
     queued.number = 1
