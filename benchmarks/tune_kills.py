@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,8 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from harness.studies import complete_trials  # noqa: E402
 
 
 def _argv(db: Path, args: argparse.Namespace) -> list[str]:
@@ -38,21 +39,11 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
 
 
-def _complete(db: Path) -> int:
-    if not db.exists():
-        return 0
-    try:
-        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as con:
-            return int(con.execute("SELECT count(*) FROM trials WHERE state = 'COMPLETE'").fetchone()[0])
-    except sqlite3.Error:  # no table yet
-        return 0
-
-
 def _kill_after(db: Path, n: int, args: argparse.Namespace) -> bool:
     """Start the run, SIGKILL it once n trials are stored; False when it finished first."""
     proc = subprocess.Popen(_argv(db, args), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        while _complete(db) < n:
+        while complete_trials(db) < n:
             if proc.poll() is not None:
                 return False
             time.sleep(0.02)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -13,21 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from harness.studies import complete_trials
+
 ARGS = ["--workload", "prompt=256,output=32", "--probe-seconds", "20", "--seed", "3", "--report", ""]
 
 
 def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.getcwd(), "KVPILOT_DEBUG": ""}
-
-
-def _complete(db: Path) -> int:
-    if not db.exists():
-        return 0
-    try:
-        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as con:
-            return int(con.execute("SELECT count(*) FROM trials WHERE state = 'COMPLETE'").fetchone()[0])
-    except sqlite3.Error:
-        return 0
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])
@@ -40,7 +31,7 @@ def test_ctrl_c_says_what_was_kept_and_how_to_resume_without_a_traceback(tmp_pat
                             start_new_session=True)  # its own process group, as a shell job has
     try:
         deadline = time.monotonic() + 300
-        while _complete(db) < 2:
+        while complete_trials(db) < 2:
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "timed out waiting for two trials"
             time.sleep(0.05)
