@@ -17,7 +17,7 @@ for job in "vllm-env:$vllm" "go-programs:$goprograms"; do
   if wait "${job##*:}"; then
     echo "test-prereqs: $name ready: $(tail -n 1 "$logs/$name.log")"
     # Each Go program's own build time, for the cold-CI budget.
-    grep -h "^go-programs: .* in " "$logs/$name.log" | sed 's/^/test-prereqs: /' || true
+    grep -h "^go-programs: [a-z-]* in " "$logs/$name.log" | sed 's/^/test-prereqs: /' || true
   else
     echo "test-prereqs: $name FAILED; its log:" >&2
     tail -n 60 "$logs/$name.log" >&2
