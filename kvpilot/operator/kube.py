@@ -5,7 +5,9 @@ of RSS here (measured on top of kopf, pydantic and aiohttp), and the operator on
 create, merge-patch and delete of a handful of resources.  Credentials come from kopf's own login
 (`kopf.ConnectionInfo`), so in-cluster service accounts and kubeconfigs both work.
 
-Every call is retried on 409 Conflict, 429, transient 5xx, 401 (a rotated token), timeouts and
+Every call is retried on 409 Conflict, 429, transient 5xx, 401 (a rotated token), 403 (kube-apiserver
+answers it for a few seconds after it restarts, until its RBAC caches have synced; kopf retries its own
+calls on 403 for the same reason, so a 403 that lasts reaches the caller about 6 s late), timeouts and
 dropped connections, with bounded exponential backoff and jitter (`kvpilot.api.retry.Backoff`),
 never sooner than the server's Retry-After; anything else raises `ApiError` at once, for the caller
 to turn into a condition.  A Retry-After longer than the policy's `max_wait` is not slept through:
@@ -85,7 +87,7 @@ class KubeClient:
             try:
                 return await self._request_once(method, path, body, content_type, params, text)
             except ApiError as exc:
-                if not exc.retriable or (exc.status == 409 and not retry_conflicts):
+                if not (exc.retriable or exc.status == 403) or (exc.status == 409 and not retry_conflicts):
                     raise
                 delay = self.backoff.delay(retry, self.rng, exc.retry_after)
                 if delay is None:  # out of retries, or the server asked for a longer wait than we sleep

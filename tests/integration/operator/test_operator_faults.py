@@ -127,6 +127,21 @@ def test_a_forbidden_apply_as_at_an_api_server_restart_is_retried_not_dropped(ap
     assert dep_path(name) in children(api, name)
 
 
+def test_a_status_write_forbidden_through_every_try_is_retried_not_dropped(api: KMockAPI,
+                                                                           operator: OperatorProcess) -> None:
+    """The status write of a change meets 403 through all of one call's tries (an API server whose RBAC
+    caches are still empty after a restart): the reconcile is run again, so the status reaches the
+    spec's generation. Dropped, it kept the old observedGeneration (a chaos run: 240 s, two changes)."""
+    name = "status-403"
+    api.create_isvc(make(name, replicas=1))
+    converged(api, name)
+    status = api.fail("PATCH", f"/namespaces/{NS}/inferenceservices/{name}/status$",
+                      *[Fault(403)] * ALL_TRIES_OF_ONE_CALL)
+    api.patch(api.isvc_path(NS, name), {"spec": {"engine": {"maxNumBatchedTokens": 4096}}})
+    converged(api, name, generation=2)
+    assert status.exhausted
+
+
 def test_a_retry_after_is_honoured_by_the_next_request(api: KMockAPI, operator: OperatorProcess) -> None:
     """The create-429 case above, read from KMock's side: one retry, no sooner than Retry-After."""
     name = "retry-after"

@@ -74,6 +74,25 @@ def test_transient_errors_are_retried_with_backoff() -> None:
     assert seen == [("PATCH", "/api/v1/namespaces/x/services/y?fieldManager=kvpilot-test")] * 3
 
 
+def test_a_forbidden_answer_is_retried_as_after_an_api_server_restart() -> None:
+    """kube-apiserver answers 403 until its RBAC caches have synced after a restart (kopf retries its
+    own calls on 403 too); one that lasts reaches the caller once the tries are spent."""
+    answers = [status(403, "Forbidden"), web.json_response({"ok": 1})]
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return answers.pop(0) if answers else status(403, "Forbidden")
+
+    async def body(client: KubeClient, seen: list[tuple[str, str]]) -> Any:
+        first = await client.get("/api/v1/namespaces/x/services/y")
+        with pytest.raises(ApiError) as info:
+            await client.get("/api/v1/namespaces/x/services/z")
+        return first, info.value, seen
+
+    first, exc, seen = asyncio.run(serve(handler, body))
+    assert first == {"ok": 1}
+    assert exc.status == 403 and len(seen) == 2 + 4  # the first call twice; the second 1 try + 3 retries
+
+
 def test_permanent_errors_raise_at_once_with_the_api_message() -> None:
     async def handler(request: web.Request) -> web.StreamResponse:
         return status(422, "Invalid", "spec.replicas: Invalid value: -1")
