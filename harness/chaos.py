@@ -44,6 +44,7 @@ KINDS = ("etcd-restart", "apiserver-restart", "operator-kill", "tuner-kill", "pr
          "node-removed")
 STEADY_TOKENS = (1024, 2048, 3072, 4096, 8192)
 CONVERGE_S = 240.0
+HISTORY_CATCH_UP_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,12 @@ class Invariants:
         self.deployments.stop()
 
     def check_history(self) -> tuple[list[str], list[str]]:
-        """(violations, excused) from the Deployment writes since the last call."""
+        """(violations, excused) from the Deployment writes since the last call, once the watch has
+        caught up with them (so that the trial check after it sees every engine rolled out)."""
+        try:
+            self.deployments.wait_caught_up(HISTORY_CATCH_UP_S)
+        except TimeoutError as exc:
+            return [str(exc)], []
         events = self.deployments.events[self._seen:]
         self._seen += len(events)
         problems, excused = self.ledger.feed([(type_, obj) for _, type_, obj in events])
@@ -291,12 +297,12 @@ def inject(bed: ChaosBed, fault: Fault, invariants: Invariants, rng: random.Rand
         bed.proxy.burst(fault.seconds, fault.fraction)
         wait(fault.seconds)  # the burst's length, by design
     elif fault.kind == "node-removed":
-        node, taken = bed.remove_node(rng.choice)
+        node, taken, left = bed.remove_node(rng.choice)
         for deployment, pods in taken.items():
-            ready = (bed.cp.get(f"{DEPLOYMENTS}/{deployment}").get("status") or {}).get("readyReplicas") or 0
-            if deployment and len(pods) >= int(ready):
+            # Counted from the pods, not the Deployment's status, which lags the deletions.
+            if deployment and not left.get(deployment):
                 invariants.ledger.excuse(deployment, f"node {node} went with all its ready pods {pods}")
-        return f"removed node {node} (ready pods on it: {taken})"
+        return f"removed node {node} (ready pods on it: {taken}; ready elsewhere: {left})"
     else:
         raise ValueError(f"unknown fault kind {fault.kind!r}; known: {', '.join(KINDS)}")
     return ""

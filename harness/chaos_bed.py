@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from harness import chart
-from harness.cluster import ROOT, ControlPlane, Operator, binary_dir, missing_binaries, wait_for
+from harness.cluster import ROOT, ApiError, ControlPlane, Operator, binary_dir, missing_binaries, wait_for
 from harness.fault_proxy import FaultProxy
 from harness.prometheus import PrometheusServer, prometheus_binary
 from harness.synthetic_vllm import SyntheticVllm
@@ -223,29 +223,41 @@ class ChaosBed:
     def kill_tuner(self) -> None:
         self.tuner.kill_and_restart()
 
-    def remove_node(self, pick: Any) -> tuple[str, dict[str, list[str]]]:
+    def remove_node(self, pick: Any) -> tuple[str, dict[str, list[str]], dict[str, int]]:
         """Delete the Node the pods of `steady` run on (`pick` chooses among several), and its pods at
         once, as the pod garbage collector does for a node that is gone; a new node takes its place.
-        Returns the node and, per Deployment, the ready pods it took."""
+        Returns the node, per Deployment the pods it took that were ready when deleted, and per
+        Deployment the ready pods left elsewhere (not terminating) once they were gone."""
+        def instance(pod: dict[str, Any]) -> str:
+            return str(pod["metadata"].get("labels", {}).get("app.kubernetes.io/instance", ""))
+
+        def ready(pod: dict[str, Any]) -> bool:
+            return any(c["type"] == "Ready" and c["status"] == "True"
+                       for c in (pod.get("status") or {}).get("conditions", []))
+
         pods = [p for p in self.cp.get(PODS)["items"] if p["spec"].get("nodeName")
                 and not p["metadata"].get("deletionTimestamp")]
-        steady_nodes = sorted({p["spec"]["nodeName"] for p in pods
-                               if p["metadata"].get("labels", {}).get("app.kubernetes.io/instance") == STEADY})
+        steady_nodes = sorted({p["spec"]["nodeName"] for p in pods if instance(p) == STEADY})
         node = pick(steady_nodes or sorted({p["spec"]["nodeName"] for p in pods}))
         self.cp.delete(f"/api/v1/nodes/{node}")
+        # Listed after the Node is gone (nothing is bound to it any more), and each pod judged by the
+        # state its DELETE answers with: a pod that turned Ready between a list and its deletion (a
+        # rollout's new pod; the old one then scaled away) counts as taken.
         taken: dict[str, list[str]] = {}
-        for pod in pods:
-            if pod["spec"]["nodeName"] != node:
-                continue
-            instance = pod["metadata"].get("labels", {}).get("app.kubernetes.io/instance", "")
-            ready = any(c["type"] == "Ready" and c["status"] == "True"
-                        for c in pod.get("status", {}).get("conditions", []))
-            if ready:
-                taken.setdefault(instance, []).append(pod["metadata"]["name"])
-            with contextlib.suppress(Exception):
-                self.cp.request("DELETE", f"{PODS}/{pod['metadata']['name']}", params={"gracePeriodSeconds": "0"})
+        for pod in self.cp.get(PODS, params={"fieldSelector": f"spec.nodeName={node}"})["items"]:
+            try:
+                last = self.cp.request("DELETE", f"{PODS}/{pod['metadata']['name']}",
+                                       params={"gracePeriodSeconds": "0"})
+            except ApiError:
+                continue  # already gone
+            if ready(last or pod):
+                taken.setdefault(instance(pod), []).append(pod["metadata"]["name"])
+        left: dict[str, int] = {}
+        for pod in self.cp.get(PODS)["items"]:
+            if pod["spec"].get("nodeName") != node and not pod["metadata"].get("deletionTimestamp") and ready(pod):
+                left[instance(pod)] = left.get(instance(pod), 0) + 1
         self.add_node()
-        return node, taken
+        return node, taken, left
 
     def logs(self) -> dict[str, str]:
         """Every kvpilot process's log so far, by a name for the report."""

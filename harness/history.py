@@ -31,6 +31,7 @@ class History:
         self.events: list[tuple[float, str, dict[str, Any]]] = []
         self.gaps: list[tuple[float, str]] = []
         self.reconnects = 0
+        self._latest: dict[str, int] = {}  # name -> the newest resourceVersion received for it
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"history {path}")
         self._thread.start()
@@ -62,7 +63,23 @@ class History:
             raise ValueError(f"watch error: {obj.get('message')}")
         self._rv = obj["metadata"]["resourceVersion"]
         if event["type"] != "BOOKMARK":
+            self._latest[obj["metadata"]["name"]] = int(self._rv)
             self.events.append((time.monotonic(), event["type"], obj))
+
+    def wait_caught_up(self, timeout: float) -> None:
+        """Return once every object listed now has reached `events` at its current version: a check
+        that replays `events` then judges nothing by writes still on their way (a watch reconnecting
+        after a restart runs behind). TimeoutError says which objects it still lacks."""
+        wanted = {o["metadata"]["name"]: int(o["metadata"]["resourceVersion"])
+                  for o in self._cp.get(self._path)["items"]}
+        deadline = time.monotonic() + timeout
+        while True:
+            behind = sorted(n for n, rv in wanted.items() if self._latest.get(n, 0) < rv)
+            if not behind:
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the watch of {self._path} is {timeout:.0f} s behind for {behind}")
+            self._stopping.wait(0.1)
 
     def stop(self) -> None:
         self._stopping.set()
