@@ -30,31 +30,11 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from harness import live_clients  # noqa: E402
 from harness.twin_process import SLOW_TWIN_ARGS, twin_server  # noqa: E402
 
 HEALTH_GOAL_S = 0.100
 STALL_GOAL_S = 0.200
-
-
-async def _stream(session: aiohttp.ClientSession, url: str, chunks: list[float], stop: asyncio.Event) -> None:
-    body = {"prompt": "Tell me a long story.", "max_tokens": 3500, "ignore_eos": True, "stream": True}
-    async with session.post(url, json=body) as resp:
-        assert resp.status == 200, await resp.text()
-        async for _ in resp.content:
-            chunks.append(time.monotonic())
-            if stop.is_set():
-                return
-
-
-async def _probe(session: aiohttp.ClientSession, url: str, out: list[tuple[float, float]],
-                 stop: asyncio.Event) -> None:
-    while not stop.is_set():
-        started = time.monotonic()
-        async with session.get(url) as resp:
-            await resp.read()
-            assert resp.status == 200
-        out.append((started, time.monotonic() - started))
-        await asyncio.sleep(0.05)
 
 
 def _flood_process(port: int, clients: int, payload: bytes, seconds: float, results: Any) -> None:
@@ -96,8 +76,8 @@ async def run(base_url: str, port: int, clients: int, prompt_mb: float, seconds:
     statuses: dict[int, int] = {}
     timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
     async with aiohttp.ClientSession(timeout=timeout) as stream_s, aiohttp.ClientSession(timeout=timeout) as probe_s:
-        stream = asyncio.create_task(_stream(stream_s, f"{base_url}/v1/completions", chunks, stop_stream))
-        probe = asyncio.create_task(_probe(probe_s, f"{base_url}/health", health, stop_probe))
+        stream = asyncio.create_task(live_clients.stream_chunks(stream_s, f"{base_url}/v1/completions", chunks, stop_stream))
+        probe = asyncio.create_task(live_clients.probe_health(probe_s, f"{base_url}/health", health, stop_probe))
         await asyncio.sleep(3.0)  # a quiet baseline
         queue: Any = multiprocessing.Queue()
         flooder = multiprocessing.Process(target=_flood_process, args=(port, clients, payload, seconds, queue))

@@ -31,7 +31,6 @@ import contextlib
 import gzip
 import json
 import multiprocessing
-import os
 import socket
 import statistics
 import sys
@@ -44,6 +43,7 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from harness import live_clients, proctree  # noqa: E402
 from harness.twin_process import SLOW_TWIN_ARGS, twin_server  # noqa: E402
 
 CPU_GOAL_S = 2.0
@@ -84,46 +84,6 @@ def classes() -> list[tuple[str, bytes, int, bool]]:
     ]
 
 
-def _tree(pid: int) -> list[int]:
-    pids, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        pids.append(p)
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-        except FileNotFoundError:
-            continue
-    return pids
-
-
-def _cpu_s(pid: int) -> dict[int, float]:
-    out = {}
-    for p in _tree(pid):
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except FileNotFoundError:
-            continue
-        # The server's own time, and for the server also that of the workers it has reaped (a
-        # worker killed for a client that left takes its CPU time out of the live processes).
-        ticks = int(fields[11]) + int(fields[12]) + (int(fields[13]) + int(fields[14]) if p == pid else 0)
-        out[p] = ticks / os.sysconf("SC_CLK_TCK")
-    return out
-
-
-def _rss_mb(pid: int) -> float:
-    total = 0.0
-    for p in _tree(pid):
-        try:
-            with open(f"/proc/{p}/status") as f:
-                total += next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
-        except (FileNotFoundError, StopIteration):
-            continue
-    return total
-
-
 def _send(port: int, data: bytes, leave: bool, statuses: Any) -> None:
     with socket.create_connection(("127.0.0.1", port), timeout=120) as sock:
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
@@ -153,26 +113,6 @@ def _clients(port: int, data: bytes, clients: int, leave: bool, rounds: int, sta
             t.join()
 
 
-async def _stream(session: aiohttp.ClientSession, url: str, chunks: list[float], stop: asyncio.Event) -> None:
-    body = {"prompt": "Tell me a long story.", "max_tokens": 3500, "ignore_eos": True, "stream": True}
-    async with session.post(url, json=body) as resp:
-        assert resp.status == 200, await resp.text()
-        async for _ in resp.content:
-            chunks.append(time.monotonic())
-            if stop.is_set():
-                return
-
-
-async def _probe(session: aiohttp.ClientSession, url: str, out: list[tuple[float, float]],
-                 stop: asyncio.Event) -> None:
-    while not stop.is_set():
-        started = time.monotonic()
-        async with session.get(url) as resp:
-            await resp.read()
-        out.append((started, time.monotonic() - started))
-        await asyncio.sleep(0.05)
-
-
 def _gap(times: list[float], start: float, end: float) -> float:
     inside = [t for t in times if start <= t <= end]
     return max((b - a for a, b in zip(inside, inside[1:], strict=False)), default=float("nan"))
@@ -185,8 +125,8 @@ async def run(base_url: str, port: int, pid: int, rounds: int) -> bool:
     ok = True
     timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
     async with aiohttp.ClientSession(timeout=timeout) as stream_s, aiohttp.ClientSession(timeout=timeout) as probe_s:
-        stream = asyncio.create_task(_stream(stream_s, f"{base_url}/v1/completions", chunks, stop))
-        probe = asyncio.create_task(_probe(probe_s, f"{base_url}/health", health, stop))
+        stream = asyncio.create_task(live_clients.stream_chunks(stream_s, f"{base_url}/v1/completions", chunks, stop))
+        probe = asyncio.create_task(live_clients.probe_health(probe_s, f"{base_url}/health", health, stop))
         await asyncio.sleep(2.0)  # a quiet baseline
         quiet = sorted(lat for t, lat in health)
         print(f"quiet: /health median {statistics.median(quiet) * 1e3:.1f} ms, max {quiet[-1] * 1e3:.1f} ms; "
@@ -195,24 +135,24 @@ async def run(base_url: str, port: int, pid: int, rounds: int) -> bool:
               f"{'/health p50':>11s} {'/health max':>11s} {'stream gap':>10s}")
         for name, data, clients, leave in classes():
             await asyncio.sleep(1.0)  # let the workers settle: the RSS base is taken at rest
-            base_rss, cpu_before = _rss_mb(pid), _cpu_s(pid)
+            base_rss, cpu_before = sum(proctree.memory_mb(pid).values()), proctree.cpu_seconds(pid)
             statuses: Any = multiprocessing.Queue()
             sender = multiprocessing.Process(target=_clients, args=(port, data, clients, leave, rounds, statuses))
             start = time.monotonic()
             sender.start()
             peak = base_rss
             while sender.is_alive():
-                peak = max(peak, _rss_mb(pid))
+                peak = max(peak, sum(proctree.memory_mb(pid).values()))
                 await asyncio.sleep(0.01)
             if leave:  # the parses the leavers started may still run: measure until they are gone
                 settle = time.monotonic() + 3.0
                 while time.monotonic() < settle:
-                    peak = max(peak, _rss_mb(pid))
+                    peak = max(peak, sum(proctree.memory_mb(pid).values()))
                     await asyncio.sleep(0.01)
             end = time.monotonic()
             sender.join()
-            cpu_after = _cpu_s(pid)
-            cpu = sum(v - cpu_before.get(p, 0.0) for p, v in cpu_after.items())
+            cpu_after = proctree.cpu_seconds(pid)
+            cpu = proctree.growth(cpu_before, cpu_after)
             answers: dict[str, int] = {}
             while not statuses.empty():
                 s = statuses.get()

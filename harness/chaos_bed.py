@@ -15,10 +15,6 @@ faults it can suffer (harness/chaos.py schedules them and checks the invariants 
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +25,7 @@ from harness.cluster import ROOT, ApiError, ControlPlane, Operator, binary_dir, 
 from harness.fault_proxy import FaultProxy
 from harness.prometheus import PrometheusServer, prometheus_binary
 from harness.synthetic_vllm import SyntheticVllm
+from harness.tuner_process import TunerProcess
 from kvpilot.api import vllm
 from kvpilot.api.vocabulary import SERIES_LABEL_INFERENCESERVICE
 
@@ -60,52 +57,6 @@ def engine_of_template(template: dict[str, Any]) -> tuple[float, ...]:
 
 def engine_of_spec(engine: dict[str, Any]) -> tuple[float, ...]:
     return tuple(float(engine[k]) for k in ENGINE_KEYS)
-
-
-class TunerProcess:
-    """`kvpilot tuner --namespace NS`, killed and started again at will; every process stopped on close."""
-
-    def __init__(self, kubeconfig: Path, prometheus: str, storage: str, workdir: Path) -> None:
-        self.args = [sys.executable, "-m", "kvpilot.cli", "tuner", "--prometheus", prometheus, "--namespace", NS,
-                     "--storage", storage, "--metrics-port", "0", "--resync", "1", "--poll", "1"]
-        self.env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1"}
-        self.workdir = workdir
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.start()
-
-    def log_path(self, i: int) -> Path:
-        return self.workdir / f"tuner-{i}.log"
-
-    def start(self) -> None:
-        with self.log_path(len(self.procs)).open("wb") as log:
-            self.procs.append(subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                               cwd=ROOT))
-
-    def kill_and_restart(self) -> None:
-        self.procs[-1].kill()
-        self.procs[-1].wait(15)
-        self.start()
-
-    def exited(self) -> int | None:
-        return self.procs[-1].poll()
-
-    def stop(self) -> int:
-        """SIGTERM: the tuner finishes the trial in progress and exits 0."""
-        proc = self.procs[-1]
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-        return int(proc.returncode)
-
-    def close(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
 
 
 class ChaosBed:
@@ -160,7 +111,7 @@ class ChaosBed:
         self.prometheus.wait_for(f"{vllm.METRIC_TTFT}_count > 20", timeout=60)
         self._create_services()
         self.storage = f"sqlite:///{self.workdir / 'study.db'}"
-        self.tuner = TunerProcess(kubeconfig(tuner_sa), self.prometheus.url, self.storage, self.workdir)
+        self.tuner = TunerProcess(kubeconfig(tuner_sa), self.prometheus.url, self.storage, self.workdir, NS)
         self._stack.callback(self.tuner.close)
 
     def _install(self) -> tuple[str, str]:

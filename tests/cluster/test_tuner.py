@@ -16,10 +16,6 @@ operator writes no Deployment), tell each trial once, and count only told trials
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,9 +23,10 @@ from typing import Any
 import pytest
 
 from harness import chart
-from harness.cluster import ROOT, ControlPlane, Operator, Watch, wait_for
+from harness.cluster import ControlPlane, Operator, Watch, wait_for
 from harness.prometheus import PrometheusServer, require_prometheus
 from harness.synthetic_vllm import SyntheticVllm
+from harness.tuner_process import TunerProcess
 from kvpilot.api import vllm
 from kvpilot.api.vocabulary import ANNOTATION_TUNING_TRIAL, SERIES_LABEL_INFERENCESERVICE, TuningPhase
 from tests.cluster.common import HELD_IMAGE, RELEASE_ANNOTATION
@@ -43,52 +40,6 @@ DEPLOYMENT = f"/apis/apps/v1/namespaces/{NS}/deployments/{NAME}"
 TUNED = ("maxNumBatchedTokens", "gpuMemoryUtilization", "maxNumSeqs")
 START = {"maxNumBatchedTokens": 2048, "gpuMemoryUtilization": 0.9, "maxNumSeqs": 256}
 RATE = 10.0  # synthetic requests per second
-
-
-class TunerProcess:
-    """`kvpilot tuner --namespace NS`, restartable, every process stopped by the test."""
-
-    def __init__(self, kubeconfig: Path, prometheus: str, storage: str, workdir: Path) -> None:
-        self.args = [sys.executable, "-m", "kvpilot.cli", "tuner", "--prometheus", prometheus, "--namespace", NS,
-                     "--storage", storage, "--metrics-port", "0", "--resync", "1", "--poll", "1"]
-        self.env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1"}
-        self.workdir = workdir
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.start()
-
-    def start(self) -> None:
-        with (self.workdir / f"tuner-{len(self.procs)}.log").open("wb") as log:
-            self.procs.append(subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT))
-
-    def log(self) -> str:
-        return "".join((self.workdir / f"tuner-{i}.log").read_text(errors="replace") for i in range(len(self.procs)))
-
-    def check_alive(self) -> bool:
-        if self.procs[-1].poll() is not None:
-            raise AssertionError(f"tuner exited {self.procs[-1].returncode}:\n{self.log()[-4000:]}")
-        return True
-
-    def kill(self) -> None:
-        self.procs[-1].kill()
-        self.procs[-1].wait(15)
-
-    def stop(self) -> int:
-        """SIGTERM: the tuner finishes what it is doing and exits 0."""
-        proc = self.procs[-1]
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-        return int(proc.returncode)
-
-    def close(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
 
 
 @pytest.fixture
@@ -170,7 +121,7 @@ def test_a_tuner_killed_mid_trial_resumes_its_study_telling_and_applying_nothing
                              resource_version=rv)
         rv = control_plane.get(f"/apis/apps/v1/namespaces/{NS}/deployments")["metadata"]["resourceVersion"]
         deployment_history = Watch(control_plane, f"/apis/apps/v1/namespaces/{NS}/deployments", resource_version=rv)
-        tuner = TunerProcess(tuner_kubeconfig, prom.url, storage, tmp_path)
+        tuner = TunerProcess(tuner_kubeconfig, prom.url, storage, tmp_path, NS)
         try:
             def trial_applied(number: int) -> dict[str, Any] | None:
                 tuner.check_alive()

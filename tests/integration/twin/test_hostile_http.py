@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import socket
 import time
 import urllib.request
@@ -19,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from harness import proctree
 from harness.twin_process import FAST_TWIN_ARGS, TwinProcess, twin_server
 from tests.fuzz.http_requests import CASES, HttpCase, _post
 
@@ -38,51 +38,6 @@ def twin(tmp_path_factory) -> TwinProcess:
         # cost (a fresh interpreter compiling its imports), not what any case costs. Pay it here.
         _exchange(t.port, HttpCase("warm-up", _post(json.dumps({"prompt": "a " * 100_000}))))
         yield t
-
-
-def _tree(pid: int) -> list[int]:
-    """The server and its descendants (the body-parsing worker processes)."""
-    pids, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        pids.append(p)
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-        except FileNotFoundError:
-            continue
-    return pids
-
-
-def _cpu_s(pid: int) -> dict[int, float]:
-    out = {}
-    for p in _tree(pid):
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except FileNotFoundError:
-            continue
-        # The server's own time, and for the server also that of the workers it has reaped (a
-        # worker killed for a client that left takes its CPU time out of the live processes).
-        ticks = int(fields[11]) + int(fields[12]) + (int(fields[13]) + int(fields[14]) if p == pid else 0)
-        out[p] = ticks / os.sysconf("SC_CLK_TCK")
-    return out
-
-
-def _hwm_mb(pid: int) -> dict[int, float]:
-    out = {}
-    for p in _tree(pid):
-        try:
-            with open(f"/proc/{p}/status") as f:
-                out[p] = next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
-        except (FileNotFoundError, StopIteration):
-            continue
-    return out
-
-
-def _growth(before: dict[int, float], after: dict[int, float]) -> float:
-    return sum(value - before.get(p, 0.0) for p, value in after.items())
 
 
 def _exchange(port: int, case: HttpCase) -> bytes:
@@ -115,10 +70,10 @@ def test_the_corpus_is_large_enough() -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_case(twin: TwinProcess, case: HttpCase) -> None:
-    base_hwm = _hwm_mb(twin.pid)
-    cpu_before = _cpu_s(twin.pid)
+    base_hwm = proctree.memory_mb(twin.pid, "VmHWM")
+    cpu_before = proctree.cpu_seconds(twin.pid)
     response = _exchange(twin.port, case)
-    cpu = _growth(cpu_before, _cpu_s(twin.pid))
+    cpu = proctree.growth(cpu_before, proctree.cpu_seconds(twin.pid))
     status, body = _parse(response)
     expected = (case.status,) if isinstance(case.status, int) else case.status
     assert status in expected, response[:500]
@@ -126,7 +81,7 @@ def test_case(twin: TwinProcess, case: HttpCase) -> None:
         error = json.loads(body)["error"]
         assert error["message"] and error["code"] == status and len(error["message"]) <= 1000, error
     assert cpu <= CPU_BOUND_S, f"{cpu:.2f} CPU-seconds"
-    assert _growth(base_hwm, _hwm_mb(twin.pid)) <= MEMORY_BOUND_MB
+    assert proctree.growth(base_hwm, proctree.memory_mb(twin.pid, "VmHWM")) <= MEMORY_BOUND_MB
     with urllib.request.urlopen(twin.health_url, timeout=HANG_GUARD_S) as resp:
         assert resp.status == 200
 
@@ -195,12 +150,12 @@ def _case(case_id: str) -> HttpCase:
 @pytest.mark.parametrize("case_id", COSTLY)
 def test_four_at_once_stay_within_the_bounds_each(twin: TwinProcess, case_id: str) -> None:
     case = _case(case_id)
-    base_hwm = _hwm_mb(twin.pid)
-    cpu_before = _cpu_s(twin.pid)
+    base_hwm = proctree.memory_mb(twin.pid, "VmHWM")
+    cpu_before = proctree.cpu_seconds(twin.pid)
     with ThreadPoolExecutor(4) as pool:
         responses = list(pool.map(lambda _: _exchange(twin.port, case), range(4)))
-    cpu = _growth(cpu_before, _cpu_s(twin.pid))
+    cpu = proctree.growth(cpu_before, proctree.cpu_seconds(twin.pid))
     for response in responses:
         assert _parse(response)[0] == case.status, response[:500]
     assert cpu <= 4 * CPU_BOUND_S, f"{cpu:.2f} CPU-seconds for four"
-    assert _growth(base_hwm, _hwm_mb(twin.pid)) <= 4 * MEMORY_BOUND_MB
+    assert proctree.growth(base_hwm, proctree.memory_mb(twin.pid, "VmHWM")) <= 4 * MEMORY_BOUND_MB
