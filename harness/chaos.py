@@ -111,10 +111,14 @@ class DeploymentLedger:
         self._ready: dict[str, int] = {}  # deployment -> readyReplicas last seen
         self._applied: dict[str, tuple[int, tuple[Any, ...]]] = {}  # deployment -> (generation, engine)
         self.engines_applied: dict[str, set[tuple[float, ...]]] = {s: set() for s in services}
-        self.excused: dict[str, str] = {}  # deployment -> why its zero ready is not a rollout's doing
+        # deployment -> (why its zero ready is not a rollout's doing, the resourceVersion it holds from)
+        self.excused: dict[str, tuple[str, int]] = {}
 
-    def excuse(self, deployment: str, why: str) -> None:
-        self.excused[deployment] = why
+    def excuse(self, deployment: str, why: str, after_version: int = 0) -> None:
+        """Excuse the next zero-ready write of `deployment` after resourceVersion `after_version` (the
+        Deployment as it was when the fault struck: writes up to it came before, and their ready
+        replicas must not spend the excuse, since the watch delivers them later)."""
+        self.excused[deployment] = (why, after_version)
 
     def feed(self, events: list[tuple[str, dict[str, Any]]]) -> tuple[list[str], list[str]]:
         """(violations, excused zero-ready windows) in `events`, (type, Deployment) in write order."""
@@ -136,14 +140,17 @@ class DeploymentLedger:
                 self._applied[name] = (generation, engine)
             ready = int((dep.get("status") or {}).get("readyReplicas") or 0)
             had = self._ready.get(name, 0)
+            version = int(dep["metadata"].get("resourceVersion") or 0)
+            excuse = self.excused.get(name)
+            if excuse is not None and version <= excuse[1]:
+                excuse = None  # a write from before the fault
             if ready == 0 and had > 0 and int(dep["spec"].get("replicas", 1)) > 0:
-                why = self.excused.get(name)
-                if why:
-                    excused.append(f"Deployment {name} at zero ready replicas after {why}")
+                if excuse is not None:
+                    excused.append(f"Deployment {name} at zero ready replicas after {excuse[0]}")
                 else:
                     problems.append(f"Deployment {name} at zero ready replicas (resourceVersion "
                                     f"{dep['metadata'].get('resourceVersion')}, generation {generation}, had {had})")
-            if ready > 0:
+            if ready > 0 and excuse is not None:
                 self.excused.pop(name, None)
             self._ready[name] = ready
         return problems, excused
@@ -297,11 +304,14 @@ def inject(bed: ChaosBed, fault: Fault, invariants: Invariants, rng: random.Rand
         bed.proxy.burst(fault.seconds, fault.fraction)
         wait(fault.seconds)  # the burst's length, by design
     elif fault.kind == "node-removed":
+        versions = {d["metadata"]["name"]: int(d["metadata"]["resourceVersion"])
+                    for d in bed.cp.get(DEPLOYMENTS)["items"]}
         node, taken, left = bed.remove_node(rng.choice)
         for deployment, pods in taken.items():
             # Counted from the pods, not the Deployment's status, which lags the deletions.
             if deployment and not left.get(deployment):
-                invariants.ledger.excuse(deployment, f"node {node} went with all its ready pods {pods}")
+                invariants.ledger.excuse(deployment, f"node {node} went with all its ready pods {pods}",
+                                         versions.get(deployment, 0))
         return f"removed node {node} (ready pods on it: {taken}; ready elsewhere: {left})"
     else:
         raise ValueError(f"unknown fault kind {fault.kind!r}; known: {', '.join(KINDS)}")

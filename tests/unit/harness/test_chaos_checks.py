@@ -49,6 +49,17 @@ def test_zero_ready_after_a_node_took_every_ready_pod_is_excused_once() -> None:
     assert len(problems) == 1
 
 
+def test_writes_from_before_the_node_went_do_not_spend_its_excuse() -> None:
+    """The watch delivers the writes before the fault after it is excused: a ready write among them is
+    history, not the Deployment recovering (a 200-fault run reported the zero that followed)."""
+    ledger = DeploymentLedger()
+    ledger.feed([("ADDED", deployment("tuned", 1, 2048, 1, replicas=1))])  # resourceVersion 11
+    ledger.excuse("tuned", "node kwok-5 went", after_version=11)
+    problems, excused = ledger.feed([("MODIFIED", deployment("tuned", 1, 2048, 1, replicas=1)),  # rv 11 again
+                                     ("MODIFIED", deployment("tuned", 2, 4096, 0, replicas=1))])  # rv 20
+    assert problems == [] and excused == ["Deployment tuned at zero ready replicas after node kwok-5 went"]
+
+
 def test_a_generation_that_applies_the_engine_in_force_again_is_a_violation() -> None:
     ledger = DeploymentLedger()
     problems, _ = ledger.feed([("ADDED", deployment("steady", 1, 2048, 2)),
