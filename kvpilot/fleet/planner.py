@@ -27,6 +27,7 @@ from dataclasses import dataclass
 STEADY = "AtDemand"
 LOAD_RISING = "LoadRising"
 FAST_BURN = "FastBurn"
+UP_PENDING = "ScaleUpPending"
 LOAD_FELL = "LoadFell"
 HELD_STABILIZING = "ScaleDownStabilizing"
 HELD_UNSETTLED = "LoadUnsettled"
@@ -174,7 +175,12 @@ class Planner:
         shown = f"{rate:.2f} req/s forecast over {self.startup_s:.0f} s of start-up, " \
                 f"{per_replica_rps:.2f} req/s per replica at {p.target_utilization:.0%}"
 
-        if burn.fast and needed <= current:
+        if burn.fast and needed <= current and self._up_pending(now):
+            # Replicas asked for are still starting: the burn is what they are coming to stop.
+            desired, reason = current, UP_PENDING
+            message = (f"the error budget burns at the page rate; the replicas asked for within the last "
+                       f"{self.startup_s:.0f} s of start-up are not serving yet")
+        elif burn.fast and needed <= current:
             # The capacity model says enough; the SLO says otherwise. Half again, at least one more.
             desired, reason = current + max(1, math.ceil(current * 0.5)), FAST_BURN
             message = f"the error budget burns at the page rate with {current} replicas ({shown} needs {needed})"
@@ -195,6 +201,10 @@ class Planner:
         if desired != current:
             self._changes.append((now, current, desired))
         return Decision(desired, reason, message, rate, needed)
+
+    def _up_pending(self, now: float) -> bool:
+        """A scale-up was asked for less than a start-up ago."""
+        return any(after > before and when > now - self.startup_s for when, before, after in self._changes)
 
     def _down(self, now: float, current: int, needed: int, burn: Burn, shown: str) -> tuple[int, str, str]:
         p = self.policy

@@ -16,6 +16,7 @@ from kvpilot.fleet.planner import (
     LOAD_RISING,
     STEADY,
     UP_LIMITED,
+    UP_PENDING,
     Burn,
     Demand,
     Planner,
@@ -70,6 +71,19 @@ def test_a_fast_burn_adds_replicas_even_when_the_model_says_enough() -> None:
     now = feed(planner, [32.0] * 40)
     decision = planner.plan(now, current=4, per_replica_rps=PER_REPLICA, burn=Burn(fast=True, budget_left=0.5))
     assert (decision.desired, decision.reason) == (6, FAST_BURN)
+
+
+def test_a_fast_burn_asks_once_per_start_up_not_at_every_scrape() -> None:
+    """The burn lasts while the replicas asked for start: asking again at each scrape would grow the
+    fleet by half every 15 s (a first run of benchmarks/fleet_cost.py reached 240 replicas so)."""
+    planner = Planner(Policy(max_replicas=100), startup_s=120)
+    now = feed(planner, [32.0] * 40)
+    burning = Burn(fast=True, budget_left=0.5)
+    first = planner.plan(now, current=4, per_replica_rps=PER_REPLICA, burn=burning)
+    held = planner.plan(now + SCRAPE_S, current=first.desired, per_replica_rps=PER_REPLICA, burn=burning)
+    assert (first.desired, held.desired, held.reason) == (6, 6, UP_PENDING)
+    later = planner.plan(now + 121, current=6, per_replica_rps=PER_REPLICA, burn=burning)
+    assert (later.desired, later.reason) == (9, FAST_BURN)  # started and serving, and still burning
 
 
 def _fell(planner: Planner, low: float, scrapes: int) -> float:
