@@ -5,7 +5,7 @@ PYTHON  ?= python3
 PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip -q --disable-pip-version-check
 
-.PHONY: setup tune-setup tools vllm-env control-plane test-prereqs tune test test-unit test-lowest test-vllm test-cluster lint figures smoke crd image clean
+.PHONY: setup tune-setup tools vllm-env control-plane helm test-prereqs tune test test-unit test-lowest test-vllm test-cluster lint figures smoke crd image clean
 
 ## Everything development and CI need: the test, dev, report, postgresql and tracing extras.
 setup: $(VENV)/.installed
@@ -39,6 +39,11 @@ vllm-env:
 control-plane:
 	./scripts/build-control-plane.sh
 
+## The helm CLI the `cluster` tests run the chart's README commands with (tests/cluster/test_helm_cli.py),
+## built from helm.sh/helm/v4 pinned in tools/helm and cached by version under ~/.cache.
+helm:
+	./scripts/build-helm.sh
+
 ## Both of the above side by side (real vLLM downloads while the control plane compiles), or from the cache.
 test-prereqs:
 	./scripts/build-test-prereqs.sh
@@ -61,7 +66,7 @@ test-lowest:
 test-vllm: setup vllm-env
 	$(PY) -m pytest -m vllm
 
-test-cluster: setup control-plane
+test-cluster: setup control-plane helm
 	$(PY) -m pytest -m cluster tests/cluster tests/e2e
 
 test-unit: setup

@@ -187,6 +187,45 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "Prometheus Operator CRDs")
     render.set_defaults(handler=_render)
 
+    check = subparsers.add_parser(
+        "check",
+        help="check an installed kvpilot: the operator answers /healthz, the InferenceService CRD is served",
+        description="What the chart's `helm test` hook runs: GET OPERATOR-URL/healthz must answer 200, and the API "
+        "server's discovery of kvpilot.dev/v1alpha1 must list inferenceservices (credentials: the in-cluster "
+        "service account, else $KUBECONFIG or ~/.kube/config; discovery needs no RBAC). One line per check; "
+        "exit 0 when both pass, 1 when one fails.",
+    )
+    check.add_argument("--operator-url", required=True, metavar="URL", type=_http_url,
+                       help="the operator's /healthz and /metrics base URL, e.g. http://kvpilot-operator.kvpilot-system.svc:8080")
+    check.add_argument("--timeout", type=_seconds, default=10.0, metavar="SECONDS",
+                       help="longest each check may take (default: %(default)s)")
+    check.set_defaults(handler=_check)
+
+
+def _http_url(text: str) -> str:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"must be an http:// or https:// URL with a host (got {text!r})")
+    return text
+
+
+def _check(args: argparse.Namespace) -> int:
+    import kopf
+
+    from kvpilot.operator.check import EXIT_FAILED, EXIT_OK, api_discovery, check_crd_served, check_healthz
+
+    healthz = check_healthz(args.operator_url, args.timeout)
+    print(healthz.line(), flush=True)
+    try:
+        served = check_crd_served(api_discovery(args.timeout))
+    except (OSError, ValueError, KeyError, TypeError, kopf.LoginError) as exc:
+        print(f"kvpilot check: cannot read Kubernetes credentials: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    print(served.line())
+    return EXIT_OK if healthz.ok and served.ok else EXIT_FAILED
+
 
 def _operator(args: argparse.Namespace) -> int:
     import asyncio

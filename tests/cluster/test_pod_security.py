@@ -37,15 +37,19 @@ def test_the_chart_installs_and_its_pods_pass_restricted_pod_security(
         control_plane: ControlPlane, chart_identities: dict[str, str], crd: dict[str, Any]) -> None:
     ns = chart.NAMESPACE
     control_plane.merge_patch(f"/api/v1/namespaces/{ns}", {"metadata": {"labels": RESTRICTED}})
-    # What `helm install` would create (default values; CRDs come from crds/, not templates).
+    # What `helm install` would create (default values; CRDs come from crds/, not templates), and the
+    # pod `helm test` creates (the hook, templates/tests/): applied here, it is admitted or refused at once.
     objects = [r.obj for r in chart.render("default")]
     control_plane.apply_manifests(objects)
     deployments = [o["metadata"]["name"] for o in objects if o["kind"] == "Deployment"]
     assert len(deployments) == 2  # operator and tuner
+    (hook,) = [o["metadata"]["name"] for o in objects if o["kind"] == "Pod"]
+    assert control_plane.get(f"/api/v1/namespaces/{ns}/pods/{hook}")
 
     def admitted() -> bool:
         pods = control_plane.get(f"/api/v1/namespaces/{ns}/pods")["items"]
-        owners = {p["metadata"]["ownerReferences"][0]["name"].rsplit("-", 1)[0] for p in pods}
+        owners = {p["metadata"]["ownerReferences"][0]["name"].rsplit("-", 1)[0] for p in pods
+                  if p["metadata"].get("ownerReferences")}
         return set(deployments) <= owners
     wait_for(admitted, timeout=60, what=f"a pod of each of {deployments} created (admitted)")
     assert replica_set_failures(control_plane, ns) == []

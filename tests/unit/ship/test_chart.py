@@ -51,11 +51,12 @@ SETS = sorted(VALUE_SETS)
 
 
 def _pod_specs(objects: list[Rendered]) -> list[tuple[str, dict[str, Any]]]:
+    """Every pod the chart can run: its workloads' templates and its bare Pods (the `helm test` hook)."""
     return [
         (r.name, r.obj["spec"]["template"]["spec"])
         for r in objects
         if r.kind in ("Deployment", "StatefulSet", "Job")
-    ]
+    ] + [(r.name, r.obj["spec"]) for r in objects if r.kind == "Pod"]
 
 
 def _container(objects: list[Rendered], deployment_suffix: str) -> dict[str, Any]:

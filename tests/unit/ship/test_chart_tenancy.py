@@ -125,7 +125,7 @@ def test_the_webhooks_own_policy_admits_the_api_server_and_leaves_metrics_as_the
 
 
 @pytest.mark.parametrize("component", ["operator", "tuner"])
-def test_a_component_admits_only_prometheus_on_its_metrics_port(component: str) -> None:
+def test_a_component_admits_only_prometheus_and_helm_test_on_its_metrics_port(component: str) -> None:
     objects = render("multi-tenant")
     policy = _policies(objects)[(NAMESPACE, f"kvp-kvpilot-{component}")]["spec"]
     pod = one(objects, "Deployment", f"-{component}")["spec"]["template"]
@@ -135,7 +135,17 @@ def test_a_component_admits_only_prometheus_on_its_metrics_port(component: str) 
     assert all(not selector.items() <= other["metadata"]["labels"].items() for other in others)
     assert policy["policyTypes"] == ["Ingress", "Egress"]
     rule, *webhook = policy["ingress"]
-    assert _prometheus_peer(rule["from"]) and len(rule["from"]) == 1
+    prometheus, *hook = rule["from"]
+    assert _prometheus_peer([prometheus])
+    if component == "operator":
+        # ... and the release's `helm test` pod, which asks the operator's /healthz; no other pod of the release.
+        (peer,) = hook
+        assert set(peer) == {"podSelector"}
+        assert peer["podSelector"]["matchLabels"].items() <= one(objects, "Pod", "-test")["metadata"]["labels"].items()
+        assert all(not peer["podSelector"]["matchLabels"].items() <= d["spec"]["template"]["metadata"]["labels"].items()
+                   for d in find(objects, "Deployment") + find(objects, "Job"))
+    else:
+        assert hook == []
     (port,) = rule["ports"]
     assert port["port"] in {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
     # The operator also admits the API server's calls to its admission webhook, from the CIDRs given.
