@@ -14,6 +14,7 @@ Without the binary a test skips, saying how to build it; in CI (`CI=true`) that 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -62,6 +63,17 @@ def built_collector() -> Path:
             pytest.fail(reason)
         pytest.skip(reason)
     return binary
+
+
+def require_grpc_exporter() -> None:
+    """For a twin exporting over OTLP/gRPC: skip without the exporter, saying what to install; in CI,
+    where `make setup` installs it, fail."""
+    if importlib.util.find_spec("opentelemetry.exporter.otlp.proto.grpc") is None:
+        reason = ("the twin's OTLP/gRPC exporter is not installed here: pip install 'kvpilot[tracing-grpc]' "
+                  "(make setup installs it; a venv it made before it did lacks it)")
+        if in_ci():
+            pytest.fail(reason)
+        pytest.skip(reason)
 
 
 @dataclass(frozen=True)

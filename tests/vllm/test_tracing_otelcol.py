@@ -13,7 +13,6 @@ spans of the same shape.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import urllib.request
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ from typing import Any
 import pytest
 
 from harness.conformance.reference import VllmEnvMissing
-from harness.otelcol import CollectedSpan, OtelCollector, built_collector
+from harness.otelcol import CollectedSpan, OtelCollector, built_collector, require_grpc_exporter
 from harness.twin_process import FAST_TWIN_ARGS, twin_server
 from harness.vllm_process import VllmProcess, VllmStartError
 from kvpilot.api import tracing as vt
@@ -42,7 +41,6 @@ TRACED_REQUESTS: tuple[tuple[str, dict[str, Any]], ...] = (
                          "temperature": 0.7, "top_p": 0.9}),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
 )
-TWIN_GRPC = importlib.util.find_spec("opentelemetry.exporter.otlp.proto.grpc") is not None
 
 
 def rendered_container(endpoint: str, protocol: str) -> tuple[list[str], dict[str, str]]:
@@ -126,9 +124,8 @@ def test_real_vllm_and_the_twin_send_the_same_spans_through_the_collector(collec
             sampled[A.GEN_AI_REQUEST_MAX_TOKENS], sampled[A.GEN_AI_REQUEST_N]) == (5, 4, 4, 1)
     assert (sampled[A.GEN_AI_REQUEST_TEMPERATURE], sampled[A.GEN_AI_REQUEST_TOP_P]) == pytest.approx((0.7, 0.9))
     assert type(sampled[A.GEN_AI_LATENCY_E2E]) is float and type(sampled[A.GEN_AI_REQUEST_ID]) is str
-    if protocol == "grpc" and not TWIN_GRPC:
-        pytest.skip("real vLLM checked; the twin's OTLP/gRPC exporter is not installed here: pip install "
-                    "'kvpilot[tracing-grpc]' (make setup installs only kvpilot[tracing])")
+    if protocol == "grpc":
+        require_grpc_exporter()  # real vLLM is checked; the twin needs kvpilot[tracing-grpc]
     # The twin with the rendered environment, to the same collector.
     with twin_server(*FAST_TWIN_ARGS, "--served-model-name", "tiny", "--otlp-traces-endpoint", endpoint,
                      env={**env, **FAST_EXPORT}) as twin:

@@ -12,7 +12,6 @@ build is needed.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import urllib.request
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from harness.otelcol import CollectedSpan, OtelCollector, built_collector
+from harness.otelcol import CollectedSpan, OtelCollector, built_collector, require_grpc_exporter
 from harness.twin_process import twin_server
 from kvpilot.api import tracing as vt
 from kvpilot.api.models import InferenceService
@@ -36,7 +35,6 @@ INT_KEYS = {A.GEN_AI_USAGE_PROMPT_TOKENS, A.GEN_AI_USAGE_COMPLETION_TOKENS, A.GE
 PARENT_ID = "00f067aa0ba902b7"
 # Export at once rather than every 5 s (the BatchSpanProcessor's default schedule).
 FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "50"}
-GRPC_EXPORTER = importlib.util.find_spec("opentelemetry.exporter.otlp.proto.grpc") is not None
 
 
 def rendered_twin(endpoint: str, protocol: str) -> tuple[list[str], dict[str, str]]:
@@ -74,16 +72,10 @@ def post(url: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, A
         return reply
 
 
-PROTOCOLS = [
-    pytest.param("http/protobuf", id="otlp-http"),
-    pytest.param("grpc", id="otlp-grpc", marks=pytest.mark.skipif(
-        not GRPC_EXPORTER, reason="the twin's OTLP/gRPC exporter is not installed here: pip install "
-                                  "'kvpilot[tracing-grpc]' (make setup installs only kvpilot[tracing])")),
-]
-
-
-@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"], ids=["otlp-http", "otlp-grpc"])
 def test_the_collector_receives_the_twins_spans_as_sent(collector: OtelCollector, protocol: str) -> None:
+    if protocol == "grpc":
+        require_grpc_exporter()
     endpoint = collector.http_traces_url if protocol == "http/protobuf" else collector.grpc_endpoint
     args, env = rendered_twin(endpoint, protocol)
     assert env[vt.ENV_PROTOCOL] == protocol
