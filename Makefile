@@ -7,13 +7,14 @@ PIP     := $(PY) -m pip -q --disable-pip-version-check
 
 .PHONY: setup tune-setup tools vllm-env control-plane helm test-prereqs tune test test-unit test-lowest test-vllm test-cluster lint figures smoke crd image clean
 
-## Everything development and CI need: the test, dev, report, postgresql and tracing extras.
+## Everything development and CI need: the test, dev, report, postgresql and tracing-grpc extras
+## (tracing with the OTLP/gRPC exporter too, so the twin is tested over both OTLP transports).
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	$(PIP) install -e '.[test,dev,report,postgresql,tracing]'
+	$(PIP) install -e '.[test,dev,report,postgresql,tracing-grpc]'
 	touch $@ $(VENV)/.installed-tune
 
 ## Only what `make tune` runs: kvpilot and the `report` extra (its plots), in the same venv.  A venv

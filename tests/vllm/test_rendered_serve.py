@@ -6,8 +6,8 @@ Deployment's container only what the CPU test must change is changed: the model 
 directory), the port (a free one, on 127.0.0.1) and the device settings (`VLLM_CPU_KVCACHE_SPACE`
 sizes the KV cache on CPU, where `--gpu-memory-utilization` is accepted and ignored;
 `--enforce-eager` skips a CPU compile of a minute or more).  Every other flag is as rendered, and so is
-the container's environment: the InferenceService traces to an OTLP/HTTP receiver in the test
-(spec.observability.tracing), and the spans real vLLM sends are compared with the twin's.
+the container's environment.  Tracing (spec.observability.tracing) is tested with real vLLM in
+tests/vllm/test_tracing_otelcol.py, through a real OpenTelemetry Collector.
 """
 
 from __future__ import annotations
@@ -36,14 +36,12 @@ from harness.prometheus import (
 )
 from harness.twin_process import FAST_TWIN_ARGS, twin_server
 from harness.vllm_process import VllmProcess, VllmStartError
-from kvpilot.api import tracing as vt
 from kvpilot.api import vllm as vllm_facts
 from kvpilot.api.models import InferenceService
 from kvpilot.operator.builders.render import render_manifests
 from kvpilot.slo import promql
 from kvpilot.slo.objectives import SloTarget
 from tests.support import prometheus_operator as po
-from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan
 
 pytestmark = pytest.mark.vllm
 
@@ -62,12 +60,8 @@ ISVC = {
 }
 
 
-def rendered_container(traces_url: str | None = None) -> dict[str, Any]:
-    doc = copy.deepcopy(ISVC)
-    if traces_url is not None:
-        doc["spec"]["observability"] = {"tracing": {"otlpTracesEndpoint": traces_url,
-                                                    "otlpTracesProtocol": "http/protobuf"}}
-    isvc = InferenceService.model_validate(doc)
+def rendered_container() -> dict[str, Any]:
+    isvc = InferenceService.model_validate(copy.deepcopy(ISVC))
     deployment = next(m for m in render_manifests(isvc) if m["kind"] == "Deployment")
     containers = deployment["spec"]["template"]["spec"]["containers"]
     container: dict[str, Any] = next(c for c in containers if c.get("command", [None])[0] == "vllm")
@@ -111,16 +105,6 @@ class VllmServer:
         return Path(self.vllm.log_path).read_text(errors="replace")
 
 
-# The BatchSpanProcessor exports every 5 s by default; the tests' engines export at once.
-FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "50"}
-
-
-@pytest.fixture(scope="module")
-def otlp() -> Iterator[OtlpReceiver]:
-    with OtlpReceiver() as receiver:
-        yield receiver
-
-
 def swapped_args(args: list[str]) -> list[str]:
     """The rendered args after `vllm serve <model>`, less `--port` (VllmProcess serves the tiny
     model on a free 127.0.0.1 port); every other flag as rendered."""
@@ -131,12 +115,12 @@ def swapped_args(args: list[str]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def vllm_server(otlp: OtlpReceiver) -> Iterator[VllmServer]:
-    container = rendered_container(otlp.url)
+def vllm_server() -> Iterator[VllmServer]:
+    container = rendered_container()
     container_env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
     command, args = list(container["command"]), list(container["args"])
     assert command == ["vllm", "serve"]
-    vllm = VllmProcess(*swapped_args(args), env={**container_env, **FAST_EXPORT})
+    vllm = VllmProcess(*swapped_args(args), env=container_env)
     try:
         vllm.start()
     except VllmEnvMissing as e:
@@ -218,59 +202,6 @@ def test_the_twin_exposes_the_metric_families_kvpilot_reads_as_real_vllm_does(vl
         assert mine[name] == real[name], f"{name}: twin {mine[name]} vs real vLLM {real[name]}"
 
 
-# ---- request spans -----------------------------------------------------------------------------------
-PARENT_ID = "00f067aa0ba902b7"
-# The same requests to both engines: one with every sampling parameter, one with vLLM's defaults.
-TRACED_REQUESTS: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("/v1/completions", {"model": "tiny", "prompt": [1, 2, 3, 4, 5], "max_tokens": 4, "ignore_eos": True,
-                         "temperature": 0.7, "top_p": 0.9}),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
-)
-
-
-def traced_requests(base_url: str, receiver: OtlpReceiver, trace_base: int) -> list[ReceivedSpan]:
-    """Each of TRACED_REQUESTS with a sampled traceparent of its own trace; the spans of those traces."""
-    trace_ids = []
-    for i, (path, body) in enumerate(TRACED_REQUESTS):
-        trace_id = f"{trace_base + i:032x}"
-        trace_ids.append(trace_id)
-        req = urllib.request.Request(base_url + path, data=json.dumps(body).encode(), headers={
-            "Content-Type": "application/json", "traceparent": f"00-{trace_id}-{PARENT_ID}-01"})
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            resp.read()
-    spans = receiver.wait_for(lambda got: {s.trace_id for s in got} >= set(trace_ids), timeout=60)
-    return sorted((s for s in spans if s.trace_id in trace_ids), key=lambda s: trace_ids.index(s.trace_id))
-
-
-def span_shape(span: ReceivedSpan) -> dict[str, Any]:
-    """What a tracing pipeline keys on: name, kind, scope, parent, attribute keys and value types,
-    resource attribute keys."""
-    return {"name": span.name, "kind": span.kind, "scope": span.scope, "parent": span.parent_span_id,
-            "attributes": {k: type(v).__name__ for k, v in sorted(span.attributes.items())},
-            "resource": sorted(span.resource)}
-
-
-def test_the_twin_sends_the_request_spans_real_vllm_sends(vllm_server: VllmServer, otlp: OtlpReceiver) -> None:
-    real = traced_requests(vllm_server.base_url, otlp, 0x1000)
-    # The twin with the same flag and environment (the rendered container's).
-    with twin_server(*FAST_TWIN_ARGS, "--served-model-name", "tiny", "--otlp-traces-endpoint", otlp.url,
-                     env={**vllm_server.env, **FAST_EXPORT}) as twin:
-        mine = traced_requests(twin.base_url, otlp, 0x2000)
-    assert len(real) == len(mine) == len(TRACED_REQUESTS), (real, mine)
-    for r, m in zip(real, mine, strict=True):
-        assert span_shape(r)["name"] == vt.REQUEST_SPAN_NAME and span_shape(r)["parent"] == PARENT_ID
-        assert span_shape(m) == span_shape(r)
-        assert r.resource["service.name"] == m.resource["service.name"] == "tiny"  # OTEL_SERVICE_NAME, rendered
-    a = vt.SpanAttributes
-    every_key = {v for k, v in vars(a).items() if k.startswith("GEN_AI_")}
-    assert set(real[0].attributes) == every_key  # all sampling parameters sent: every attribute vLLM sets
-    for spans in (real, mine):
-        sampled = spans[0].attributes
-        assert (sampled[a.GEN_AI_USAGE_PROMPT_TOKENS], sampled[a.GEN_AI_USAGE_COMPLETION_TOKENS],
-                sampled[a.GEN_AI_REQUEST_MAX_TOKENS]) == (5, 4, 4)
-        assert (sampled[a.GEN_AI_REQUEST_TEMPERATURE], sampled[a.GEN_AI_REQUEST_TOP_P]) == pytest.approx((0.7, 0.9))
-    # Real vLLM also sends start-up spans (model loading, engine-core init) in traces of their own.
-    print("real vLLM's other spans:", sorted({s.name for s in otlp.received()} - {vt.REQUEST_SPAN_NAME}))
 def negotiated(url: str, accept: str | None) -> tuple[str, str | None, set[str]]:
     """(Content-Type, Content-Encoding, the sample names' prefixes: `vllm:` and/or `vllm_`) of a GET
     with this Accept header (and gzip accepted, as Prometheus asks)."""

@@ -8,7 +8,6 @@ vLLM's (kvpilot.api.tracing): name, kind, attributes, resource, the trace of the
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from harness.twin_process import FAST_TWIN_ARGS, REPO_ROOT, twin_command, twin_server
+from harness.twin_process import FAST_TWIN_ARGS, REPO_ROOT, twin_server
 from kvpilot.api import tracing as vt
 from tests.support.otlp_receiver import OtlpReceiver
 
@@ -126,10 +125,16 @@ def test_plain_traceidratio_zero_sends_nothing_even_for_a_sampled_caller(receive
     assert receiver.received() == [] and receiver.requests == 0
 
 
-@pytest.mark.skipif(importlib.util.find_spec("opentelemetry.exporter.otlp.proto.grpc") is not None,
-                    reason="the OTLP/gRPC exporter is installed here (kvpilot[tracing-grpc])")
+# `python -m kvpilot.cli` in a process where the OTLP/gRPC exporter cannot be imported, as in the
+# kvpilot image: the dev venv has it (kvpilot[tracing-grpc], for the twin's gRPC test through the
+# collector), and a None in sys.modules is how Python itself marks a module as not importable.
+WITHOUT_GRPC_EXPORTER = ("import runpy, sys; sys.modules['opentelemetry.exporter.otlp.proto.grpc'] = None; "
+                         "sys.argv[0] = 'kvpilot'; runpy.run_module('kvpilot.cli', run_name='__main__')")
+
+
 def test_grpc_without_its_exporter_fails_at_start_saying_what_to_do() -> None:
-    proc = subprocess.run(twin_command([*FAST_TWIN_ARGS, "--port", "0", "--otlp-traces-endpoint", "http://127.0.0.1:9"]),
+    argv = [*FAST_TWIN_ARGS, "--port", "0", "--otlp-traces-endpoint", "http://127.0.0.1:9"]
+    proc = subprocess.run([sys.executable, "-c", WITHOUT_GRPC_EXPORTER, "twin", "serve", *argv],
                           capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO_ROOT)})
     assert proc.returncode == 2, proc.stderr
