@@ -22,6 +22,7 @@ from kvpilot.api import tracing, tuned, vllm
 
 if TYPE_CHECKING:
     from kvpilot.api.models import (
+        AutoscalingSpec,
         BudgetGate,
         EngineSpec,
         InferenceServiceSpec,
@@ -213,6 +214,32 @@ def rollout_issues(rollout: RolloutSpec) -> list[Issue]:
             rollout.progress_deadline_seconds,
         )
     ]
+
+
+def autoscaling_issues(autoscaling: AutoscalingSpec) -> list[Issue]:
+    # Named at maxReplicas, as a HorizontalPodAutoscaler's validation names it.
+    if autoscaling.max_replicas >= autoscaling.min_replicas:
+        return _NONE
+    return [
+        (
+            ("maxReplicas",),
+            f"must be at least minReplicas ({autoscaling.min_replicas}); got {autoscaling.max_replicas}",
+            autoscaling.max_replicas,
+        )
+    ]
+
+
+def replicas_outside_bounds(spec: InferenceServiceSpec) -> str | None:
+    """A warning, not an error, for spec.replicas outside [minReplicas, maxReplicas]: HPA users set the
+    count and the bounds apart (`kubectl scale`, a GitOps manifest), and the autoscaler moves it inside
+    at its next decision. Refused, a scale write racing a lowered maxReplicas would fail, and every later
+    write of the object with it."""
+    bounds = spec.autoscaling
+    if bounds is None or bounds.min_replicas <= spec.replicas <= bounds.max_replicas:
+        return None
+    who = "kvpilot" if bounds.actor == "kvpilot" else "the external autoscaler"
+    return (f"{spec.replicas} is outside autoscaling [minReplicas {bounds.min_replicas}, maxReplicas "
+            f"{bounds.max_replicas}]; {who} moves it inside at its next decision, as a HorizontalPodAutoscaler does")
 
 
 def _engine_inside_space(spec: InferenceServiceSpec) -> bool:

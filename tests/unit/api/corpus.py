@@ -132,6 +132,25 @@ CASES: list[tuple[str, Any, str, str]] = [
      "'canary' or 'rolling'"),
     ("warmup-ge-trial", _with("spec.tuning", {"trialSeconds": 60, "warmupSeconds": 60}), "spec.tuning.warmupSeconds",
      "shorter than trialSeconds"),
+    ("autoscaling-max-below-min", _with("spec.autoscaling", {"minReplicas": 4, "maxReplicas": 2}),
+     "spec.autoscaling.maxReplicas", "minReplicas"),
+    ("autoscaling-max-missing", _with("spec.autoscaling", {"minReplicas": 2}), "spec.autoscaling.maxReplicas",
+     "required"),
+    ("autoscaling-actor-unknown", _with("spec.autoscaling", {"maxReplicas": 4, "actor": "hpa"}),
+     "spec.autoscaling.actor", "'kvpilot' or 'external'"),
+    ("autoscaling-hpa-v1-field", _with("spec.autoscaling", {"maxReplicas": 4, "targetCPUUtilizationPercentage": 80}),
+     "spec.autoscaling.targetCPUUtilizationPercentage", "behavior"),
+    ("autoscaling-policy-type-unknown", _with("spec.autoscaling", {"maxReplicas": 4, "behavior": {"scaleUp": {
+        "policies": [{"type": "Replicas", "value": 1, "periodSeconds": 60}]}}}),
+     "spec.autoscaling.behavior.scaleUp.policies[0].type", "'Pods' or 'Percent'"),
+    ("autoscaling-no-policies", _with("spec.autoscaling", {"maxReplicas": 4, "behavior": {"scaleDown": {
+        "policies": []}}}), "spec.autoscaling.behavior.scaleDown.policies", "at least 1"),
+    ("autoscaling-period-above-30-minutes", _with("spec.autoscaling", {"maxReplicas": 4, "behavior": {"scaleUp": {
+        "policies": [{"type": "Pods", "value": 1, "periodSeconds": 3600}]}}}),
+     "spec.autoscaling.behavior.scaleUp.policies[0].periodSeconds", "less than or equal to 1800"),
+    ("autoscaling-window-above-an-hour", _with("spec.autoscaling", {"maxReplicas": 4, "behavior": {"scaleDown": {
+        "stabilizationWindowSeconds": 7200}}}),
+     "spec.autoscaling.behavior.scaleDown.stabilizationWindowSeconds", "less than or equal to 3600"),
     ("downtime-rollout", _merge(replicas=1, rollout={"maxSurge": 0}), "spec.rollout.maxSurge", "allowDowntime"),
     ("deadline-below-startup", _with("spec.rollout", {"startupTimeoutSeconds": 1800, "progressDeadlineSeconds": 600}),
      "spec.rollout.progressDeadlineSeconds", "startupTimeoutSeconds"),
