@@ -83,3 +83,17 @@ def test_kubectl_scale_scales_the_deployment_and_the_subresource_reports_the_sta
     assert lines[1].split()[:5] == [NAME, "3", "3", "3", "3"]
     assert len(scaled_events(control_plane)) == 1
     control_plane.delete(f"{ISVCS}/{NAME}")
+
+
+def test_a_scale_write_meets_the_crds_rules(control_plane: ControlPlane, operator: Operator) -> None:
+    """The subresource writes spec.replicas of the whole object, which the API server validates as any write:
+    a count the CRD's CEL rules refuse is refused to `kubectl scale` (and an HPA) too."""
+    control_plane.create(ISVCS, {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService",
+                                 "metadata": {"name": "no-surge", "namespace": NS},
+                                 "spec": {"model": "meta-llama/Meta-Llama-3-8B-Instruct", "replicas": 2,
+                                          "rollout": {"maxSurge": 0}}})
+    refused = control_plane.kubectl("scale", "kvis/no-surge", "-n", NS, "--replicas", "1", check=False)
+    assert refused.returncode != 0
+    assert "with replicas 1, rollout.maxSurge 0 takes the service down" in refused.stderr
+    assert control_plane.get(f"{ISVCS}/no-surge")["spec"]["replicas"] == 2
+    control_plane.delete(f"{ISVCS}/no-surge")
