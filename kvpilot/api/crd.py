@@ -197,6 +197,23 @@ _CEL_RULES[("spec",)] += [
         "fieldPath": ".tuning.trialStrategy",
     },
 ]
+# An autoscaler's floor must be a count the rules above admit: a scale write is validated as the whole object.
+_CEL_RULES[("spec",)] += [
+    {
+        "rule": "!has(self.autoscaling) || self.autoscaling.minReplicas >= 2 || self.rollout.maxSurge != 0 "
+        "|| self.rollout.allowDowntime",
+        "message": "autoscaling.minReplicas must be at least 2 with rollout.maxSurge 0 (a scale to 1 is refused); "
+        "use maxSurge >= 1 or set rollout.allowDowntime: true",
+        "fieldPath": ".autoscaling.minReplicas",
+    },
+    {
+        "rule": "!has(self.autoscaling) || self.autoscaling.minReplicas >= 2 || !has(self.tuning.trialStrategy) "
+        "|| self.tuning.trialStrategy != 'canary'",
+        "message": "autoscaling.minReplicas must be at least 2 with tuning.trialStrategy canary (a scale below 2 "
+        "is refused); or leave trialStrategy unset",
+        "fieldPath": ".autoscaling.minReplicas",
+    },
+]
 _CEL_RULES[("spec", "tuning")] += [
     {
         "rule": "self.warmupSeconds < self.trialSeconds",

@@ -151,6 +151,11 @@ CASES: list[tuple[str, Any, str, str]] = [
     ("autoscaling-window-above-an-hour", _with("spec.autoscaling", {"maxReplicas": 4, "behavior": {"scaleDown": {
         "stabilizationWindowSeconds": 7200}}}),
      "spec.autoscaling.behavior.scaleDown.stabilizationWindowSeconds", "less than or equal to 3600"),
+    ("autoscaling-floor-one-without-surge", _merge(rollout={"maxSurge": 0}, autoscaling={"maxReplicas": 4}),
+     "spec.autoscaling.minReplicas", "maxSurge 0"),
+    ("autoscaling-floor-one-with-canary", _merge(tuning={"trialStrategy": "canary"},
+                                                 autoscaling={"minReplicas": 1, "maxReplicas": 4}),
+     "spec.autoscaling.minReplicas", "trialStrategy canary"),
     ("downtime-rollout", _merge(replicas=1, rollout={"maxSurge": 0}), "spec.rollout.maxSurge", "allowDowntime"),
     ("deadline-below-startup", _with("spec.rollout", {"startupTimeoutSeconds": 1800, "progressDeadlineSeconds": 600}),
      "spec.rollout.progressDeadlineSeconds", "startupTimeoutSeconds"),
