@@ -9,9 +9,9 @@ from typing import Any
 
 @dataclass(frozen=True, slots=True)
 class Writer:
-    """The field manager that last wrote spec.replicas: `kubectl`, `kube-controller-manager` (an HPA),
-    `keda-operator`, `kubectl-client-side-apply`, a GitOps tool's name; and the subresource it wrote
-    through (`scale`, or None for the object itself)."""
+    """The field manager that last wrote spec.replicas: `kubectl`, `kube-controller-manager` (an HPA, or
+    KEDA's HPA), `kubectl-client-side-apply`, a GitOps tool's name; and the subresource it wrote through
+    (`scale`, or None for the object itself)."""
 
     manager: str
     subresource: str | None = None
