@@ -74,6 +74,13 @@ _CEL_RULES: dict[tuple[str, ...], list[dict[str, str]]] = {
             "fieldPath": ".gpuResource",
         },
     ],
+    ("spec", "autoscaling"): [
+        {
+            "rule": "self.maxReplicas >= self.minReplicas",
+            "message": "maxReplicas must be at least minReplicas",
+            "fieldPath": ".maxReplicas",
+        },
+    ],
     ("spec", "rollout"): [
         {
             "rule": "self.progressDeadlineSeconds > self.startupTimeoutSeconds",
@@ -190,6 +197,23 @@ _CEL_RULES[("spec",)] += [
         "fieldPath": ".tuning.trialStrategy",
     },
 ]
+# An autoscaler's floor must be a count the rules above admit: a scale write is validated as the whole object.
+_CEL_RULES[("spec",)] += [
+    {
+        "rule": "!has(self.autoscaling) || self.autoscaling.minReplicas >= 2 || self.rollout.maxSurge != 0 "
+        "|| self.rollout.allowDowntime",
+        "message": "autoscaling.minReplicas must be at least 2 with rollout.maxSurge 0 (a scale to 1 is refused); "
+        "use maxSurge >= 1 or set rollout.allowDowntime: true",
+        "fieldPath": ".autoscaling.minReplicas",
+    },
+    {
+        "rule": "!has(self.autoscaling) || self.autoscaling.minReplicas >= 2 || !has(self.tuning.trialStrategy) "
+        "|| self.tuning.trialStrategy != 'canary'",
+        "message": "autoscaling.minReplicas must be at least 2 with tuning.trialStrategy canary (a scale below 2 "
+        "is refused); or leave trialStrategy unset",
+        "fieldPath": ".autoscaling.minReplicas",
+    },
+]
 _CEL_RULES[("spec", "tuning")] += [
     {
         "rule": "self.warmupSeconds < self.trialSeconds",
@@ -226,8 +250,16 @@ NOT_IN_CEL: dict[str, str] = {
     "have (kvpilot reads it through zoneinfo, from the system or the tzdata package)",
 }
 
+# Replica columns as `kubectl get deployments` reads (READY, UP-TO-DATE, AVAILABLE), with the desired count
+# apart (a column cannot print "2/3"); UP-TO-DATE and AVAILABLE only with -o wide, to keep the line short.
 PRINTER_COLUMNS: list[dict[str, Any]] = [
+    {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas",
+     "description": "Replicas asked for (spec.replicas: you, kubectl scale or an autoscaler)"},
     {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas", "description": "Replicas ready"},
+    {"name": "Up-To-Date", "type": "integer", "jsonPath": ".status.updatedReplicas", "priority": 1,
+     "description": "Replicas running the current engine"},
+    {"name": "Available", "type": "integer", "jsonPath": ".status.availableReplicas", "priority": 1,
+     "description": "Replicas ready for at least minReadySeconds"},
     {"name": "Chunk", "type": "integer", "jsonPath": ".spec.engine.maxNumBatchedTokens",
      "description": "--max-num-batched-tokens (chunked-prefill token budget)"},
     {"name": "KV%", "type": "number", "jsonPath": ".spec.engine.gpuMemoryUtilization",
@@ -239,6 +271,17 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Tuning", "type": "string", "jsonPath": ".status.tuning.phase", "description": "Tuner phase"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
+
+
+# `kubectl scale kvis/NAME` and any HorizontalPodAutoscaler or KEDA target an InferenceService through it.
+# status.selector covers the stable engine's pods only: an HPA averages a per-pod metric over the pods the
+# selector matches and multiplies by their count to size spec.replicas, which is the stable Deployment's;
+# counting the canary's pod would size the stable fleet for one pod too many.
+SCALE_SUBRESOURCE: dict[str, str] = {
+    "specReplicasPath": ".spec.replicas",
+    "statusReplicasPath": ".status.replicas",
+    "labelSelectorPath": ".status.selector",
+}
 
 
 def structural(schema: dict[str, Any]) -> dict[str, Any]:
@@ -376,7 +419,7 @@ def crd() -> dict[str, Any]:
                     "served": True,
                     "storage": True,
                     "schema": {"openAPIV3Schema": openapi_schema()},
-                    "subresources": {"status": {}},
+                    "subresources": {"status": {}, "scale": SCALE_SUBRESOURCE},
                     "additionalPrinterColumns": PRINTER_COLUMNS,
                 }
             ],

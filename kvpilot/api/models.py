@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 from pydantic.alias_generators import to_camel, to_snake
 
 from kvpilot.api import kube, rules, tracing, tuned, vllm, vocabulary
@@ -191,6 +191,95 @@ class RolloutSpec(_Wire):
     @model_validator(mode="after")
     def _deadline(self) -> RolloutSpec:
         rules.raise_issues("RolloutSpec", rules.rollout_issues(self))
+        return self
+
+
+# ---- autoscaling: HorizontalPodAutoscaler v2's shape (minReplicas, maxReplicas, behavior), a subset ----------
+
+
+class ScalingPolicy(_Wire):
+    type: Literal["Pods", "Percent"] = Field(
+        ..., description="Pods: at most `value` replicas per period; Percent: at most `value` percent of the "
+        "current replicas per period (as in a HorizontalPodAutoscaler's behavior)."
+    )
+    value: int = Field(..., ge=1, le=100000, description="How many replicas (Pods) or percent (Percent); at least 1.")
+    period_seconds: int = Field(
+        ..., ge=1, le=1800, description="The window the policy holds over, 1 to 1800 seconds (30 minutes), as HPA's."
+    )
+
+
+def _policies(*policies: dict[str, int | str]) -> Any:
+    # default_factory keeps instances from sharing a list; the schema default is for the API server.
+    default: list[JsonValue] = [dict(p) for p in policies]
+    return Field(
+        default_factory=lambda: [ScalingPolicy.model_validate(p) for p in default],
+        json_schema_extra={"default": default},
+        min_length=1,
+        max_length=10,
+        description="The most the count may change per period; selectPolicy says which one applies when "
+        "several allow different changes.",
+    )
+
+
+_STABILIZATION = "Seconds of past recommendations considered: {which} (0 to 3600)."
+_SELECT_POLICY = ("Max: the policy allowing the largest change applies; Min: the smallest; Disabled: never "
+                  "scale in this direction.")
+
+
+class ScaleUpRules(_Wire):
+    stabilization_window_seconds: int = Field(
+        0, ge=0, le=3600, description=_STABILIZATION.format(
+            which="scale up to the lowest count recommended over the window; 0 (HPA's default) acts at once")
+    )
+    select_policy: Literal["Max", "Min", "Disabled"] = Field("Max", description=_SELECT_POLICY)
+    policies: list[ScalingPolicy] = _policies(
+        {"type": "Percent", "value": 100, "periodSeconds": 15}, {"type": "Pods", "value": 4, "periodSeconds": 15}
+    )
+
+
+class ScaleDownRules(_Wire):
+    stabilization_window_seconds: int = Field(
+        300, ge=0, le=3600, description=_STABILIZATION.format(
+            which="scale down only to the highest count recommended over the window (HPA's default 300)")
+    )
+    select_policy: Literal["Max", "Min", "Disabled"] = Field("Max", description=_SELECT_POLICY)
+    policies: list[ScalingPolicy] = _policies({"type": "Percent", "value": 100, "periodSeconds": 15})
+
+
+class ScalingBehavior(_Wire):
+    scale_up: ScaleUpRules = Field(
+        default_factory=ScaleUpRules,
+        description="How fast the count may rise (HPA's defaults: double, or 4 replicas more, per 15 s).",
+    )
+    scale_down: ScaleDownRules = Field(
+        default_factory=ScaleDownRules,
+        description="How fast the count may fall (HPA's defaults: after 5 minutes of lower recommendations, "
+        "to any count within [minReplicas, maxReplicas]).",
+    )
+
+
+class AutoscalingSpec(_Wire):
+    actor: Literal["kvpilot", "external"] = Field(
+        "kvpilot",
+        description="Who writes spec.replicas. kvpilot: kvpilot's planner, within these bounds and behavior. "
+        "external: a HorizontalPodAutoscaler or KEDA ScaledObject targets this InferenceService through its "
+        "scale subresource (kvpilot publishes its desired count as a metric and writes no replicas); that "
+        "autoscaler's own minReplicas, maxReplicas and behavior govern, so set them alike.",
+    )
+    min_replicas: int = Field(
+        1, ge=0, le=1000, description="Fewest replicas the autoscaler may set (0 to 1000; 0 lets it scale to zero)."
+    )
+    max_replicas: int = Field(
+        ..., ge=1, le=1000, description="Most replicas the autoscaler may set (1 to 1000); at least minReplicas."
+    )
+    behavior: ScalingBehavior = Field(
+        default_factory=ScalingBehavior,
+        description="How fast the count may change, as a HorizontalPodAutoscaler's spec.behavior.",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingSpec:
+        rules.raise_issues("AutoscalingSpec", rules.autoscaling_issues(self))
         return self
 
 
@@ -395,7 +484,19 @@ class InferenceServiceSpec(_Wire):
         pattern=NOT_A_FLAG_PATTERN,
         description="Name clients use in requests (not starting with '-'); defaults to model.",
     )
-    replicas: int = Field(1, ge=0, le=1000, description="Engine replicas (pods).")
+    replicas: int = Field(
+        1,
+        ge=0,
+        le=1000,
+        description="Engine replicas (pods) of the stable engine; the scale subresource's spec.replicas, so "
+        "`kubectl scale` and an autoscaler write it.",
+    )
+    autoscaling: AutoscalingSpec | None = Field(
+        None,
+        description="Bounds and pace for scaling spec.replicas, and who scales (kvpilot or an HPA/KEDA). Unset: "
+        "spec.replicas is only what you set. A spec.replicas outside [minReplicas, maxReplicas] is allowed "
+        "(with a warning), as with an HPA: the autoscaler brings it inside at its next decision.",
+    )
     engine: EngineSpec = Field(default_factory=EngineSpec, description="The inference engine and its flags.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Per-replica resources.")
     model_config_ref: ModelConfigSpec | None = Field(
@@ -522,6 +623,10 @@ class InferenceServiceStatus(_Status):
     replicas: int | None = None
     ready_replicas: int | None = None
     updated_replicas: int | None = None
+    available_replicas: int | None = None
+    selector: str | None = Field(
+        None, description="Label selector of the stable engine's pods (the canary's not), as the scale "
+        "subresource reports it to kubectl and autoscalers.")
     engine_args: list[str] = Field(default_factory=list, description="The engine command line in force.")
     config_hash: str | None = None
     last_good_engine: dict[str, Any] | None = Field(

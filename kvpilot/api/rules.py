@@ -22,6 +22,7 @@ from kvpilot.api import tracing, tuned, vllm
 
 if TYPE_CHECKING:
     from kvpilot.api.models import (
+        AutoscalingSpec,
         BudgetGate,
         EngineSpec,
         InferenceServiceSpec,
@@ -215,6 +216,32 @@ def rollout_issues(rollout: RolloutSpec) -> list[Issue]:
     ]
 
 
+def autoscaling_issues(autoscaling: AutoscalingSpec) -> list[Issue]:
+    # Named at maxReplicas, as a HorizontalPodAutoscaler's validation names it.
+    if autoscaling.max_replicas >= autoscaling.min_replicas:
+        return _NONE
+    return [
+        (
+            ("maxReplicas",),
+            f"must be at least minReplicas ({autoscaling.min_replicas}); got {autoscaling.max_replicas}",
+            autoscaling.max_replicas,
+        )
+    ]
+
+
+def replicas_outside_bounds(spec: InferenceServiceSpec) -> str | None:
+    """A warning, not an error, for spec.replicas outside [minReplicas, maxReplicas]: HPA users set the
+    count and the bounds apart (`kubectl scale`, a GitOps manifest), and the autoscaler moves it inside
+    at its next decision. Refused, a scale write racing a lowered maxReplicas would fail, and every later
+    write of the object with it."""
+    bounds = spec.autoscaling
+    if bounds is None or bounds.min_replicas <= spec.replicas <= bounds.max_replicas:
+        return None
+    who = "kvpilot" if bounds.actor == "kvpilot" else "the external autoscaler"
+    return (f"{spec.replicas} is outside autoscaling [minReplicas {bounds.min_replicas}, maxReplicas "
+            f"{bounds.max_replicas}]; {who} moves it inside at its next decision, as a HorizontalPodAutoscaler does")
+
+
 def _engine_inside_space(spec: InferenceServiceSpec) -> bool:
     engine, space = spec.engine, spec.tuning.space
     for f in tuned.TUNED:
@@ -246,9 +273,10 @@ def spec_issues(spec: InferenceServiceSpec) -> list[Issue]:
         and (engine.kind != "vllm" or spec.resources.gpus >= engine.tensor_parallel_size)
         and (not spec.tuning.enabled or _engine_inside_space(spec))
         and (spec.tuning.trial_strategy != "canary" or spec.replicas >= 2)
+        and (spec.autoscaling is None or spec.autoscaling.min_replicas >= 2)
     ):
         return _NONE
-    issues: list[Issue] = []
+    issues: list[Issue] = _autoscaling_floor_issues(spec)
     if spec.replicas == 1 and rollout.max_surge == 0 and not rollout.allow_downtime:
         issues.append(
             (
@@ -278,6 +306,37 @@ def spec_issues(spec: InferenceServiceSpec) -> list[Issue]:
         )
     if tuning.enabled:
         issues += _engine_space_issues(engine, tuning.space)
+    return issues
+
+
+def _autoscaling_floor_issues(spec: InferenceServiceSpec) -> list[Issue]:
+    """A minReplicas that lets the autoscaler reach a count the rules above refuse: its scale write would
+    be refused by the API server (the scale subresource validates the whole object), so the autoscaler
+    would be stuck above it, failing every try."""
+    bounds = spec.autoscaling
+    if bounds is None or bounds.min_replicas >= 2:
+        return []
+    issues: list[Issue] = []
+    rollout = spec.rollout
+    if rollout.max_surge == 0 and not rollout.allow_downtime:
+        issues.append(
+            (
+                ("autoscaling", "minReplicas"),
+                f"must be at least 2 with rollout.maxSurge 0: at 1 replica every rollout takes the service down, "
+                f"so a scale to 1 is refused; use minReplicas >= 2, maxSurge >= 1 or rollout.allowDowntime: true "
+                f"(got {bounds.min_replicas})",
+                bounds.min_replicas,
+            )
+        )
+    if spec.tuning.trial_strategy == "canary":
+        issues.append(
+            (
+                ("autoscaling", "minReplicas"),
+                f"must be at least 2 with tuning.trialStrategy canary (a canary needs replicas >= 2, so a scale "
+                f"below 2 is refused); use minReplicas >= 2, or leave trialStrategy unset (got {bounds.min_replicas})",
+                bounds.min_replicas,
+            )
+        )
     return issues
 
 

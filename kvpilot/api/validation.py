@@ -17,7 +17,7 @@ from typing import Any, get_args, get_origin
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
-from kvpilot.api import engine, kube
+from kvpilot.api import engine, kube, rules
 from kvpilot.api.documents import DocumentError, brief
 from kvpilot.api.documents import load_documents as load_documents
 from kvpilot.api.gpus import gpu_type_warning
@@ -157,6 +157,8 @@ def advise(service: InferenceService) -> list[ValidationIssue]:
     gpu_type = service.spec.resources.gpu_type
     if gpu_type is not None and (why := gpu_type_warning(gpu_type)) is not None:
         found.append(ValidationIssue("spec.resources.gpuType", why))
+    if (outside := rules.replicas_outside_bounds(service.spec)) is not None:
+        found.append(ValidationIssue("spec.replicas", outside))
     return found
 
 

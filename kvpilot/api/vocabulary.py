@@ -155,6 +155,8 @@ class Reason(StrEnum):
     # The canary pod cannot be placed (pod condition PodScheduled False, reason Unschedulable): it
     # needs one replica's resources beyond the stable replicas.
     UNSCHEDULABLE = "Unschedulable"
+    # An Event's: spec.replicas changed and the Deployment followed (from, to, and who wrote it).
+    SCALED = "Scaled"
 
 
 class CanaryPhase(StrEnum):

@@ -144,16 +144,18 @@ def test_printer_columns_in_the_table_api_and_kubectl(control_plane: ControlPlan
     doc["spec"]["engine"] = {"maxNumBatchedTokens": 4096, "gpuMemoryUtilization": 0.9}
     control_plane.create(isvcs(namespace), doc)
     control_plane.merge_patch(f"{isvcs(namespace)}/columns/status", {"status": {
-        "readyReplicas": 2, "slo": {"ttftP99Seconds": 0.31, "burnRate": {"1h": 1.5}}, "tuning": {"phase": "Idle"}}})
+        "readyReplicas": 1, "updatedReplicas": 2, "availableReplicas": 1,
+        "slo": {"ttftP99Seconds": 0.31, "burnRate": {"1h": 1.5}}, "tuning": {"phase": "Idle"}}})
     table = control_plane.get(f"{isvcs(namespace)}/columns", accept=TABLE)
     names = [c["name"] for c in table["columnDefinitions"]]
-    assert names == ["Name", "Ready", "Chunk", "KV%", "P99-TTFT", "Burn", "Tuning", "Age"]
+    assert names == ["Name", "Desired", "Ready", "Up-To-Date", "Available", "Chunk", "KV%", "P99-TTFT", "Burn",
+                     "Tuning", "Age"]
     (row,) = table["rows"]
-    assert row["cells"][:7] == ["columns", 2, 4096, 0.9, 0.31, 1.5, "Idle"]
+    assert row["cells"][:10] == ["columns", 2, 1, 2, 1, 4096, 0.9, 0.31, 1.5, "Idle"]
 
     out = control_plane.kubectl("get", "kvis", "-n", namespace).stdout.splitlines()
-    assert out[0].split() == ["NAME", "READY", "CHUNK", "KV%", "P99-TTFT", "BURN", "TUNING", "AGE"]
-    assert out[1].split()[:7] == ["columns", "2", "4096", "0.9", "0.31", "1.5", "Idle"]
+    assert out[0].split() == ["NAME", "DESIRED", "READY", "CHUNK", "KV%", "P99-TTFT", "BURN", "TUNING", "AGE"]
+    assert out[1].split()[:8] == ["columns", "2", "1", "4096", "0.9", "0.31", "1.5", "Idle"]
     control_plane.delete(f"{isvcs(namespace)}/columns")
 
 

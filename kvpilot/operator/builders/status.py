@@ -24,7 +24,14 @@ from kvpilot.api.conditions import find_condition, now_rfc3339, set_condition
 from kvpilot.api.engine import format_value
 from kvpilot.api.models import EngineSpec
 from kvpilot.api.tuned import TUNED
-from kvpilot.api.vocabulary import ANNOTATION_CONFIG_HASH, ANNOTATION_ENGINE, ConditionType, Reason
+from kvpilot.api.vocabulary import (
+    ANNOTATION_CONFIG_HASH,
+    ANNOTATION_ENGINE,
+    LABEL_INFERENCESERVICE,
+    LABEL_TRACK,
+    ConditionType,
+    Reason,
+)
 
 READY, PROGRESSING, DEGRADED = ConditionType.READY.value, ConditionType.PROGRESSING.value, ConditionType.DEGRADED.value
 # The condition types the operator writes. Every other type (the tuner's Tuning, SLOBurning) belongs
@@ -58,6 +65,7 @@ class Rollout:
     config_hash: str | None = None
     engine: dict[str, Any] | None = None
     engine_args: tuple[str, ...] = ()
+    selector: str | None = None  # of the pods its replicas count, as the scale subresource reports it
 
     def counts(self) -> str:
         return f"{self.updated}/{self.desired} updated, {self.ready}/{self.desired} ready"
@@ -91,13 +99,24 @@ def rollout_of(deployment: dict[str, Any] | None) -> Rollout:
             engine = json.loads(annotations[ANNOTATION_ENGINE])
         except ValueError:
             engine = None
-    containers = (spec.get("template", {}).get("spec", {}) or {}).get("containers") or [{}]
+    template = spec.get("template", {}) or {}
+    containers = (template.get("spec", {}) or {}).get("containers") or [{}]
     args = tuple(containers[0].get("command", [])) + tuple(containers[0].get("args", []))
     return Rollout(
         exists=True, desired=desired, replicas=replicas, updated=updated, ready=ready, available=available,
         observed=observed, complete=complete and not deadline, deadline_exceeded=deadline, message=message,
         config_hash=annotations.get(ANNOTATION_CONFIG_HASH), engine=engine, engine_args=args,
+        selector=scale_selector((template.get("metadata") or {}).get("labels") or {}),
     )
+
+
+def scale_selector(pod_labels: dict[str, str]) -> str | None:
+    """The label selector string of one track's pods (the InferenceService and track labels of its pod
+    template), formatted as the API server formats a Deployment's scale selector: keys sorted."""
+    wanted = {k: v for k, v in pod_labels.items() if k in (LABEL_INFERENCESERVICE, LABEL_TRACK)}
+    if LABEL_INFERENCESERVICE not in wanted:
+        return None
+    return ",".join(f"{k}={wanted[k]}" for k in sorted(wanted))
 
 
 def engine_info(rollout: Rollout) -> dict[str, str] | None:
@@ -184,7 +203,10 @@ def desired_status(*, generation: int | None, previous: dict[str, Any] | None, d
         "replicas": rollout.replicas,
         "readyReplicas": rollout.ready,
         "updatedReplicas": rollout.updated,
+        "availableReplicas": rollout.available,
     }
+    if rollout.selector is not None:
+        status["selector"] = rollout.selector
     if rollout.exists:
         status["engineArgs"] = list(rollout.engine_args)
         status["configHash"] = rollout.config_hash

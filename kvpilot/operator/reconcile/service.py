@@ -12,10 +12,12 @@ import kopf
 
 from kvpilot.api.models import EngineSpec, InferenceService
 from kvpilot.api.validation import validate_object
+from kvpilot.api.vocabulary import Reason
 from kvpilot.operator.apply import NotOwned, ensure, ensure_absent
 from kvpilot.operator.builders.common import RenderOptions
 from kvpilot.operator.builders.monitoring import MONITOR_PLURALS
 from kvpilot.operator.builders.render import render_manifests, unwanted_monitors, wanted_monitor
+from kvpilot.operator.builders.scaling import deployment_replicas, replicas_writer, scaled_message
 from kvpilot.operator.builders.service import build_pdb, wants_pdb
 from kvpilot.operator.builders.status import (
     DEGRADED,
@@ -171,6 +173,8 @@ async def apply_children(p: Pass) -> bool:
                 p.logger.info("updated %s: %s", what, changed)
             if manifest["kind"] == "Deployment":
                 p.deployment = applied.live
+                if applied.action == "updated":
+                    _say_scaled(p, applied.before, applied.live)
                 # A rollback decided (its status written) whose own patch never held: the operator
                 # stopped in between, or the patch failed (RollbackFailed) and this pass came first.
                 p.restored = (p.engine is not None and applied.action == "updated"
@@ -221,6 +225,17 @@ async def say_applied(p: Pass) -> bool:
                                           degraded=degraded), fresh, canary, generation)
 
     return p.end(compute, "success")
+
+
+def _say_scaled(p: Pass, before: dict[str, Any] | None, after: dict[str, Any] | None) -> None:
+    """A Scaled Event when the Deployment's replicas followed a new spec.replicas: from, to, and who
+    wrote it (kubectl, an HPA, KEDA), so `kubectl describe` tells why the count changed."""
+    was, now = deployment_replicas(before), deployment_replicas(after)
+    if was is None or now is None or was == now:
+        return
+    message = scaled_message(was, now, replicas_writer(p.meta))
+    p.emit("Normal", Reason.SCALED.value, message)
+    p.logger.info("%s", message)
 
 
 def _put_back(p: Pass) -> tuple[str, str]:

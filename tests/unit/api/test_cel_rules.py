@@ -171,6 +171,9 @@ def generated(seed: int, count: int) -> list[dict[str, Any]]:
             if maybe(0.5):
                 tracing["samplingRatio"] = rng.choice([0, 0.1, 1])
             spec["observability"] = {"tracing": tracing}
+        if maybe(0.3):
+            low = rng.choice([0, 1, 2, 4])
+            spec["autoscaling"] = {"minReplicas": low, "maxReplicas": max(1, low + rng.choice([-2, -1, 0, 3]))}
         for name, part in (("engine", engine), ("resources", resources), ("rollout", rollout),
                            ("slo", slo), ("tuning", tuning)):
             if maybe(0.85):

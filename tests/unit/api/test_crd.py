@@ -71,9 +71,40 @@ def test_names_columns_and_status_subresource():
     spec = crd.crd()["spec"]
     assert spec["names"]["shortNames"] == ["kvis"]
     version = spec["versions"][0]
-    assert version["subresources"] == {"status": {}}
+    assert version["subresources"] == {"status": {}, "scale": {
+        "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector"}}
     columns = [c["name"].upper() for c in version["additionalPrinterColumns"]]
-    assert columns == ["READY", "CHUNK", "KV%", "P99-TTFT", "BURN", "TUNING", "AGE"]
+    assert columns == ["DESIRED", "READY", "UP-TO-DATE", "AVAILABLE", "CHUNK", "KV%", "P99-TTFT", "BURN",
+                       "TUNING", "AGE"]
+    # kubectl's default view stays short; -o wide adds what `kubectl get deployments` shows besides.
+    wide = [c["name"] for c in version["additionalPrinterColumns"] if c.get("priority")]
+    assert wide == ["Up-To-Date", "Available"]
+
+
+def test_the_scale_paths_are_integer_replicas_and_a_string_selector():
+    """The API server refuses a scale subresource whose paths do not lead to these types in the schema."""
+    schema = _schema()["properties"]
+    scale = crd.crd()["spec"]["versions"][0]["subresources"]["scale"]
+    node = lambda root, path: schema[root]["properties"][path.rsplit(".", 1)[-1]]  # noqa: E731
+    assert node("spec", scale["specReplicasPath"])["type"] == "integer"
+    assert node("status", scale["statusReplicasPath"])["type"] == "integer"
+    assert node("status", scale["labelSelectorPath"])["type"] == "string"
+
+
+def test_autoscaling_is_optional_and_its_behavior_has_hpas_defaults():
+    spec = _schema()["properties"]["spec"]
+    autoscaling = spec["properties"]["autoscaling"]
+    assert "autoscaling" not in spec.get("required", []) and autoscaling["nullable"] is True
+    assert "default" not in autoscaling  # absent means today's fixed replicas, not an autoscaler
+    assert autoscaling["required"] == ["maxReplicas"]
+    behavior = autoscaling["properties"]["behavior"]["default"]
+    assert behavior == {
+        "scaleUp": {"stabilizationWindowSeconds": 0, "selectPolicy": "Max", "policies": [
+            {"type": "Percent", "value": 100, "periodSeconds": 15}, {"type": "Pods", "value": 4, "periodSeconds": 15}]},
+        "scaleDown": {"stabilizationWindowSeconds": 300, "selectPolicy": "Max", "policies": [
+            {"type": "Percent", "value": 100, "periodSeconds": 15}]},
+    }
 
 
 def _resolve(obj, json_path):

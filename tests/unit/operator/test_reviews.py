@@ -128,6 +128,26 @@ def test_a_misspelt_gpu_type_is_admitted_with_a_warning_kubectl_shows() -> None:
     assert response == {"uid": "u1", "allowed": True}
 
 
+def test_replicas_outside_the_autoscaling_bounds_are_admitted_with_a_warning_and_max_below_min_refused() -> None:
+    obj = copy.deepcopy(FULL)
+    obj["spec"]["replicas"] = 12  # full.yaml's bounds are [2, 8]
+    review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+              "request": {"uid": "u1", "operation": "CREATE", "object": obj, "oldObject": None,
+                          "kind": {"group": "kvpilot.dev", "version": "v1alpha1", "kind": "InferenceService"},
+                          "resource": {"group": "kvpilot.dev", "version": "v1alpha1", "resource": "inferenceservices"},
+                          "name": "llama-8b-chat", "namespace": "inference"}}
+    response = json.loads(Reviewer().answer(json.dumps(review).encode()).body)["response"]
+    assert response["allowed"] is True
+    assert response["warnings"] == ["spec.replicas: 12 is outside autoscaling [minReplicas 2, maxReplicas 8]; kvpilot "
+                                    "moves it inside at its next decision, as a HorizontalPodAutoscaler does"]
+    obj["spec"]["autoscaling"]["maxReplicas"] = 1
+    response = json.loads(Reviewer().answer(json.dumps(review).encode()).body)["response"]
+    assert response["allowed"] is False
+    assert response["status"]["details"]["causes"] == [{"reason": "FieldValueInvalid", "field":
+                                                         "spec.autoscaling.maxReplicas",
+                                                         "message": "must be at least minReplicas (2); got 1"}]
+
+
 def _update_review() -> bytes:
     """An UPDATE as the API server sends it for `kubectl apply`: both objects, each with its
     last-applied copy in an annotation (every bracket and comma of the object again, in a string)."""

@@ -131,7 +131,7 @@ def test_status_patch_is_empty_when_nothing_changes() -> None:
     st = desired_status(generation=1, previous={}, deployment=deployment(), now="T1")
     assert status_patch(st, desired_status(generation=1, previous=st, deployment=deployment(), now="T9")) == {}
     changed = desired_status(generation=1, previous=st, deployment=deployment(ready=1), now="T9")
-    assert set(status_patch(st, changed)) == {"conditions", "readyReplicas"}
+    assert set(status_patch(st, changed)) == {"conditions", "readyReplicas", "availableReplicas"}
 
 
 def test_no_deployment_yet() -> None:
