@@ -237,9 +237,12 @@ def replicas_outside_bounds(spec: InferenceServiceSpec) -> str | None:
     bounds = spec.autoscaling
     if bounds is None or bounds.min_replicas <= spec.replicas <= bounds.max_replicas:
         return None
-    who = "kvpilot" if bounds.actor == "kvpilot" else "the external autoscaler"
-    return (f"{spec.replicas} is outside autoscaling [minReplicas {bounds.min_replicas}, maxReplicas "
-            f"{bounds.max_replicas}]; {who} moves it inside at its next decision, as a HorizontalPodAutoscaler does")
+    outside = (f"{spec.replicas} is outside autoscaling [minReplicas {bounds.min_replicas}, maxReplicas "
+               f"{bounds.max_replicas}]")
+    if bounds.actor == "external":
+        return f"{outside}; the external autoscaler moves it inside at its next decision, as a HorizontalPodAutoscaler does"
+    # kvpilot's planner does not act on spec.replicas yet (issue 36): say so rather than promise it.
+    return f"{outside}; kvpilot does not scale replicas yet (actor: kvpilot), so it stays at {spec.replicas}"
 
 
 def _engine_inside_space(spec: InferenceServiceSpec) -> bool:
