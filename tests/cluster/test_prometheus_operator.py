@@ -61,6 +61,13 @@ ENGINE_PORT = 8000
 SM, PM = "sm", "pm"
 # What Prometheus Operator names a monitor's scrape pool (job_name): <kind>/<namespace>/<name>/<endpoint>.
 SM_POOL, PM_POOL = f"serviceMonitor/{NS}/{SM}/0", f"podMonitor/{NS}/{PM}/0"
+# The chart with its ServiceMonitor and PrometheusRule (harness.chart's "monitoring" values), the operator's
+# pods on the node with routable-looking IPs (the endpoints controllers refuse loopback ones), no tuner (its
+# PVC would never bind here).
+CHART_VALUES: dict[str, Any] = {**chart.VALUE_SETS["monitoring"], "tuner": {"enabled": False},
+                                "operator": {"nodeSelector": {LABEL_GPU_PRODUCT: ROUTED}}}
+CHART_KINDS = ("ServiceMonitor", "PrometheusRule", "Service", "Deployment")
+CHART_POOL = f"serviceMonitor/{chart.NAMESPACE}/{chart.RELEASE}-kvpilot/0"
 
 
 def inference_service(name: str, gpu: str, monitor: str) -> dict[str, Any]:
@@ -127,7 +134,7 @@ def wait_generated(cp: ControlPlane, promop: PrometheusOperator,
         jobs = {j["job_name"] for j in (config or {}).get("scrape_configs") or []}
         files = {f for files in rules.values() for f in files}
         have = {w for w in wanted_rules if any(f.startswith(f"{w}-") for f in files)}
-        return (config, rules) if config and {SM_POOL, PM_POOL} <= jobs and have == wanted_rules else None
+        return (config, rules) if config and {SM_POOL, PM_POOL, CHART_POOL} <= jobs and have == wanted_rules else None
     result: tuple[dict[str, Any], dict[str, dict[str, str]]] = wait_for(
         generated, timeout=180, interval=0.5, what="Prometheus Operator's configuration with kvpilot's monitors and rules")
     return result
@@ -159,8 +166,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
             kvpilot = Operator(kubeconfig, workdir / "kvpilot-operator")
             api = "/apis/monitoring.coreos.com/v1/namespaces"
             cp.create(f"{api}/{MONITORING}/prometheuses", prometheus_object(prometheus_version(operator_dir)))
-            chart_rule = chart.one(chart.render("monitoring"), "PrometheusRule")
-            cp.create(f"{api}/{chart.NAMESPACE}/prometheusrules", chart_rule)
+            rendered = chart.render(CHART_VALUES)
+            cp.apply_manifests([r.obj for r in rendered if r.kind in CHART_KINDS])
+            chart_rule = chart.one(rendered, "PrometheusRule")
             cp.create(ISVCS, inference_service(SM, ROUTED, "ServiceMonitor"))
             cp.create(ISVCS, inference_service(PM, LOOPBACK, "PodMonitor"))
             # Prometheus Operator names each rule file <namespace>-<name>-<uid>.yaml.
@@ -262,7 +270,8 @@ def test_the_emulated_monitor_semantics_give_the_labels_the_real_ones_do(
 
 
 @pytest.mark.parametrize("plural_name", ["servicemonitors/sm", "podmonitors/pm", "prometheusrules/sm-slo",
-                                         "prometheusrules/pm-slo", "prometheusrules/kvp-kvpilot"])
+                                         "prometheusrules/pm-slo", "prometheusrules/kvp-kvpilot",
+                                         "servicemonitors/kvp-kvpilot"])
 def test_prometheus_operator_accepts_each_monitor_and_rule(world: World, plural_name: str) -> None:
     """Prometheus Operator's own verdict (status.bindings, with StatusForConfigurationResources): a
     monitor or rule it finds invalid is left out of the configuration with Accepted False and why."""
@@ -276,3 +285,20 @@ def test_prometheus_operator_accepts_each_monitor_and_rule(world: World, plural_
     bound = wait_for(binding, timeout=60, what=f"{plural_name} bound to Prometheus {PROMETHEUS}")
     accepted = {c["type"]: c for c in bound["conditions"]}["Accepted"]
     assert accepted["status"] == "True", accepted
+
+
+def test_the_charts_operator_down_alert_selects_the_targets_its_service_monitor_gives(
+        world: World, prometheus: PrometheusServer) -> None:
+    """KvpilotOperatorDown keys on `up{job=..., namespace=...}`: the labels Prometheus Operator gives
+    the targets of the chart's ServiceMonitor (the operator's pods here are never reachable, so `up` is 0)."""
+    rule = chart.one(chart.render(CHART_VALUES), "PrometheusRule")
+    (down,) = [r for g in rule["spec"]["groups"] for r in g["rules"] if r.get("alert") == "KvpilotOperatorDown"]
+    selector = re.search(r"\bup\{[^}]*\}", down["expr"])
+    assert selector is not None, down["expr"]
+    pods = world.cp.get(f"/api/v1/namespaces/{chart.NAMESPACE}/pods",
+                        params={"labelSelector": "app.kubernetes.io/component=operator"})["items"]
+    assert pods
+    series = wait_for(lambda: len(prometheus.query(selector.group(0))) == len(pods) or None, timeout=60,
+                      what=f"{selector.group(0)} for each of the chart's operator pods")
+    assert series
+    assert {t["labels"]["pod"] for t in active_targets(prometheus, CHART_POOL)} == {p["metadata"]["name"] for p in pods}
