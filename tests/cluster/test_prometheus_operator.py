@@ -78,8 +78,8 @@ def inference_service(name: str, gpu: str, monitor: str) -> dict[str, Any]:
 
 
 def prometheus_object(version: str) -> dict[str, Any]:
-    # kube-prometheus-stack with serviceMonitorSelectorNilUsesHelmValues=false and
-    # ruleSelectorNilUsesHelmValues=false (docs/quickstart-kind.md): empty selectors, all namespaces.
+    # kube-prometheus-stack with serviceMonitorSelectorNilUsesHelmValues, podMonitorSelectorNilUsesHelmValues
+    # and ruleSelectorNilUsesHelmValues false (docs/quickstart-kind.md): empty selectors, all namespaces.
     everything: dict[str, Any] = {}
     return {"apiVersion": "monitoring.coreos.com/v1", "kind": "Prometheus",
             "metadata": {"name": PROMETHEUS, "namespace": MONITORING},
