@@ -6,9 +6,12 @@ binary (scripts/build-prometheus-operator.sh), a `Prometheus` selecting monitors
 docs/quickstart-kind.md has kube-prometheus-stack do (every ServiceMonitor, PodMonitor and
 PrometheusRule, in every namespace), the chart's PrometheusRule, and the real `kvpilot operator`
 writing a ServiceMonitor for one InferenceService and a PodMonitor for another, each with its SLO
-PrometheusRule. Prometheus Operator generates the Prometheus configuration; a real Prometheus runs
-it here with one change (harness.prometheus_operator.out_of_cluster: a kubeconfig for Kubernetes
-service discovery, the rule files where this machine has them).
+PrometheusRule; and the chart's own ServiceMonitor, operator Service and Deployment. Prometheus
+Operator generates the Prometheus configuration; a real Prometheus (3.13.1, built with it: Debian's
+has no Kubernetes service discovery) runs it here changed only where a pod would differ
+(harness.prometheus_operator.out_of_cluster: `$(SHARD)` and `$(POD_NAME)` expanded as the
+config-reloader does, a kubeconfig for Kubernetes service discovery, the rule files where this
+machine has them).
 
 The PodMonitor's InferenceService runs on a kwok node whose pod CIDR is on the loopback (pod IPs
 may be loopback; Endpoints and EndpointSlices refuse them), so its target is a synthetic vLLM
@@ -298,7 +301,7 @@ def test_the_charts_operator_down_alert_selects_the_targets_its_service_monitor_
     pods = world.cp.get(f"/api/v1/namespaces/{chart.NAMESPACE}/pods",
                         params={"labelSelector": "app.kubernetes.io/component=operator"})["items"]
     assert pods
-    series = wait_for(lambda: len(prometheus.query(selector.group(0))) == len(pods) or None, timeout=60,
-                      what=f"{selector.group(0)} for each of the chart's operator pods")
-    assert series
+    # The chart's ServiceMonitor scrapes every 30 s: `up` exists once each target has been tried.
+    wait_for(lambda: len(prometheus.query(selector.group(0))) == len(pods) or None, timeout=90,
+             what=f"{selector.group(0)} for each of the chart's operator pods")
     assert {t["labels"]["pod"] for t in active_targets(prometheus, CHART_POOL)} == {p["metadata"]["name"] for p in pods}
