@@ -141,6 +141,9 @@ class ControlPlane:
     audit: bool = False
     # More kube-apiserver flags (a chaos run keeps etcd's whole history watchable, for one).
     apiserver_args: tuple[str, ...] = ()
+    # kube-controller-manager's --controllers (a test that needs Services' endpoints adds the
+    # endpoints and endpointslice controllers).
+    controllers: tuple[str, ...] = CONTROLLERS
     components: list[Component] = field(default_factory=list)
     api_port: int = 0
 
@@ -292,7 +295,7 @@ class ControlPlane:
         kcm_port, scheduler_port = free_port(), free_port()
         kcm = self._spawn("kube-controller-manager", [
             *common, f"--secure-port={kcm_port}", f"--cert-dir={self.workdir / 'kcm-certs'}",
-            f"--controllers={','.join(CONTROLLERS)}",
+            f"--controllers={','.join(self.controllers)}",
             # kwok's node heartbeats lag when the machine is busy; past the default 50 s the
             # node-lifecycle controller marks the node and every pod on it not Ready, and rollouts
             # stall for reasons no test is about. It still lifts the not-ready taint at start.
@@ -321,13 +324,16 @@ class ControlPlane:
 
     # ---- nodes ----
     def add_node(self, name: str, *, gpus: int = 8, pods: int = 110, memory: str = "512Gi",
-                 gpu_resource: str = "nvidia.com/gpu") -> dict[str, Any]:
-        """A fake GPU node, managed by kwok; returns it once kwok has marked it Ready."""
+                 gpu_resource: str = "nvidia.com/gpu", labels: dict[str, str] | None = None,
+                 pod_cidr: str | None = None) -> dict[str, Any]:
+        """A fake GPU node, managed by kwok; returns it once kwok has marked it Ready. kwok gives its
+        pods IPs from `pod_cidr` (default: kwok's --cidr)."""
         capacity = {"cpu": "64", "memory": memory, "pods": str(pods), gpu_resource: str(gpus)}
         self.create("/api/v1/nodes", {
             "apiVersion": "v1", "kind": "Node",
-            "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, "type": "kwok"},
+            "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, "type": "kwok", **(labels or {})},
                          "annotations": {"kwok.x-k8s.io/node": "fake"}},
+            "spec": {"podCIDR": pod_cidr} if pod_cidr else {},
             "status": {"capacity": capacity, "allocatable": capacity},
         })
 

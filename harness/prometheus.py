@@ -103,6 +103,8 @@ class PrometheusServer(ServerProcess):
         rule_files: Sequence[str | Path] = (),
         scrape_configs: Sequence[dict[str, Any]] | None = None,
         ready_timeout: float = 20.0,
+        full_config: dict[str, Any] | None = None,
+        binary: str | None = None,
     ) -> None:
         self.targets = list(targets)
         self.job = job
@@ -111,6 +113,10 @@ class PrometheusServer(ServerProcess):
         self.rule_files = [str(Path(f).resolve()) for f in rule_files]
         self.scrape_configs = scrape_configs
         self.ready_timeout = ready_timeout
+        # A whole configuration as written elsewhere (Prometheus Operator's), used as-is.
+        self.full_config = full_config
+        # Another Prometheus than Debian's (which is built without Kubernetes service discovery).
+        self.binary = binary
         self.port: int | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -124,6 +130,8 @@ class PrometheusServer(ServerProcess):
         return f"http://127.0.0.1:{self.port}"
 
     def config(self) -> dict[str, Any]:
+        if self.full_config is not None:
+            return self.full_config
         scrape = (
             list(self.scrape_configs)
             if self.scrape_configs is not None
@@ -142,7 +150,7 @@ class PrometheusServer(ServerProcess):
         }
 
     def start(self) -> PrometheusServer:
-        binary = require_prometheus()
+        binary = self.binary or require_prometheus()
         self._tmp = tempfile.TemporaryDirectory(prefix="kvpilot-prom-")
         root = Path(self._tmp.name)
         config = root / "prometheus.yml"

@@ -1,6 +1,10 @@
 """A stand-in for vLLM's /metrics where no engine runs (kwok pods serve nothing): TTFT and ITL
 histograms that grow by `rate` observations a second, each in the lowest bucket, so every p99 and
-burn rate is the same in any window and well inside any SLO."""
+burn rate is the same in any window and well inside any SLO.
+
+`escaped=True` serves the names as vLLM's /metrics does under OpenMetrics negotiation with
+`escaping=underscores` (Prometheus 2.x's Accept): `vllm_<name>` for `vllm:<name>`, which the monitors'
+metricRelabelings rename back. `host` and `port` place it where a target is (a kwok pod's IP)."""
 
 from __future__ import annotations
 
@@ -13,13 +17,14 @@ from kvpilot.api import vllm
 
 
 class SyntheticVllm:
-    def __init__(self, rate: float = 10.0) -> None:
+    def __init__(self, rate: float = 10.0, *, escaped: bool = False, host: str = "127.0.0.1", port: int = 0) -> None:
         started = time.monotonic()
 
         def body() -> bytes:
             n = int((time.monotonic() - started) * rate)
             lines: list[str] = []
-            for name, edges in ((vllm.METRIC_TTFT, vllm.TTFT_BUCKETS), (vllm.METRIC_ITL, vllm.ITL_BUCKETS)):
+            for metric, edges in ((vllm.METRIC_TTFT, vllm.TTFT_BUCKETS), (vllm.METRIC_ITL, vllm.ITL_BUCKETS)):
+                name = metric.replace(":", "_") if escaped else metric
                 lines.append(f"# TYPE {name} histogram")
                 lines += [f'{name}_bucket{{le="{edge}"}} {n}' for edge in edges]
                 lines += [f'{name}_bucket{{le="+Inf"}} {n}', f"{name}_sum {n * edges[0]}", f"{name}_count {n}"]
@@ -37,8 +42,8 @@ class SyntheticVllm:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.target = f"127.0.0.1:{self.server.server_address[1]}"
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.target = f"{host}:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     def __enter__(self) -> SyntheticVllm:

@@ -17,3 +17,5 @@ START_UP_FAILS_IMAGE = "vllm/vllm-openai:kvpilot-start-up-fails"
 HELD_IMAGE = "vllm/vllm-openai:kvpilot-held"
 RELEASE_ANNOTATION = "kvpilot.dev/test-release"
 CRD_FILE = ROOT / "crds" / "inferenceservices.kvpilot.dev.yaml"
+# The kinds of the chart's ServiceAccounts and RBAC, which the operator under test runs as.
+RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")

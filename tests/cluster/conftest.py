@@ -22,7 +22,7 @@ from harness.cluster import (
     built_binaries,
     wait_for,
 )
-from tests.cluster.common import CRD_FILE, KWOK_STAGES, NODE, SERVING
+from tests.cluster.common import CRD_FILE, KWOK_STAGES, NODE, RBAC_KINDS, SERVING
 
 
 @pytest.fixture(scope="package")
@@ -55,9 +55,6 @@ def crd(control_plane: ControlPlane) -> dict[str, Any]:
     wait_for(lambda: control_plane.get("/apis/kvpilot.dev/v1alpha1/inferenceservices"), timeout=30,
              what="InferenceServices served")
     return live
-
-
-RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
 
 
 @pytest.fixture(scope="package")
