@@ -57,7 +57,23 @@ def check_storage_url(url: str, flag: str = "--storage") -> str:
 
 
 def sqlite_storage(url: str) -> Any:
-    """Optuna's RDB storage on a SQLite URL whose writes wait SQLITE_BUSY_TIMEOUT_S for the file's lock."""
-    import optuna
+    """Optuna's RDB storage on a SQLite URL whose transactions each take the file's write lock first
+    (BEGIN IMMEDIATE), waiting SQLITE_BUSY_TIMEOUT_S for it.
 
-    return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_S}})
+    Optuna pops a queued trial by reading it WAITING, then writing it RUNNING, and counts on the read
+    locking the row (FOR UPDATE), which SQLite ignores; Python's sqlite3 does not even begin a
+    transaction before a read. Two forked `--workers` then both ran vLLM's defaults as trial 0 and the
+    budget came one trial short. Serialized transactions make the read and the write one step; a
+    transaction here lasts milliseconds, so the workers barely wait. (SQLAlchemy's recipe for
+    pysqlite: the driver's own transaction handling off, and a BEGIN of our choosing.)"""
+    import optuna
+    from sqlalchemy import event
+
+    storage = optuna.storages.RDBStorage(url, engine_kwargs={
+        "connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_S, "isolation_level": None}})
+
+    @event.listens_for(storage.engine, "begin")
+    def _begin_immediate(conn: Any) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return storage
