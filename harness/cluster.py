@@ -486,15 +486,16 @@ class Operator:
     """The operator under test: a real `kvpilot operator --all-namespaces` process, as the chart's
     operator ServiceAccount, that a test can restart (stop it cleanly, start a new process)."""
 
-    def __init__(self, kubeconfig: Path, workdir: Path) -> None:
-        self._kubeconfig, self._workdir = kubeconfig, workdir
+    def __init__(self, kubeconfig: Path, workdir: Path, *extra_args: str) -> None:
+        self._kubeconfig, self._workdir, self._extra_args = kubeconfig, workdir, extra_args
         self._stack = contextlib.ExitStack()
         self.processes: list[OperatorProcess] = []
         self._start()
 
     def _start(self) -> None:
         self.processes.append(self._stack.enter_context(operator_process(
-            self._kubeconfig, self._workdir, "--all-namespaces", log_name=f"operator-{len(self.processes)}.log")))
+            self._kubeconfig, self._workdir, "--all-namespaces", *self._extra_args,
+            log_name=f"operator-{len(self.processes)}.log")))
 
     @property
     def current(self) -> OperatorProcess:

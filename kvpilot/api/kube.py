@@ -31,6 +31,29 @@ EXTENDED_RESOURCE_PATTERN = rf"^{DNS1123_LABEL}(\.{DNS1123_LABEL})*/{_QUALIFIED_
 # label's value, such as nvidia.com/gpu.product's NVIDIA-H100-80GB-HBM3).
 LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 
+# IsQualifiedName: an optional DNS-subdomain prefix (at most 253) and a slash, then a name of at most 63.
+LABEL_NAME_PATTERN = rf"^{_QUALIFIED_NAME}$"
+
+
+def label_key_problem(key: str) -> str | None:
+    """Why `key` is not a Kubernetes label key (IsQualifiedName), or None."""
+    prefix, slash, name = key.rpartition("/")
+    if slash and (not prefix or len(prefix) > 253 or not re.match(DNS1123_SUBDOMAIN_PATTERN, prefix)):
+        return f"label key {key!r}: the prefix before '/' must be a DNS subdomain of at most 253 characters"
+    if not name or len(name) > 63 or not re.match(LABEL_NAME_PATTERN, name):
+        return (f"label key {key!r}: the name must be 1-63 characters, alphanumerics with '-', '_' or '.' "
+                "inside")
+    return None
+
+
+def label_value_problem(value: str) -> str | None:
+    """Why `value` is not a Kubernetes label value (IsValidLabelValue), or None."""
+    if len(value) > 63 or not re.match(LABEL_VALUE_PATTERN, value):
+        return (f"label value {value!r}: at most 63 characters, alphanumerics with '-', '_' or '.' inside, "
+                "or empty")
+    return None
+
+
 # resource.ParseQuantity: <sign><digits>[.<digits>][<binarySI>|<decimalSI>|e<exponent>].
 QUANTITY_PATTERN = r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?[0-9]+))?$"
 _BINARY = {"Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40, "Pi": 50, "Ei": 60}

@@ -78,6 +78,24 @@ def _uid(text: str) -> int:
     return uid
 
 
+def _label(text: str) -> tuple[str, str]:
+    from kvpilot.api.kube import label_key_problem, label_value_problem
+
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"must be KEY=VALUE, e.g. release=kube-prometheus-stack (got {text!r})")
+    problem = label_key_problem(key) or label_value_problem(value)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return key, value
+
+
+MONITOR_LABEL_HELP = ("a label for every ServiceMonitor, PodMonitor and PrometheusRule the operator creates "
+                      "(repeatable), for a Prometheus that selects them by label: kube-prometheus-stack "
+                      "selects release=<its release name> unless told to select all; kvpilot's own labels "
+                      "win over these")
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     op = subparsers.add_parser(
         "operator",
@@ -122,6 +140,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "over the full reference starting with the registry, e.g. docker.io/vllm/vllm-openai:* "
                     "or registry.example.com/*; others are refused with condition Degraded/ImageNotAllowed. "
                     "Default: any image")
+    op.add_argument("--monitor-label", type=_label, action="append", default=[], metavar="KEY=VALUE",
+                    help=MONITOR_LABEL_HELP)
     op.add_argument("--engine-run-as-user", type=_uid, default=None, metavar="UID",
                     help="run vLLM containers as this non-root uid, with HOME and /tmp on emptyDirs and a "
                     "read-only root (what the restricted Pod Security Standard needs); default: the "
@@ -180,6 +200,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     render.add_argument("-f", "--filename", required=True, metavar="FILE", help="a YAML file, or - for stdin")
     render.add_argument("--twin-image", default=DEFAULT_TWIN_IMAGE, metavar="IMG",
                         help="kvpilot image for engine.kind twin (default: %(default)s)")
+    render.add_argument("--monitor-label", type=_label, action="append", default=[], metavar="KEY=VALUE",
+                        help="as `kvpilot operator --monitor-label`")
     render.add_argument("--engine-run-as-user", type=_uid, default=None, metavar="UID",
                         help="as `kvpilot operator --engine-run-as-user`")
     render.add_argument("--no-monitoring", action="store_true",
@@ -266,6 +288,7 @@ def _operator(args: argparse.Namespace) -> int:
         handler_retry_delay_seconds=args.retry_delay,
         crash_loop_restarts=args.crash_loop_restarts,
         allowed_images=allowed, engine_run_as_user=args.engine_run_as_user,
+        monitor_labels=tuple(args.monitor_label),
     )
     configure_logging(settings)
     try:
@@ -317,7 +340,7 @@ def _render(args: argparse.Namespace) -> int:
         return 1
     options = RenderOptions(twin_image=args.twin_image, service_monitors=not args.no_monitoring,
                             pod_monitors=not args.no_monitoring, prometheus_rules=not args.no_monitoring,
-                            engine_run_as_user=args.engine_run_as_user)
+                            engine_run_as_user=args.engine_run_as_user, monitor_labels=tuple(args.monitor_label))
     # One service at a time: a bundle of a thousand is 27 MB of YAML, never all in memory at once.
     first = True
     for p in parsed:

@@ -73,6 +73,9 @@ class OperatorSettings:
     # admitted where the "restricted" Pod Security Standard is enforced; None keeps the image's own
     # user (root in vllm/vllm-openai).  See builders/deployment.py for what each choice costs.
     engine_run_as_user: int | None = None
+    # Labels put on every ServiceMonitor, PodMonitor and PrometheusRule the operator creates (--monitor-label),
+    # for a Prometheus whose selectors ask for them (kube-prometheus-stack's release label).
+    monitor_labels: tuple[tuple[str, str], ...] = ()
     # The validating admission webhook (kvpilot.operator.webhook): AdmissionReviews over HTTPS on
     # webhook_port; None serves none.  The PEM certificate (with its chain) and key are read again
     # whenever they change, checked every webhook_cert_reload_seconds.

@@ -55,6 +55,7 @@ pytestmark = pytest.mark.cluster
 NS = "serving"
 MONITORING = "monitoring"
 PROMETHEUS = "kvpilot"
+KPS = "kps"  # a second Prometheus, selecting by kube-prometheus-stack's release label
 ISVCS = f"/apis/kvpilot.dev/v1alpha1/namespaces/{NS}/inferenceservices"
 # Two GPU products, so each InferenceService (spec.resources.gpuType) lands on its own node.
 ROUTED = gpus.product_label("A100-80GB")
@@ -80,16 +81,18 @@ def inference_service(name: str, gpu: str, monitor: str) -> dict[str, Any]:
                      "observability": {"monitor": monitor}}}
 
 
-def prometheus_object(version: str) -> dict[str, Any]:
-    # kube-prometheus-stack with serviceMonitorSelectorNilUsesHelmValues, podMonitorSelectorNilUsesHelmValues
-    # and ruleSelectorNilUsesHelmValues false (docs/quickstart-kind.md): empty selectors, all namespaces.
+def prometheus_object(version: str, name: str = PROMETHEUS, selector: dict[str, Any] | None = None) -> dict[str, Any]:
+    # By default kube-prometheus-stack with serviceMonitorSelectorNilUsesHelmValues,
+    # podMonitorSelectorNilUsesHelmValues and ruleSelectorNilUsesHelmValues false (docs/quickstart-kind.md):
+    # empty selectors, all namespaces. With `selector`, the stack's defaults: its release label.
     everything: dict[str, Any] = {}
+    chosen = selector if selector is not None else everything
     return {"apiVersion": "monitoring.coreos.com/v1", "kind": "Prometheus",
-            "metadata": {"name": PROMETHEUS, "namespace": MONITORING},
+            "metadata": {"name": name, "namespace": MONITORING},
             "spec": {"version": version,  # the Prometheus that runs the configuration here
-                     "serviceMonitorSelector": everything, "serviceMonitorNamespaceSelector": everything,
-                     "podMonitorSelector": everything, "podMonitorNamespaceSelector": everything,
-                     "ruleSelector": everything, "ruleNamespaceSelector": everything}}
+                     "serviceMonitorSelector": chosen, "serviceMonitorNamespaceSelector": everything,
+                     "podMonitorSelector": chosen, "podMonitorNamespaceSelector": everything,
+                     "ruleSelector": chosen, "ruleNamespaceSelector": everything}}
 
 
 def namespace(cp: ControlPlane, name: str) -> None:
@@ -166,9 +169,12 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         kvpilot: Operator | None = None
         try:
             (workdir / "kvpilot-operator").mkdir()
-            kvpilot = Operator(kubeconfig, workdir / "kvpilot-operator")
+            # The chart's operator.monitorLabels, as kube-prometheus-stack's default selectors need them.
+            kvpilot = Operator(kubeconfig, workdir / "kvpilot-operator", "--monitor-label", f"release={KPS}")
             api = "/apis/monitoring.coreos.com/v1/namespaces"
             cp.create(f"{api}/{MONITORING}/prometheuses", prometheus_object(prometheus_version(operator_dir)))
+            cp.create(f"{api}/{MONITORING}/prometheuses", prometheus_object(
+                prometheus_version(operator_dir), KPS, {"matchLabels": {"release": KPS}}))
             rendered = chart.render(CHART_VALUES)
             cp.apply_manifests([r.obj for r in rendered if r.kind in CHART_KINDS])
             chart_rule = chart.one(rendered, "PrometheusRule")
@@ -288,6 +294,21 @@ def test_prometheus_operator_accepts_each_monitor_and_rule(world: World, plural_
     bound = wait_for(binding, timeout=60, what=f"{plural_name} bound to Prometheus {PROMETHEUS}")
     accepted = {c["type"]: c for c in bound["conditions"]}["Accepted"]
     assert accepted["status"] == "True", accepted
+
+
+def test_a_prometheus_selecting_by_release_label_gets_every_monitor_and_rule_with_monitor_labels(
+        world: World) -> None:
+    """kube-prometheus-stack's default selectors (release=<its release>) pick up each InferenceService's
+    monitor and SLO rules once the operator runs with --monitor-label release=<it> (operator.monitorLabels)."""
+    def generated() -> tuple[set[str], set[str]] | None:
+        config = generated_config(world.cp, MONITORING, KPS)
+        files = {f for fs in rule_files(world.cp, MONITORING, KPS).values() for f in fs}
+        jobs = {j["job_name"] for j in (config or {}).get("scrape_configs") or []}
+        return (jobs, files) if {SM_POOL, PM_POOL} <= jobs and len(files) >= 2 else None
+    jobs, files = wait_for(generated, timeout=120, interval=0.5, what=f"Prometheus {KPS}'s configuration")
+    # Prometheus Operator names each rule file <namespace>-<name>-<uid>.yaml.
+    assert all(any(f.startswith(f"{NS}-{name}-slo-") for f in files) for name in (SM, PM)), files
+    assert CHART_POOL not in jobs  # the chart's own monitor carries no release label in these values
 
 
 def test_the_charts_operator_down_alert_selects_the_targets_its_service_monitor_gives(

@@ -42,6 +42,10 @@ class RenderOptions:
     prometheus_rules: bool = True
     # A numeric uid to run vLLM containers as (OperatorSettings.engine_run_as_user); None: the image's user.
     engine_run_as_user: int | None = None
+    # Labels for the ServiceMonitor, PodMonitor and PrometheusRule of every InferenceService, so that a
+    # Prometheus selecting on labels (kube-prometheus-stack: release=<its release>) picks them up; kvpilot's
+    # own labels win over these (OperatorSettings.monitor_labels).
+    monitor_labels: tuple[tuple[str, str], ...] = ()
 
 
 def app_name(isvc: InferenceService) -> str:

@@ -30,12 +30,20 @@ def render_manifests(isvc: InferenceService, options: RenderOptions | None = Non
         manifests.append(build_pdb(isvc))
     monitor = wanted_monitor(isvc)
     if monitor is not None and _served(options)[monitor]:
-        manifests.append(build_monitor(isvc, monitor))
+        manifests.append(_labelled(build_monitor(isvc, monitor), options))
     if options.prometheus_rules:
         rule = build_prometheus_rule(isvc)
         if rule is not None:
-            manifests.append(rule)
+            manifests.append(_labelled(rule, options))
     return manifests
+
+
+def _labelled(manifest: dict[str, Any], options: RenderOptions) -> dict[str, Any]:
+    """The monitoring object with the operator's --monitor-label labels; its own labels win."""
+    if options.monitor_labels:
+        meta = manifest["metadata"]
+        meta["labels"] = {**dict(options.monitor_labels), **(meta.get("labels") or {})}
+    return manifest
 
 
 def unwanted_monitors(isvc: InferenceService, options: RenderOptions | None = None) -> list[dict[str, Any]]:

@@ -24,7 +24,7 @@ def render_options(settings: OperatorSettings, served: frozenset[str]) -> Render
     """What the builders need from the settings and from discovery (the monitoring kinds served)."""
     return RenderOptions(twin_image=settings.twin_image, service_monitors="servicemonitors" in served,
                          pod_monitors="podmonitors" in served, prometheus_rules="prometheusrules" in served,
-                         engine_run_as_user=settings.engine_run_as_user)
+                         engine_run_as_user=settings.engine_run_as_user, monitor_labels=settings.monitor_labels)
 
 
 def usable_last_good(previous: dict[str, Any], logger: Logger) -> dict[str, Any] | None:

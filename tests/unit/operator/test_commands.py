@@ -33,7 +33,7 @@ def test_operator_help_names_every_option() -> None:
     code, out, _ = run(["operator", "--help"])
     assert code == 0
     for option in ("--namespace", "--all-namespaces", "--twin-image", "--metrics-port", "--log-format",
-                   "--max-workers", "--crash-loop-restarts", "--allowed-image", "--engine-run-as-user",
+                   "--max-workers", "--crash-loop-restarts", "--allowed-image", "--engine-run-as-user", "--monitor-label",
                    "--webhook-port", "--webhook-host", "--webhook-cert-file", "--webhook-key-file"):
         assert option in out
 
@@ -47,6 +47,10 @@ def test_operator_help_names_every_option() -> None:
     (["operator", "--engine-run-as-user", "0"], "must be a non-root numeric user id"),
     (["operator", "--engine-run-as-user", "vllm"], "must be a numeric user id"),
     (["operator", "--allowed-image", "vllm/*"], "allowed image pattern 'vllm/*' must start with a registry host"),
+    (["operator", "--monitor-label", "release"], "--monitor-label: must be KEY=VALUE"),
+    (["operator", "--monitor-label", "bad key=x"], "label key 'bad key': the name must be 1-63 characters"),
+    (["operator", "--monitor-label", "Example.com/x=y"], "the prefix before '/' must be a DNS subdomain"),
+    (["render", "-f", "x.yaml", "--monitor-label", "release=" + "v" * 64], "at most 63 characters"),
 ])
 def test_bad_options_are_refused_with_a_reason(argv: list[str], complaint: str) -> None:
     code, _, err = run(argv)

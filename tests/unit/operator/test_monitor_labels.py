@@ -262,3 +262,16 @@ def test_the_monitors_metric_relabelling_gives_back_vllms_names_where_prometheus
 
     assert renamed_by_the_monitor(escaped) == declared
     assert renamed_by_the_monitor(declared) == declared
+
+
+def test_monitor_labels_of_the_operator_label_the_monitor_and_the_rule_not_the_others() -> None:
+    """--monitor-label: a Prometheus selecting monitors and rules by label (kube-prometheus-stack's
+    `release`) picks up every InferenceService's; kvpilot's own labels are kept where a key collides."""
+    options = RenderOptions(monitor_labels=(("release", "kps"), ("app.kubernetes.io/managed-by", "someone")))
+    for kind in MONITOR_KINDS:
+        manifests = render_manifests(the_isvc(kind), options)
+        for labelled in (one(manifests, kind), one(manifests, "PrometheusRule")):
+            labels = labelled["metadata"]["labels"]
+            assert labels["release"] == "kps" and labels["app.kubernetes.io/managed-by"] == "kvpilot"
+        for other in ("Deployment", "Service"):
+            assert "release" not in one(manifests, other)["metadata"]["labels"]

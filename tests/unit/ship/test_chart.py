@@ -243,6 +243,17 @@ def test_chart_args_parse_with_the_real_cli() -> None:
                 assert callable(parsed.handler)
 
 
+def test_operator_monitor_labels_reach_the_operator_as_flags_it_accepts() -> None:
+    """operator.monitorLabels (kube-prometheus-stack's release label) become --monitor-label flags the
+    real CLI parses into the operator's labels; without the value there is no flag."""
+    from kvpilot.cli import build_parser
+
+    assert _flag(_container(render("default"), "-operator")["args"], "monitor-label") == []
+    args = _container(render({"operator": {"monitorLabels": {"release": "kps", "team": "a"}}}), "-operator")["args"]
+    assert sorted(_flag(args, "monitor-label")) == ["release=kps", "team=a"]
+    assert sorted(build_parser().parse_args(args).monitor_label) == [("release", "kps"), ("team", "a")]
+
+
 # --- the tuner ------------------------------------------------------------------------------------
 
 
