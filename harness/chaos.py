@@ -45,6 +45,7 @@ KINDS = ("etcd-restart", "apiserver-restart", "operator-kill", "tuner-kill", "pr
 STEADY_TOKENS = (1024, 2048, 3072, 4096, 8192)
 CONVERGE_S = 240.0
 HISTORY_CATCH_UP_S = 60.0
+SETTLE_FIRST_S = 60.0  # the bed's first convergence takes seconds; past this, kwok is started again once
 
 
 @dataclass(frozen=True)
@@ -326,7 +327,13 @@ def run(faults: int, seed: int, workdir: Path, *, converge_s: float = CONVERGE_S
     with ChaosBed(workdir, seed) as bed:
         invariants = Invariants(bed)
         try:
-            wait_converged(invariants, converge_s, "the bed to settle")
+            try:
+                wait_converged(invariants, SETTLE_FIRST_S, "the bed to settle")
+            except TimeoutError:
+                # Before any fault: kwok 0.7.0 once never played a pod's delayed Ready stage (CI, no error
+                # logged), as it drops a stage after a restart; started again it plays every pod's afresh.
+                bed.resync_kwok()
+                wait_converged(invariants, converge_s, "the bed to settle (kwok started again)")
             try:
                 for fault in report.faults:
                     _one(bed, fault, invariants, rng, report, began, converge_s, progress)

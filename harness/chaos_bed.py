@@ -156,13 +156,13 @@ class ChaosBed:
     # ---- faults ----
     def restart_etcd(self) -> None:
         self.cp.restart("etcd")
-        self._resync_kwok()
+        self.resync_kwok()
 
     def restart_apiserver(self) -> None:
         self.cp.restart("kube-apiserver")
-        self._resync_kwok()
+        self.resync_kwok()
 
-    def _resync_kwok(self) -> None:
+    def resync_kwok(self) -> None:
         """kwok plays the kubelets, but a stage whose patch failed while the store was down is never
         played again (a pod bound then stays Pending for good: seen at an etcd restart), where a kubelet
         keeps syncing its pods. Started again, kwok plays every pod's stage afresh."""
