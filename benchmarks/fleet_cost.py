@@ -216,30 +216,14 @@ def policies(load: list[Minute], env: Envelopes, defaults: Config, seed: int) ->
     def sla(now: float, current: int, config: Config, ticks: list[Tick], seen: list[Minute]) -> int:
         if int(now) % 60:
             return current
-        last = ticks[-int(60 / TICK_S):]
-        rate = sum(t.requests for t in last) / (len(last) * TICK_S)
-        return max(1, math.ceil(rate / profiled))
+        return max(1, math.ceil(scraped_rate(ticks, 60) / profiled))
 
     results.append(run_day("sla-planner@defaults", load, env, lambda *_: defaults, sla, start(defaults), seed))
 
     # kvpilot's planner, at a static config and with the joint choice
-    def kvpilot() -> Callable[..., int]:
-        planner = Planner(Policy(min_replicas=1, max_replicas=500), startup_s=STARTUP_S)
-
-        def decide(now: float, current: int, config: Config, ticks: list[Tick], seen: list[Minute]) -> int:
-            last = ticks[-int(SCRAPE_S / TICK_S):]
-            rate = sum(t.requests for t in last) / (len(last) * TICK_S)
-            planner.observe(Demand(at=now, rate=rate))
-            fast = burn_of(ticks, 300) > 14.4 and burn_of(ticks, 3600) > 14.4
-            slow = burn_of(ticks, 1800) > 6 and burn_of(ticks, 6 * 3600) > 6
-            left = 1 - budget_burned(ticks, OBJECTIVE)
-            cap = env(config, seen[-1].mix).capacity_rps
-            return planner.plan(now, current, cap, Burn(fast=fast, slow=slow, budget_left=left)).desired
-        return decide
-
     static = best_config(env, day_mix)
     results.append(run_day(f"planner@best-static {static[0]}/{static[1]}", load, env, lambda *_: static,
-                           kvpilot(), start(static), seed))
+                           planner_policy(env), start(static), seed))
 
     current: list[Config] = [static]
 
@@ -257,7 +241,7 @@ def policies(load: list[Minute], env: Envelopes, defaults: Config, seed: int) ->
             current[0] = best
         return current[0]
 
-    results.append(run_day("joint", load, env, joint_config, kvpilot(),
+    results.append(run_day("joint", load, env, joint_config, planner_policy(env),
                            start(best_config(env, load[0].mix)), seed))
     return results
 
@@ -266,7 +250,7 @@ def step_absorbed(env: Envelopes, config: Config, seed: int) -> float:
     """Seconds from a 2x step in load (20 -> 40 req/s, chat) until the replicas serving carry it (their
     capacity within the SLO at least the new rate; the queue built meanwhile drains after)."""
     load = [Minute(20.0, "chat")] * 60 + [Minute(40.0, "chat")] * 30
-    result = run_day("step", load, env, lambda *_: config, _planner_decide(env),
+    result = run_day("step", load, env, lambda *_: config, planner_policy(env, guarded=False),
                      math.ceil(20.0 / (env(config, "chat").capacity_rps * 0.8)), seed)
     step_at = 60 * 60
     for t in result.ticks:
@@ -275,14 +259,25 @@ def step_absorbed(env: Envelopes, config: Config, seed: int) -> float:
     return float("inf")
 
 
-def _planner_decide(env: Envelopes) -> Callable[..., int]:
+def scraped_rate(ticks: list[Tick], seconds: float) -> float:
+    """Requests per second over the last `seconds` of ticks (Prometheus' rate over that window)."""
+    last = ticks[-max(1, int(seconds / TICK_S)):]
+    return sum(t.requests for t in last) / (len(last) * TICK_S)
+
+
+def planner_policy(env: Envelopes, *, guarded: bool = True) -> Callable[..., int]:
+    """kvpilot's planner (default policy) at each scrape; `guarded`: with the burn rates and the budget
+    left read from the day so far (the 2x-step scenario runs unguarded: a full budget, no burn)."""
     planner = Planner(Policy(min_replicas=1, max_replicas=500), startup_s=STARTUP_S)
 
     def decide(now: float, current: int, config: Config, ticks: list[Tick], seen: list[Minute]) -> int:
-        last = ticks[-int(SCRAPE_S / TICK_S):]
-        planner.observe(Demand(at=now, rate=sum(t.requests for t in last) / (len(last) * TICK_S)))
-        cap = env(config, seen[-1].mix).capacity_rps
-        return planner.plan(now, current, cap, Burn(budget_left=1.0)).desired
+        planner.observe(Demand(at=now, rate=scraped_rate(ticks, SCRAPE_S)))
+        burn = Burn(budget_left=1.0)
+        if guarded:
+            burn = Burn(fast=burn_of(ticks, 300) > 14.4 and burn_of(ticks, 3600) > 14.4,
+                        slow=burn_of(ticks, 1800) > 6 and burn_of(ticks, 6 * 3600) > 6,
+                        budget_left=1 - budget_burned(ticks, OBJECTIVE))
+        return planner.plan(now, current, env(config, seen[-1].mix).capacity_rps, burn).desired
     return decide
 
 

@@ -241,18 +241,13 @@ class Window:
 
 def windows(ticks: Sequence[Tick], seconds: float = 300.0) -> list[Window]:
     """The ticks grouped into consecutive windows of `seconds` (5 minutes: the dashboards' p99)."""
-    out: list[Window] = []
-    bucket: list[Tick] = []
+    buckets: list[list[Tick]] = [[]]
     for tick in ticks:
-        bucket.append(tick)
-        if sum(t.seconds for t in bucket) >= seconds - 1e-9:
-            out.append(Window(sum(t.requests for t in bucket), sum(t.ttft_misses for t in bucket),
-                              sum(t.itl_misses for t in bucket)))
-            bucket = []
-    if bucket:
-        out.append(Window(sum(t.requests for t in bucket), sum(t.ttft_misses for t in bucket),
-                          sum(t.itl_misses for t in bucket)))
-    return out
+        if sum(t.seconds for t in buckets[-1]) >= seconds - 1e-9:
+            buckets.append([])
+        buckets[-1].append(tick)
+    return [Window(sum(t.requests for t in b), sum(t.ttft_misses for t in b), sum(t.itl_misses for t in b))
+            for b in buckets if b]
 
 
 def gpu_hours(ticks: Sequence[Tick], gpus_per_replica: int = 1) -> float:
