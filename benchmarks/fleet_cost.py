@@ -60,6 +60,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -111,16 +112,15 @@ def azure(scale: float = AZURE_SCALE) -> list[Minute]:
     for service in ("conv", "code"):
         with gzip.open(AZURE / f"AzureLLMInferenceTrace_{service}.csv.gz", "rt", newline="") as f:
             rows = list(csv.DictReader(f))
-        minutes = [r["TIMESTAMP"][:16] for r in rows]
-        counts: dict[str, int] = {}
-        for m in minutes[minutes.index(minutes[0]):]:
-            counts[m] = counts.get(m, 0) + 1
-        full = sorted(counts)[1:-1]  # the first and last minutes are cut by the hour's edges
+        stamps = [datetime.fromisoformat(r["TIMESTAMP"][:19]) for r in rows]
+        first = min(stamps).replace(second=0)
+        counts = np.bincount([int((t - first).total_seconds() // 60) for t in stamps])
+        full = counts[1:-1]  # the first and last minutes are cut by the hour's edges; empty minutes stay
         prompt = np.array([int(r["ContextTokens"]) for r in rows], dtype=float)
         output = np.array([int(r["GeneratedTokens"]) for r in rows], dtype=float)
         mix = f"azure-{service}"
         MIXES[mix] = f"prompt={_fit(prompt, 7168)},output={_fit(output, 1024)}"
-        out += [Minute(counts[m] / 60 * scale, mix) for m in full]
+        out += [Minute(int(n) / 60 * scale, mix) for n in full]
     return out
 
 
