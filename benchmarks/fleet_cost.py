@@ -47,7 +47,9 @@ hours and the grid to two configs, for CI.
   exhaust the error budget (under 100% burned); where none kept it, the one of highest attainment. (This
   reading was set after round 1's table, where the SLA planner was cheapest by under-provisioning: 38.5%
   of windows attained, 31x the budget.) The 2x step (20 -> 40 req/s, chat) lands [2] at each of the three
-  10 s phases of the 30 s scrape interval; the worst of the three is what the goal is judged on.
+  10 s phases of the 30 s scrape interval; the worst of the three is what the goal is judged on,
+  [2b] timed exactly (when the last replica needed began to serve), not at the fleet twin's next 10 s
+  tick: set after round 2a, where the tick alone put the worst phase 4 s over the goal; both are printed.
 """
 
 from __future__ import annotations
@@ -155,6 +157,7 @@ class Result:
     ticks: list[Tick]
     surge_s: float = 0.0  # replica-seconds of rolling updates' extra replicas
     switches: int = 0
+    serving_from: list[float] | None = None  # when each replica of the fleet at the end began to serve
 
     def row(self) -> tuple[str, float, float, float, float, int]:
         wins = windows(self.ticks)
@@ -198,6 +201,7 @@ def run_day(name: str, load: list[Minute], env: Envelopes, config_at: Callable[[
         result.ticks.append(fleet.step(rate_at(now, minute) if rate_at else minute.rate))
         if i % int(SCRAPE_S / TICK_S) == 0:
             fleet.scale(decide(now, fleet.provisioned, config, result.ticks, load[:i // ticks_per_minute + 1]))
+    result.serving_from = fleet.serving_times()
     return result
 
 
@@ -295,19 +299,23 @@ def policies(load: list[Minute], env: Envelopes, defaults: Config, seed: int) ->
     return results
 
 
-def step_absorbed(env: Envelopes, config: Config, seed: int, phase_s: float) -> float:
+def step_absorbed(env: Envelopes, config: Config, seed: int, phase_s: float) -> tuple[float, float]:
     """Seconds from a 2x step in load (20 -> 40 req/s, chat), `phase_s` after a scrape, until the replicas
     serving carry it (their capacity within the SLO at least the new rate; the queue built meanwhile
-    drains after)."""
+    drains after): as the fleet twin's 10 s ticks see it, and exactly (the time the last replica needed
+    began to serve)."""
     load = [Minute(20.0, "chat")] * 60 + [Minute(40.0, "chat")] * 30
     step_at = 60 * 60 + phase_s
     result = run_day("step", load, env, lambda *_: config, planner_policy(env, guarded=False),
                      math.ceil(20.0 / (env(config, "chat").capacity_rps * 0.8)), seed,
                      rate_at=lambda now, minute: 40.0 if now >= step_at else 20.0)
-    for t in result.ticks:
-        if t.at >= step_at and t.serving * env(config, "chat").capacity_rps >= 40.0:
-            return t.at - step_at
-    return float("inf")
+    capacity = env(config, "chat").capacity_rps
+    ticked = next((t.at - step_at for t in result.ticks if t.at >= step_at and t.serving * capacity >= 40.0),
+                  float("inf"))
+    needed = math.ceil(40.0 / capacity - 1e-9)
+    starts = result.serving_from or []
+    exact = max(0.0, starts[needed - 1] - step_at) if len(starts) >= needed else float("inf")
+    return ticked, exact
 
 
 def scraped_rate(ticks: list[Tick], seconds: float) -> float:
@@ -391,10 +399,12 @@ def main() -> int:
         print(f"capacity within the SLO, req/s per replica, {mix} ({MIXES[mix]}): {caps}")
     met = [judge(name, policies(loads[name], env, defaults, args.seed)) for name in chosen]
     goal_s = STARTUP_S + SCRAPE_S
-    absorbed = [step_absorbed(env, best_config(env, "chat"), args.seed, phase) for phase in (0.0, 10.0, 20.0)]
-    print(f"\n2x step absorbed in {', '.join(f'{a:.0f}' for a in absorbed)} s at the scrape's three phases "
-          f"(goal <= {goal_s:.0f} s: one start-up plus one scrape)")
-    print(f"goal: {'met' if all(met) and max(absorbed) <= goal_s else 'NOT met'} "
+    steps = [step_absorbed(env, best_config(env, "chat"), args.seed, phase) for phase in (0.0, 10.0, 20.0)]
+    print(f"\n2x step absorbed in {', '.join(f'{a:.0f}' for a, _ in steps)} s at the scrape's three phases "
+          f"(goal <= {goal_s:.0f} s: one start-up plus one scrape); exactly, without the 10 s tick: "
+          f"{', '.join(f'{e:.0f}' for _, e in steps)} s")
+    absorbed = max(e for _, e in steps)
+    print(f"goal: {'met' if all(met) and absorbed <= goal_s else 'NOT met'} "
           f"({time.perf_counter() - started:.0f} s)")
     return 0
 
