@@ -48,6 +48,10 @@ class Demand:
     rate: float  # requests per second
     prompt_tokens: float = 0.0  # mean per request
     output_tokens: float = 0.0  # mean per request
+    # The arrival rate the requests in flight imply now (vLLM's running + waiting over the mean e2e
+    # latency: Little's law). A gauge read at the scrape sees a step in the load that a rate over the
+    # scrape window has only begun to show; None where it is not known.
+    in_flight_rate: float | None = None
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,7 @@ class Policy:
     min_budget_to_scale_down: float = 0.25  # share of the period's budget that must be left
     settle_tolerance: float = 0.10  # the rate's trend over the window, relative, for a "settled" load
     trend_window_s: float = 300.0  # the samples the trend is fitted on
+    step_tolerance: float = 0.20  # in-flight rate above the windowed rate by more than this: a step under way
 
     def __post_init__(self) -> None:
         problems = []
@@ -141,11 +146,22 @@ class Planner:
             return 0.0
         return sum((t - mean_t) * (r - mean_r) for t, r in pts) / var
 
+    def level(self) -> float:
+        """The rate now: the windowed rate, or the in-flight rate where that is above it by more than
+        step_tolerance (a step the window has only partly seen; below the band it is noise, and a fall
+        is left to the window, so that scale-down stays slow)."""
+        if not self._samples:
+            return 0.0
+        last = self._samples[-1]
+        if last.in_flight_rate is not None and last.in_flight_rate > last.rate * (1 + self.policy.step_tolerance):
+            return last.in_flight_rate
+        return last.rate
+
     def forecast(self) -> float:
         """The rate a replica started now meets once it serves: now, plus the rising trend over start-up."""
         if not self._samples:
             return 0.0
-        return self._samples[-1].rate + max(0.0, self.trend()) * self.startup_s
+        return self.level() + max(0.0, self.trend()) * self.startup_s
 
     def settled(self) -> bool:
         """The trend over the window moves the rate by less than settle_tolerance of it."""

@@ -63,6 +63,26 @@ def register(subparsers: Any) -> None:
     st.add_argument("--context", type=int, default=0, help="KV-cache tokens each decode reads (default 0)")
     st.set_defaults(handler=_step_time)
 
+    su = twin_sub.add_parser(
+        "startup",
+        help="print how long a new replica takes to serve, by part, as JSON",
+        description="The twin's start-up model: a replica's seconds from its pod starting until it serves "
+                    "(process, weights, torch.compile, memory profiling, CUDA graphs, API server and the startup "
+                    "probe), calibrated on real vLLM start-ups on an H100.  The fleet planner forecasts the load "
+                    "over this time.  With --log, the parts of a real start-up read from a vLLM server log, to "
+                    "set --weights-gib-per-s for your storage.",
+    )
+    source = su.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="model preset or Hugging Face id")
+    source.add_argument("--model-config", metavar="CONFIG_JSON", help="a Hugging Face config.json")
+    source.add_argument("--log", metavar="FILE", help="a vLLM server log to read a real start-up from")
+    su.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="tensor-parallel size")
+    su.add_argument("--weights-gib-per-s", type=float, default=None, metavar="R",
+                    help="the rate one rank reads the checkpoint at (default: the calibration's, 1.08)")
+    su.add_argument("--compile-cached", action="store_true", help="vLLM's torch.compile cache holds this model")
+    su.add_argument("--enforce-eager", action="store_true", help="vLLM's --enforce-eager: no compile, no graphs")
+    su.set_defaults(handler=_startup)
+
     from kvpilot.twin.calibration import cli as calibrate_cli
     from kvpilot.twin.server import cli as serve_cli
 
@@ -102,6 +122,36 @@ def _run(args: argparse.Namespace) -> int:
     out = report.as_dict()
     if args.no_histograms:
         out.pop("histograms")
+    json.dump(out, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return 0
+
+
+def _startup(args: argparse.Namespace) -> int:
+    from kvpilot.twin.coldstart import WEIGHTS_GIB_PER_S, predict_cold_start, read_startup_log
+    from kvpilot.twin.models import load_model_config, resolve_model
+
+    try:
+        if args.log:
+            with open(args.log, encoding="utf-8", errors="replace") as f:
+                start = read_startup_log(f.read())
+            name = args.log
+        else:
+            model = load_model_config(args.model_config) if args.model_config else resolve_model(args.model)
+            if args.tp < 1:
+                raise ValueError(f"--tp must be >= 1 (got {args.tp})")
+            rate = WEIGHTS_GIB_PER_S if args.weights_gib_per_s is None else args.weights_gib_per_s
+            if not rate > 0:
+                raise ValueError(f"--weights-gib-per-s must be > 0 (got {rate})")
+            start = predict_cold_start(model, tensor_parallel_size=args.tp, compile_cached=args.compile_cached,
+                                       enforce_eager=args.enforce_eager, weights_gib_per_s=rate)
+            name = model.name
+    except OSError as exc:
+        return _fail("startup", f"cannot read --log {args.log!r}: {exc.strerror}", 2)
+    except ValueError as exc:
+        return _fail("startup", str(exc), 2)
+    out = {"source": "log" if args.log else "model", "name": name, "seconds": round(start.total_s, 2),
+           "parts": {k: round(v, 2) for k, v in start.parts().items()}}
     json.dump(out, sys.stdout, indent=2)
     sys.stdout.write("\n")
     return 0

@@ -153,6 +153,10 @@ class FleetTwin:
     def serving(self) -> list[Replica]:
         return [r for r in self._fleet if r.serving_from <= self.now]
 
+    def serving_times(self) -> list[float]:
+        """When each replica asked for began (or begins) to serve, in order: exact, not by the tick."""
+        return sorted(r.serving_from for r in self._fleet)
+
     def scale(self, desired: int) -> None:
         """Ask for `desired` replicas: new ones start now; removed ones go starting ones first (they
         serve nobody yet), then those that serve, their queues handed back to the others."""

@@ -21,7 +21,7 @@ PRINTS = {
     "canary": r"(?m)^diurnal\s+canary\s+\d+",
     "chaos": r"(?m)^invariant violations: \d+$",
     "capacity_holds": r"capacity holds \(meets at 95%, misses at 120%, every seed\): (yes|NO)",
-    "fleet_cost": r"2x step absorbed in \d+ s \(goal <= 150 s\)",
+    "fleet_cost": r"2x step absorbed in \d+, \d+, \d+ s at the scrape's three phases \(goal <= \d+ s",
     "gpu_probe": r"h200_meta-llama_Llama-3.1-70B.mlp.csv: as committed",
     "live_steps": r"(?m)^\s+128/8: \d+ token gaps",
     "live_tuning": r"(?m)^warm start\s+\d+\.\d%",

@@ -56,6 +56,30 @@ def test_a_doubled_load_is_met_at_the_next_scrape() -> None:
     assert decision.desired == 8 and decision.reason in (LOAD_RISING, UP_LIMITED)
 
 
+def test_a_step_the_scrape_window_only_began_to_show_is_sized_from_the_requests_in_flight() -> None:
+    """A step lands a third of the way into the scrape window: the windowed rate shows 42.7 of 64 req/s,
+    the requests in flight (Little's law) show the whole of it."""
+    planner = Planner(Policy(max_replicas=20), startup_s=120)
+    feed(planner, [32.0] * 40)
+    now = 40 * SCRAPE_S
+    planner.observe(Demand(at=now, rate=42.7, in_flight_rate=64.0))
+    decision = planner.plan(now, current=4, per_replica_rps=PER_REPLICA, burn=HEALTHY)
+    assert decision.desired == 8 and decision.forecast_rate >= 64.0
+    # Without the gauge the same scrape asks for too few: 42.7 plus the trend's share.
+    blind = Planner(Policy(max_replicas=20), startup_s=120)
+    feed(blind, [32.0] * 40)
+    blind.observe(Demand(at=now, rate=42.7))
+    assert blind.plan(now, current=4, per_replica_rps=PER_REPLICA, burn=HEALTHY).desired < 8
+
+
+def test_in_flight_noise_within_the_band_and_a_fall_are_left_to_the_window() -> None:
+    planner = Planner(Policy(max_replicas=20), startup_s=120)
+    for i in range(40):
+        planner.observe(Demand(at=i * SCRAPE_S, rate=32.0, in_flight_rate=32.0 * (1.15 if i % 2 else 0.5)))
+    decision = planner.plan(39 * SCRAPE_S, current=4, per_replica_rps=PER_REPLICA, burn=HEALTHY)
+    assert (decision.desired, decision.reason) == (4, STEADY) and decision.forecast_rate == pytest.approx(32.0)
+
+
 def test_a_rising_ramp_is_met_before_it_arrives() -> None:
     """A replica takes start-up time to serve: the forecast sizes for the rate at the end of it."""
     planner = Planner(Policy(max_replicas=50), startup_s=300)

@@ -88,3 +88,13 @@ def test_least_outstanding_routing_balances_what_random_spread_leaves_uneven(see
 def test_a_router_out_of_the_list_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="router must be one of random, least-outstanding"):
         FleetTwin(ENV, SLO_, startup_s=0, router="round-robin")
+
+
+def test_serving_times_are_exact_within_a_tick() -> None:
+    fleet = FleetTwin(ENV, SLO(ttft_seconds=0.5, itl_seconds=0.05), startup_s=66.0, replicas=2, tick_s=10.0)
+    fleet.step(10.0)
+    fleet.scale(3)  # asked at the end of the first tick (10 s): serves from 76 s, not from the 80 s tick
+    assert fleet.serving_times() == [0.0, 0.0, 76.0]
+    while fleet.now < 76.0:
+        fleet.step(10.0)
+    assert fleet.now == 80.0 and len(fleet.serving()) == 3
