@@ -263,8 +263,9 @@ class Worker:
                                 pause_poll_s=self.args.poll, max_trials=spec.tuning.max_trials,
                                 strategy=strategy)
         self.gate = self._gate()
+        # fleet: a window in which the replica count moved (an autoscaler, kubectl scale) is measured again.
         self.tuner = LiveTuner(study, applier, signals, settings, clock=self._clock(), observer=observer,
-                               gate=self.gate)
+                               gate=self.gate, fleet=applier)
         if self._stopping.is_set():
             return
         if self._owe_put_back:  # a trial's engine may still be in force from the last start
