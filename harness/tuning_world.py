@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvpilot.api.vocabulary import Track
 from kvpilot.tuner.core.fleetsize import Replicas
@@ -169,4 +169,7 @@ class World:
         if self.canary is None:
             raise SignalsUnavailable("NoTraffic", "no canary requests in the window")
         load = self.load(self.clock.t)
-        return self._measure(self.engine, load), self._measure(self.canary, load)
+        stable, canary = self._measure(self.engine, load), self._measure(self.canary, load)
+        # As Prometheus reads a track: its own requests' rate (the latency model stays per engine).
+        w = self.canary_weight
+        return replace(stable, request_rate=load * (1 - w)), replace(canary, request_rate=load * w)

@@ -22,6 +22,7 @@ from kvpilot.tuner.core.objective import Goal, Measurement, Outcome, better, inf
 from kvpilot.tuner.core.sequential import PairedSPRT, SequentialSettings, Verdict
 from kvpilot.tuner.core.space import EngineParams
 from kvpilot.tuner.core.study import KIND_REMEASURE, Incumbent, TunerStudy
+from kvpilot.tuner.core.tracks import service_load
 
 log = logging.getLogger(__name__)
 
@@ -523,7 +524,8 @@ class LiveTuner:
                         break
                 if scaled:
                     continue
-                stable_m, canary_m = self.tracks.measure_tracks(self.clock.monotonic() - start)
+                # Each track's rate in the service's terms: the canary's share moves with the fleet.
+                stable_m, canary_m = service_load(*self.tracks.measure_tracks(self.clock.monotonic() - start))
             except SignalsUnavailable as exc:
                 # A window with a hole in it is not a measurement.  The service's own signals may be
                 # fine while one track's are not (a canary that gets no connections: clients that keep
