@@ -30,7 +30,9 @@ hours and the grid to two configs, for CI.
                         of most capacity at the day's mean token mix;
   joint                 kvpilot's planner; every 15 minutes the grid config of most capacity at the last
                         15 minutes' mix, switched to by a rolling update (maxSurge 1: one extra replica
-                        for replicas x start-up) when it needs at least 10% fewer replicas.
+                        for replicas x start-up) when the product's regime rule (kvpilot/fleet/regime.py)
+                        says the saving is worth it: at least 1 GPU and 10% of the GPUs the config in
+                        force needs at the 15 minutes' mean rate and mix.
 - Goal (issue 36): joint uses at least 30% fewer GPU-hours than the best of reactive and sla-planner at
   defaults and at least 10% fewer than planner@best-static, with attainment at least theirs and the
   day's error budget not exhausted; a 2x step absorbed within one start-up plus one scrape (150 s).
@@ -53,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvpilot.api.engine import serve_defaults  # noqa: E402
 from kvpilot.api.slo import SLO  # noqa: E402
 from kvpilot.fleet.planner import Burn, Demand, Planner, Policy  # noqa: E402
+from kvpilot.fleet.regime import gpus_needed, regime_change  # noqa: E402
 from kvpilot.twin.engine import EngineConfig  # noqa: E402
 from kvpilot.twin.fleet import Envelope, FleetTwin, Tick, budget_burned, gpu_hours, measure_envelope, windows  # noqa: E402
 from kvpilot.twin.hardware import resolve_gpu  # noqa: E402
@@ -235,9 +238,9 @@ def policies(load: list[Minute], env: Envelopes, defaults: Config, seed: int) ->
         mix = mean_mix(recent)
         rate = sum(m.rate for m in recent) / len(recent)
         best = best_config(env, mix)
-        need_now = rate / env(current[0], mix).capacity_rps
-        need_best = rate / env(best, mix).capacity_rps
-        if need_best <= 0.9 * need_now:
+        # The product's rule (kvpilot/fleet/regime.py): GPUs at the window's mean rate and mix.
+        if regime_change(gpus_needed(rate, env(current[0], mix).capacity_rps),
+                         gpus_needed(rate, env(best, mix).capacity_rps)).switch:
             current[0] = best
         return current[0]
 
