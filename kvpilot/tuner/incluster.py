@@ -299,7 +299,7 @@ class Worker:
         from kvpilot.tuner.adapters.offline import TwinEvaluator, TwinTarget, workload_from_estimate
         from kvpilot.tuner.adapters.prometheus import estimate_workload
         from kvpilot.tuner.core.loop import SignalsUnavailable
-        from kvpilot.tuner.core.warmstart import enqueue_warm_start, twin_best
+        from kvpilot.tuner.core.warmstart import enqueue_warm_start, twin_best, twin_goal
 
         observer.phase(TuningPhase.WARM_START, "SearchingTwin", "estimating the workload and searching the twin")
         engine = self.isvc.spec.engine
@@ -313,6 +313,7 @@ class Worker:
             log.info("warm start skipped for %s/%s: %s", self.namespace, self.name, exc)
             return
         ev = TwinEvaluator(twin, workload_from_estimate(est), slo)
+        goal = twin_goal(goal, self.isvc.spec.autoscaling is not None)
         picks = twin_best(space, slo, ev.evaluator(goal, est.request_rate), goal=goal, trials=20, k=3,
                           first=[current])
         enqueue_warm_start(study, picks)
