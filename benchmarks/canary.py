@@ -235,7 +235,9 @@ class SimService(World):
         ttft = max(ttfts) * math.exp(shock + self.rng.gauss(0.0, noise))
         itl = max(itls) * math.exp(shock + self.rng.gauss(0.0, noise))
         score = max(ttft / SLO_.ttft_seconds, itl / SLO_.itl_seconds)
-        return Measurement(ttft_p99=ttft, itl_p99=itl, request_rate=statistics.fmean(rates),
+        # The rate of the requests this share saw, as Prometheus reads a track's (the loop puts a track
+        # back in the service's terms).
+        return Measurement(ttft_p99=ttft, itl_p99=itl, request_rate=statistics.fmean(rates) * share,
                            burn_rate=burn_of(score))
 
     def burn_rate(self, window_s: float, track: Track | None = None) -> float:

@@ -4,7 +4,7 @@ canary trials: a canary engine beside the stable one takes `canary_weight` of th
 world counts the requests each engine served (`served`).  Time only moves when the loop sleeps, so a
 10-minute trial runs in microseconds and every event has an exact time.
 
-`World` is the tuner's Applier, CanaryApplier and TrackSignals at once; a benchmark with a latency
+`World` is the tuner's Applier, CanaryApplier, TrackSignals and FleetSize at once; a benchmark with a latency
 model of its own subclasses it and replaces the signals (`_refuse` decides which engines cannot start).
 """
 
@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvpilot.api.vocabulary import Track
+from kvpilot.tuner.core.fleetsize import Replicas
 from kvpilot.tuner.core.loop import ApplyFailed, SignalsUnavailable
 from kvpilot.tuner.core.objective import Measurement
 from kvpilot.tuner.core.space import EngineParams
@@ -68,6 +69,8 @@ class World:
     served: dict[EngineParams, float] = field(default_factory=dict)  # requests each engine served
     noise: float = 0.0  # relative sd of each p99 reading (seeded)
     seed: int = 0
+    # -- the fleet's size (FleetSize): stable replicas (desired, ready) at a time; None reads as unknown --
+    replicas_at: Callable[[float], tuple[int, int]] | None = None
 
     def __post_init__(self) -> None:
         self._last = self.clock.t
@@ -119,6 +122,12 @@ class World:
         if params.gpu_memory_utilization > self.oom_above:
             raise ApplyFailed("OutOfMemory", f"{params.gpu_memory_utilization} leaves no room for activations")
 
+    # -- FleetSize -------------------------------------------------------------------
+    def replicas(self) -> Replicas | None:
+        if self.replicas_at is None:
+            return None
+        return Replicas(*self.replicas_at(self.clock.t))
+
     # -- SignalSource ----------------------------------------------------------------
     def is_dark(self) -> bool:
         return any(a <= self.clock.t < b for a, b in self.dark)
@@ -160,4 +169,7 @@ class World:
         if self.canary is None:
             raise SignalsUnavailable("NoTraffic", "no canary requests in the window")
         load = self.load(self.clock.t)
-        return self._measure(self.engine, load), self._measure(self.canary, load)
+        stable, canary = self._measure(self.engine, load), self._measure(self.canary, load)
+        # As Prometheus reads a track: its own requests' rate (the latency model stays per engine).
+        w = self.canary_weight
+        return replace(stable, request_rate=load * (1 - w)), replace(canary, request_rate=load * w)

@@ -77,10 +77,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--workload", default="chat", help="preset or spec, see below (default %(default)s)")
     p.add_argument("--slo", default="ttft=0.5,itl=0.05",
                    help="p99 targets in seconds, ttft=S,itl=S (default %(default)s)")
-    p.add_argument("--goal", choices=("capacity", "latency"), default="capacity",
-                   help="offline: capacity (the most req/s sustained in steady state within the SLO) or latency "
-                        "(at --rate); default %(default)s")
-    p.add_argument("--rate", type=float, default=5.0, help="offline latency goal: offered req/s")
+    p.add_argument("--goal", choices=("capacity", "latency", "gpus"), default="capacity",
+                   help="offline: capacity (the most req/s sustained in steady state within the SLO), latency "
+                        "(at --rate), or gpus (the fewest GPUs that carry --rate of the workload's mix within the "
+                        "SLO: for a service that autoscales); default %(default)s")
+    p.add_argument("--rate", type=float, default=5.0, help="offline latency and gpus goals: offered req/s")
     p.add_argument("--probe-seconds", type=float, default=150.0, metavar="S",
                    help="offline capacity: seconds of arrivals (virtual time) each probed rate is served for, the "
                         "first fifth a warm-up that is not measured; long enough for a queue the engine cannot "

@@ -263,8 +263,9 @@ class Worker:
                                 pause_poll_s=self.args.poll, max_trials=spec.tuning.max_trials,
                                 strategy=strategy)
         self.gate = self._gate()
+        # fleet: a window in which the replica count moved (an autoscaler, kubectl scale) is measured again.
         self.tuner = LiveTuner(study, applier, signals, settings, clock=self._clock(), observer=observer,
-                               gate=self.gate)
+                               gate=self.gate, fleet=applier)
         if self._stopping.is_set():
             return
         if self._owe_put_back:  # a trial's engine may still be in force from the last start
@@ -298,7 +299,7 @@ class Worker:
         from kvpilot.tuner.adapters.offline import TwinEvaluator, TwinTarget, workload_from_estimate
         from kvpilot.tuner.adapters.prometheus import estimate_workload
         from kvpilot.tuner.core.loop import SignalsUnavailable
-        from kvpilot.tuner.core.warmstart import enqueue_warm_start, twin_best
+        from kvpilot.tuner.core.warmstart import enqueue_warm_start, twin_best, twin_goal
 
         observer.phase(TuningPhase.WARM_START, "SearchingTwin", "estimating the workload and searching the twin")
         engine = self.isvc.spec.engine
@@ -312,6 +313,7 @@ class Worker:
             log.info("warm start skipped for %s/%s: %s", self.namespace, self.name, exc)
             return
         ev = TwinEvaluator(twin, workload_from_estimate(est), slo)
+        goal = twin_goal(goal, self.isvc.spec.autoscaling is not None)
         picks = twin_best(space, slo, ev.evaluator(goal, est.request_rate), goal=goal, trials=20, k=3,
                           first=[current])
         enqueue_warm_start(study, picks)

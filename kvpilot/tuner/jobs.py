@@ -388,15 +388,25 @@ def _offline_inputs(args: argparse.Namespace) -> tuple[SLO, Any, Any, EnginePara
     return slo, workload, target, defaults
 
 
+# What the gpus goal's value is (the answer, the report).
+GPUS_UNIT = ("GPUs: the replicas' GPUs the load needs within the SLO, from each config's capacity at the workload's "
+             "mix, at the planner's target utilization (80%), times the tensor-parallel size, before rounding up "
+             "to whole replicas")
+
+
 def _offline_objective(args: argparse.Namespace, goal: Goal, slo: SLO,
                        evaluator: Any) -> Callable[[EngineParams], Outcome]:
-    """A trial's outcome on the twin: the capacity search, or the SLO ratio at --rate."""
+    """A trial's outcome on the twin: the capacity search, the GPUs it needs for --rate, or the SLO
+    ratio at --rate."""
     from kvpilot.tuner.adapters.offline import StartupFailed
     from kvpilot.twin.memory import EngineStartupError
 
     def evaluate(params: EngineParams) -> Outcome:
         if goal is Goal.CAPACITY:
             return evaluator.evaluate(params)
+        if goal is Goal.GPUS:
+            gpus: Outcome = evaluator.gpus(params, args.rate)
+            return gpus
         try:
             s = evaluator.run(params, args.rate)
         except EngineStartupError as exc:
@@ -417,7 +427,7 @@ def _open_offline_study(args: argparse.Namespace, target: Any, workload: Any, sl
     inputs = identity(**_question(target, workload, goal), device=_device_input(target),
                       maxModelLen=target.max_model_len, tensorParallelSize=target.tensor_parallel_size,
                       slo={"ttftSeconds": slo.ttft_seconds, "itlSeconds": slo.itl_seconds},
-                      goal=goal.value, rate=args.rate if goal is Goal.LATENCY else None, seed=args.seed,
+                      goal=goal.value, rate=None if goal is Goal.CAPACITY else args.rate, seed=args.seed,
                       probeSeconds=args.probe_seconds, space=space.as_spec())
     name = args.study_name or (
         f"{study_name('offline', f'{_target_label(target)}.{_workload_label(workload, goal)}', space, goal)}"
@@ -530,10 +540,13 @@ def _run_offline_study(args: argparse.Namespace, st: TunerStudy, evaluate: Calla
 def _offline_report_facts(args: argparse.Namespace, target: Any, workload: Any, slo: SLO, goal: Goal, name: str,
                           accuracy: list[str]) -> list[tuple[str, str]]:
     """The report's facts: what was tuned, for what, and what the value means."""
-    value_is = (f"capacity: the highest arrival rate (req/s) sustained in steady state with both p99s within "
-                f"the SLO ({args.probe_seconds:g} s of arrivals per rate, the first {args.probe_seconds / 5:g} s "
-                "not measured, two request sequences; higher is better)" if goal is Goal.CAPACITY
-                else f"the worse of p99 TTFT / SLO and p99 ITL / SLO at {args.rate:g} req/s (lower is better)")
+    value_is = {
+        Goal.CAPACITY: f"capacity: the highest arrival rate (req/s) sustained in steady state with both p99s within "
+                       f"the SLO ({args.probe_seconds:g} s of arrivals per rate, the first {args.probe_seconds / 5:g} s "
+                       "not measured, two request sequences; higher is better)",
+        Goal.GPUS: f"{GPUS_UNIT} for {args.rate:g} req/s (lower is better)",
+        Goal.LATENCY: f"the worse of p99 TTFT / SLO and p99 ITL / SLO at {args.rate:g} req/s (lower is better)",
+    }[goal]
     return [
         ("Model and GPU", f"{target.model} on {target.gpu}, tensor parallel size {target.tensor_parallel_size}, "
                           f"max model length {target.max_model_len}"),
@@ -563,12 +576,15 @@ def _offline_answer(args: argparse.Namespace, st: TunerStudy, target: Any, workl
         return 1
     params, value = best
     accuracy = _twin_accuracy(target, evaluator, st, params, value) if goal is Goal.CAPACITY else []
+    if goal is Goal.GPUS:
+        print(f"\nvalue: {GPUS_UNIT} for {args.rate:g} req/s", file=sys.stderr)
     dflt = next((t for t in st.trials() if t.user_attrs.get(ATTR_SOURCE) == "vllmDefaults"
                  and t.state is TrialState.COMPLETE), None)
-    unit = "req/s sustained within SLO" if goal is Goal.CAPACITY else "x SLO (lower is better)"
+    unit = {Goal.CAPACITY: "req/s sustained within SLO", Goal.GPUS: f"GPUs for {args.rate:g} req/s (lower is better)",
+            Goal.LATENCY: "x SLO (lower is better)"}[goal]
     comment = f"kvpilot tune --offline: {value:.3f} {unit}"
     baseline: dict[str, Any] | None = None
-    if dflt is not None and dflt.value is not None and goal is Goal.CAPACITY:
+    if dflt is not None and dflt.value is not None and goal is not Goal.LATENCY:
         # Named with its values: vLLM's own defaults on this GPU (what `vllm serve` runs without the flags),
         # which are not an InferenceService's (kvpilot renders 2048 tokens and 256 seqs when the spec is silent).
         engine = dflt.user_attrs.get(ATTR_ENGINE, {})
@@ -620,6 +636,8 @@ def tune_offline(args: argparse.Namespace) -> int:
     slo, workload, target, defaults = _offline_inputs(args)
     space = space_from_args(args)
     goal = Goal(args.goal)
+    if goal is not Goal.CAPACITY and not args.rate > 0:
+        raise UsageError(f"--rate: the {goal.value} goal is scored at an offered load in req/s > 0; got {args.rate:g}")
     evaluator = TwinEvaluator(target, workload, slo, seed=args.seed, probe_s=args.probe_seconds,
                               warmup_s=args.probe_seconds / 5)
     evaluate = _offline_objective(args, goal, slo, evaluator)

@@ -30,6 +30,7 @@ from kvpilot.api.vocabulary import (
     Reason,
     TuningPhase,
 )
+from kvpilot.tuner.core.fleetsize import Replicas
 from kvpilot.tuner.core.gate import Closed
 from kvpilot.tuner.core.loop import ApplyFailed, Observer
 from kvpilot.tuner.core.objective import Outcome
@@ -97,6 +98,19 @@ class KubernetesApplier:
         engine = EngineSpec.model_validate((self.get().get("spec") or {}).get("engine") or {})
         # A field another overrides (gpuMemoryUtilization under kvCacheMemoryBytes) reads 0.
         return EngineParams.from_spec({f.name: engine.in_force(f) or 0 for f in TUNED})
+
+    def replicas(self) -> Replicas | None:
+        """FleetSize: spec.replicas and the stable Deployment's ready replicas (status.readyReplicas, as
+        the operator copies them); None when the object cannot be read (a window is never left out on
+        a reading that failed)."""
+        try:
+            obj = self.get()
+        except Exception as exc:
+            log.warning("reading the replica count of %s/%s failed: %s", self.namespace, self.name, exc)
+            return None
+        desired = (obj.get("spec") or {}).get("replicas")
+        ready = (obj.get("status") or {}).get("readyReplicas")
+        return Replicas(int(desired if desired is not None else 1), int(ready or 0))
 
     def body(self, params: EngineParams, trial: int | None) -> dict[str, Any]:
         """The server-side apply body: the tuned fields and the trial annotation, nothing else."""

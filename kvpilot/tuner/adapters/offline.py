@@ -1,7 +1,7 @@
 """The offline applier: the engine twin in virtual time (no HTTP, no Prometheus).
 
 `TwinEvaluator`: a trial's config becomes a twin `Engine` and its value the capacity
-`core.capacity.find_capacity` finds. What capacity means and how it is measured: docs/architecture.md,
+`core.capacity.find_capacity` finds (or, for the gpus goal, the GPUs that capacity needs for a load). What capacity means and how it is measured: docs/architecture.md,
 "Capacity, offline".
 """
 
@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpilot.fleet.regime import TARGET_UTILIZATION, gpus_needed
 from kvpilot.tuner.core.capacity import CapacityResult, find_capacity
 from kvpilot.tuner.core.objective import SLO, Goal, Measurement, Outcome, infeasible, score
 from kvpilot.tuner.core.space import EngineParams
@@ -259,6 +260,24 @@ class TwinEvaluator:
                         extra={"simulations": float(res.simulations)})
         return score(Goal.CAPACITY, m, self.slo)
 
+    # -- GPUs for a load (a service that autoscales) ---------------------------------------
+    def gpus(self, params: EngineParams, rate: float, target_utilization: float = TARGET_UTILIZATION) -> Outcome:
+        """The gpus goal's outcome for one config: the GPUs its replicas need to carry `rate` req/s of
+        this workload's mix within the SLO (`fleet.regime.gpus_needed` over the capacity search's
+        answer, times the target's tensor-parallel size)."""
+        res = self.capacity(params)
+        if isinstance(res, StartupFailed):
+            return infeasible(Goal.GPUS, "StartupFailed", res.message.splitlines()[0][:300], memory=res.memory)
+        if res.at_capacity is not None:
+            ttft, itl = res.at_capacity
+        else:
+            _, ttft, itl, _ = min(res.probes, key=lambda p: p[0])
+        need = gpus_needed(rate, res.capacity, tensor_parallel_size=self.target.tensor_parallel_size,
+                           target_utilization=target_utilization) if res.capacity > 0 else None
+        m = Measurement(ttft_p99=ttft, itl_p99=itl, request_rate=rate, capacity=res.capacity, gpus=need,
+                        extra={"simulations": float(res.simulations)})
+        return score(Goal.GPUS, m, self.slo)
+
     # -- latency at a given load ----------------------------------------------------------
     def latency(self, params: EngineParams, rate: float) -> Outcome:
         """The latency goal's outcome for one config at `rate` req/s (a live study's measured load):
@@ -293,11 +312,13 @@ class TwinEvaluator:
         return out
 
     def evaluator(self, goal: Goal, rate: float | None = None) -> Any:
-        """An `Evaluate` for `goal`: capacity, or latency at `rate` req/s."""
+        """An `Evaluate` for `goal`: capacity, or latency or GPUs at `rate` req/s."""
         if goal is Goal.CAPACITY:
             return self.evaluate
         if rate is None or rate <= 0:
-            raise ValueError(f"the latency goal is scored at a request rate > 0, got {rate}")
+            raise ValueError(f"the {goal.value} goal is scored at a request rate > 0, got {rate}")
+        if goal is Goal.GPUS:
+            return lambda params: self.gpus(params, rate)
         return lambda params: self.latency(params, rate)
 
 

@@ -16,11 +16,13 @@ from enum import StrEnum
 from typing import Protocol
 
 from kvpilot.api.vocabulary import Reason, Track, TrialStrategy, TuningPhase
+from kvpilot.tuner.core.fleetsize import FleetSize, Replicas, moved
 from kvpilot.tuner.core.gate import Closed, Gate
 from kvpilot.tuner.core.objective import Goal, Measurement, Outcome, better, infeasible, latency_score, score
 from kvpilot.tuner.core.sequential import PairedSPRT, SequentialSettings, Verdict
 from kvpilot.tuner.core.space import EngineParams
 from kvpilot.tuner.core.study import KIND_REMEASURE, Incumbent, TunerStudy
+from kvpilot.tuner.core.tracks import service_load
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +179,11 @@ class LiveTuner:
         clock: Clock | None = None,
         observer: Observer | None = None,
         gate: Gate | None = None,
+        fleet: FleetSize | None = None,
     ) -> None:
         self.study, self.applier, self.signals, self.s = study, applier, signals, settings
+        self.fleet = fleet  # where the replica count is read; None: a fleet whose size never changes
+        self.scale_discards = 0  # windows left out because the replica count moved in them
         self.clock = clock or RealClock()
         self.obs = observer or Observer()
         self.gate = gate
@@ -280,10 +285,27 @@ class LiveTuner:
             except SignalsUnavailable:
                 self._wait_for_signals()
 
+    def _replicas(self) -> Replicas | None:
+        return self.fleet.replicas() if self.fleet is not None else None
+
+    def _scaled(self, first: Replicas | None) -> tuple[Replicas | None, bool]:
+        """Read the replica count again: (the window's first reading, True when it moved since).  A
+        window that moved is left out (`fleetsize`): said in status, counted in `scale_discards`."""
+        now = self._replicas()
+        why = moved(first, now)
+        if why is None:
+            return first if first is not None else now, False
+        self.scale_discards += 1
+        self.obs.phase(TuningPhase.MEASURING, "ScaleEvent", f"{why} during the window; it is left out and "
+                       "measured again")
+        return now, True
+
     def _watch(self, seconds: float) -> bool:
         """Poll the burn rate for `seconds`.  True if the span was clean, False if signals dropped
-        out (the caller starts the span again).  Raises TrialPruned on a fast burn."""
+        out or the replica count moved (the caller starts the span again).  Raises TrialPruned on a
+        fast burn."""
         end = self.clock.monotonic() + seconds
+        first = self._replicas()
         while True:
             left = end - self.clock.monotonic()
             if left <= 1e-9:
@@ -301,6 +323,9 @@ class LiveTuner:
                 return False
             if burn >= self.s.fast_burn:
                 raise TrialPruned(burn)
+            first, scaled = self._scaled(first)
+            if scaled:
+                return False
 
     def _measure(self, warmup: bool = True) -> Measurement:
         """Warm-up, then a clean window, then the measurement.  Raises TrialPruned."""
@@ -485,15 +510,22 @@ class LiveTuner:
                            f"canary and stable measured side by side over up to {self.s.window_s:g}s")
             start = self.clock.monotonic()
             sprt.reset()
+            first, scaled = self._replicas(), False
             try:
                 while (left := start + self.s.window_s - self.clock.monotonic()) > 1e-9:
                     step = min(self.s.poll_s, left)
                     self.clock.sleep(step)
                     stable_i, canary_i = self._canary_poll(serving_since, step)
+                    first, scaled = self._scaled(first)
+                    if scaled:
+                        break  # both tracks' shares of the load moved: the paired test starts again
                     cs, ss = latency_score(canary_i, self.study.slo), latency_score(stable_i, self.study.slo)
                     if _usable(cs) and _usable(ss) and sprt.add(cs, ss) is not Verdict.UNDECIDED:
                         break
-                stable_m, canary_m = self.tracks.measure_tracks(self.clock.monotonic() - start)
+                if scaled:
+                    continue
+                # Each track's rate in the service's terms: the canary's share moves with the fleet.
+                stable_m, canary_m = service_load(*self.tracks.measure_tracks(self.clock.monotonic() - start))
             except SignalsUnavailable as exc:
                 # A window with a hole in it is not a measurement.  The service's own signals may be
                 # fine while one track's are not (a canary that gets no connections: clients that keep

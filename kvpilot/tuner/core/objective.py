@@ -1,11 +1,15 @@
 """Scoring: what a measurement is worth to Optuna, and which constraints it violates.
 
-Two goals:
+Three goals:
 - `latency` (online): minimise max(p99 TTFT / TTFT SLO, p99 ITL / ITL SLO); the SLO burn rates over
   the trial window are constraints (burn <= 1 means the window spent no more than its share of
   the error budget).
 - `capacity` (offline, on the twin): maximise the highest request rate at which both p99s stay
   within the SLO.
+- `gpus` (offline, on the twin, for a service that autoscales): minimise the GPUs its replicas
+  need to carry a load (rate and token mix) within the SLO: the rate over one replica's capacity
+  at that mix, at the planner's target utilization, times the tensor-parallel size
+  (`kvpilot.fleet.regime.gpus_needed`, computed by the adapter into `Measurement.gpus`).
 
 A config that cannot start, runs out of memory, or fails its rollout is still told to Optuna as
 a COMPLETE trial, with a penalty value and a violated constraint: Optuna's samplers read
@@ -29,16 +33,18 @@ __all__ = ["SLO", "Goal", "Measurement", "Outcome", "better", "infeasible", "sco
 class Goal(StrEnum):
     LATENCY = "latency"
     CAPACITY = "capacity"
+    GPUS = "gpus"
 
     @property
     def direction(self) -> Literal["minimize", "maximize"]:
-        return "minimize" if self is Goal.LATENCY else "maximize"
+        return "maximize" if self is Goal.CAPACITY else "minimize"
 
 
 # Values told for infeasible configs: worse than anything a running engine can score, but finite
 # (TPE sorts by value within the infeasible group, and inf breaks its density estimates).
 LATENCY_PENALTY = 100.0
 CAPACITY_PENALTY = 0.0
+GPUS_PENALTY = 1.0e6  # GPUs: more than any fleet kvpilot sizes (maxReplicas 1000 x a tensor-parallel 8 node)
 # Constraint value for a config that could not run at all, for a reason that says nothing of how
 # far it was from running (a crash, a failed rollout): far beyond any burn-rate violation.
 INFEASIBLE_VIOLATION = 1000.0
@@ -62,6 +68,7 @@ class Measurement:
     burn_rate_5m: float | None = None
     sample_count: int | None = None
     capacity: float | None = None  # capacity goal: highest rate within SLO (req/s)
+    gpus: float | None = None  # gpus goal: GPUs the load `request_rate` needs at `capacity` per replica
     extra: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -106,8 +113,19 @@ def score(goal: Goal, m: Measurement, slo: SLO) -> Outcome:
     if cap <= 0:
         # Even the lightest load misses the SLO: a real constraint violation, graded by how far.
         over = max(latency_score(m, slo) - 1.0, 0.0) + 1.0
-        return Outcome(CAPACITY_PENALTY, (over,), False, "SLOUnreachable", "misses the SLO at any load", m)
-    return Outcome(cap, (-1.0,), True, "WithinSLO", f"capacity {cap:.3f} req/s", m)
+        return Outcome(penalty(goal), (over,), False, "SLOUnreachable", "misses the SLO at any load", m)
+    if goal is Goal.CAPACITY:
+        return Outcome(cap, (-1.0,), True, "WithinSLO", f"capacity {cap:.3f} req/s", m)
+    if m.gpus is None or not math.isfinite(m.gpus):
+        raise ValueError("the gpus goal scores Measurement.gpus: the adapter computes it from the capacity "
+                         "(kvpilot.fleet.regime.gpus_needed)")
+    return Outcome(m.gpus, (-1.0,), True, "WithinSLO",
+                   f"{m.gpus:.2f} GPUs for {m.request_rate:g} req/s at {cap:.3f} req/s per replica", m)
+
+
+def penalty(goal: Goal) -> float:
+    """The value told for a config that could not run, or misses the SLO at any load."""
+    return {Goal.LATENCY: LATENCY_PENALTY, Goal.CAPACITY: CAPACITY_PENALTY, Goal.GPUS: GPUS_PENALTY}[goal]
 
 
 def infeasible(goal: Goal, reason: str, message: str, m: Measurement | None = None,
@@ -118,7 +136,7 @@ def infeasible(goal: Goal, reason: str, message: str, m: Measurement | None = No
     shortfall the failure reports: `memory` where the engine gave its numbers (the twin), else
     what a real vLLM's `message` says.
     """
-    value = LATENCY_PENALTY if goal is Goal.LATENCY else CAPACITY_PENALTY
+    value = penalty(goal)
     memory = memory if memory is not None else memory_report(message)
     return Outcome(value, (memory_violation(memory),), False, reason, message, m, memory)
 
@@ -137,4 +155,4 @@ def memory_violation(memory: StartupMemory | None) -> float:
 
 def better(goal: Goal, a: float, b: float) -> bool:
     """Is value a strictly better than b under this goal."""
-    return a < b if goal is Goal.LATENCY else a > b
+    return a < b if goal.direction == "minimize" else a > b

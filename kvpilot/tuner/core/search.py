@@ -12,7 +12,7 @@ from collections.abc import Callable
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from kvpilot.tuner.core.objective import CAPACITY_PENALTY, LATENCY_PENALTY, Goal, Outcome
+from kvpilot.tuner.core.objective import Goal, Outcome, penalty
 from kvpilot.tuner.core.space import EngineParams
 from kvpilot.tuner.core.study import TunerStudy
 
@@ -106,4 +106,4 @@ def _ran(goal: Goal, value: float | None) -> bool:
     """A value a running engine scored, not the penalty told for one that could not run."""
     if value is None:
         return False
-    return value < LATENCY_PENALTY if goal is Goal.LATENCY else value > CAPACITY_PENALTY
+    return value < penalty(goal) if goal.direction == "minimize" else value > penalty(goal)

@@ -2,7 +2,8 @@
 
 The live workload is estimated from Prometheus (request rate; prompt and output length
 distributions from vLLM's per-request token histograms), the twin is searched under it for the
-live study's goal (latency at the measured rate), and the best `k` distinct configs are enqueued
+live study's goal (latency at the measured rate; for a service that autoscales, the GPUs its
+replicas need for the measured rate: `twin_goal`), and the best `k` distinct configs are enqueued
 as the first live trials.  The twin is
 a model, so its answers are only a head start: the live trials measure them for real, and
 Optuna carries on from there.
@@ -56,6 +57,16 @@ def twin_best(space: SearchSpace, slo: SLO, evaluate: Evaluate, *, goal: Goal = 
         st.enqueue(p, "current")
     run_offline(st, evaluate, trials)
     return top_configs(st, k, fill=goal is Goal.LATENCY)
+
+
+def twin_goal(goal: Goal, autoscaling: bool) -> Goal:
+    """The goal the twin is searched for.  A service that autoscales pays for GPUs: its fleet grows
+    to carry whatever load comes, so the config worth trying first is the one whose replicas carry
+    the measured load (the service's whole rate, at its token mix) on the fewest GPUs -- not the one
+    with the lowest p99s with that whole rate on one twin engine, nor the one of most capacity at
+    one mix in the abstract (the gpus goal weighs capacity at this load's mix).  Otherwise the
+    spec's goal."""
+    return Goal.GPUS if autoscaling else goal
 
 
 def enqueue_warm_start(study: TunerStudy, configs: list[tuple[EngineParams, float]]) -> int:

@@ -20,6 +20,7 @@ from kvpilot.api.vocabulary import ANNOTATION_TUNING_TRIAL as TRIAL_ANNOTATION
 from kvpilot.api.vocabulary import FIELD_MANAGER_TUNER as FIELD_MANAGER
 from kvpilot.api.vocabulary import TuningPhase
 from kvpilot.tuner.adapters.kubernetes import KubernetesApplier, KubeStatusObserver
+from kvpilot.tuner.core.fleetsize import Replicas
 from kvpilot.tuner.core.loop import ApplyFailed
 from kvpilot.tuner.core.space import EngineParams
 
@@ -270,3 +271,24 @@ def test_an_engine_that_could_not_start_is_graded_by_vllms_numbers_and_raises_th
     # Graded (nearer than an unexplained failure), and the floor now rules the failed fraction out.
     assert 0 < max(told.constraints.values()) < INFEASIBLE_VIOLATION
     assert study.util_floor()(2048, 256) > 0.75
+
+
+def test_the_replica_count_read_for_trial_windows_follows_spec_and_the_deployments_ready_pods(
+    api: KMockAPI, client: Any, operator: OperatorProcess
+) -> None:
+    # FleetSize: the loop leaves out a window in which this reading moved; spec.replicas moves first
+    # (an HPA or kubectl scale), the ready count once the Deployment's pods serve (copied by the operator).
+    obj = _isvc("scaled")
+    obj["spec"]["replicas"] = 2
+    api.create_isvc(obj)
+    wait_for(lambda: api.get_or_none(dep_path("scaled")), what="the Deployment")
+    play_deployment_controller(api, "scaled", **{**COMPLETE, "replicas": 2, "updatedReplicas": 2,
+                                                  "readyReplicas": 2, "availableReplicas": 2})
+    applier = KubernetesApplier(client, NS, "scaled", timeout_s=60, poll_s=0.1)
+    wait_for(lambda: applier.replicas() == Replicas(2, 2), what="2 of 2 ready")
+    api.patch(api.isvc_path(NS, "scaled"), {"spec": {"replicas": 3}})
+    assert applier.replicas() == Replicas(3, 2)
+    wait_for(lambda: api.get(dep_path("scaled"))["spec"]["replicas"] == 3, what="the operator scales the Deployment")
+    play_deployment_controller(api, "scaled", **{**COMPLETE, "replicas": 3, "updatedReplicas": 3,
+                                                  "readyReplicas": 3, "availableReplicas": 3})
+    wait_for(lambda: applier.replicas() == Replicas(3, 3), what="3 of 3 ready")

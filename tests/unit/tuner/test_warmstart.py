@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from kvpilot.fleet.regime import gpus_needed
 from kvpilot.tuner.core.objective import LATENCY_PENALTY, SLO, Goal, Measurement, Outcome, infeasible, score
 from kvpilot.tuner.core.space import EngineParams, SearchSpace
 from kvpilot.tuner.core.study import TunerStudy
@@ -14,6 +15,7 @@ from kvpilot.tuner.core.warmstart import (
     lognormal_from_mean,
     lognormal_from_quantiles,
     twin_best,
+    twin_goal,
 )
 
 
@@ -85,3 +87,20 @@ def test_configs_that_could_not_run_never_fill_a_warm_start() -> None:
     picks = twin_best(space, SLO(ttft_seconds=1.0), fails_mostly, goal=Goal.LATENCY, trials=12, k=3, seed=0)
     assert {p.max_num_seqs for p, _ in picks} == {16}
     assert all(v < LATENCY_PENALTY for _, v in picks)
+
+
+def test_a_service_that_autoscales_warm_starts_with_the_configs_needing_fewest_gpus() -> None:
+    assert twin_goal(Goal.LATENCY, autoscaling=True) is Goal.GPUS
+    assert twin_goal(Goal.CAPACITY, autoscaling=True) is Goal.GPUS
+    assert twin_goal(Goal.LATENCY, autoscaling=False) is Goal.LATENCY
+    assert twin_goal(Goal.CAPACITY, autoscaling=False) is Goal.CAPACITY
+
+    def gpus_twin(p: EngineParams) -> Outcome:
+        """The fake capacity twin's configs, told as GPUs for 40 req/s."""
+        cap = _twin(p).value
+        return score(Goal.GPUS, Measurement(0.1, 0.01, 40.0, capacity=cap, gpus=gpus_needed(40.0, cap)), SLO())
+
+    picks = twin_best(SearchSpace(), SLO(), gpus_twin, goal=twin_goal(Goal.LATENCY, autoscaling=True), trials=25,
+                      k=3, seed=0)
+    assert picks[0][1] <= picks[1][1] <= picks[2][1]  # fewest GPUs first
+    assert picks[0][1] <= gpus_needed(40.0, 18.0)  # near the fake twin's most capacity (22.5 req/s)
