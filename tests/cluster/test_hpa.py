@@ -109,11 +109,11 @@ def test_docs_hpa_scales_the_inferenceservice_on_kvpilots_metric(
         (item,) = yaml.safe_load(raw.stdout)["items"]
         assert (item["metricName"], item["value"]) == (METRIC, "4")
         scaled_to(control_plane, 4)
-        assert scaled_events(control_plane) == [f"Scaled from 2 to 4 replicas {BY_HPA}"]
+        assert scaled_events(control_plane, 1) == [f"Scaled from 2 to 4 replicas {BY_HPA}"]
 
         gauge.set(2)
         scaled_to(control_plane, 2)
-        assert scaled_events(control_plane)[1:] == [f"Scaled from 4 to 2 replicas {BY_HPA}"]
+        assert scaled_events(control_plane, 2)[1:] == [f"Scaled from 4 to 2 replicas {BY_HPA}"]
 
         # Above maxReplicas: held at 6, and the HPA says why.
         gauge.set(10)
@@ -124,7 +124,7 @@ def test_docs_hpa_scales_the_inferenceservice_on_kvpilots_metric(
         scaled_to(control_plane, 6)
         hpa = control_plane.get(f"{HPAS}/{NAME}")
         assert (hpa["status"]["desiredReplicas"], hpa["spec"]["maxReplicas"]) == (6, 6)
-        assert scaled_events(control_plane)[2:] == [f"Scaled from 2 to 6 replicas {BY_HPA}"]
+        assert scaled_events(control_plane, 3)[2:] == [f"Scaled from 2 to 6 replicas {BY_HPA}"]
     finally:
         control_plane.kubectl("delete", "-n", NS, "hpa", NAME, "--ignore-not-found")
         control_plane.kubectl("delete", "-n", NS, "kvis", NAME, "--ignore-not-found")
@@ -159,9 +159,13 @@ def hpa_condition(cp: ControlPlane, kind: str, status: str) -> dict[str, Any] | 
     return dict(hpa) if conds.get(kind) == status else None
 
 
-def scaled_events(cp: ControlPlane) -> list[str]:
-    events = [e for e in cp.get(f"/api/v1/namespaces/{NS}/events")["items"]
-              if e["involvedObject"].get("kind") == "InferenceService" and e["involvedObject"].get("name") == NAME
-              and e.get("reason") == "Scaled"]
-    return [e["message"] for e in sorted(events, key=lambda e: e["metadata"]["creationTimestamp"])]
-
+def scaled_events(cp: ControlPlane, count: int) -> list[str]:
+    """The `Scaled` Events' messages, oldest first, once there are `count` of them (the operator posts each
+    after its Deployment write, so it may come after the pods)."""
+    def events() -> list[dict[str, Any]] | None:
+        found = [e for e in cp.get(f"/api/v1/namespaces/{NS}/events")["items"]
+                 if e["involvedObject"].get("kind") == "InferenceService" and e["involvedObject"].get("name") == NAME
+                 and e.get("reason") == "Scaled"]
+        return found if len(found) >= count else None
+    found = wait_for(events, timeout=30, what=f"{count} Scaled Events")
+    return [e["message"] for e in sorted(found, key=lambda e: e["metadata"]["creationTimestamp"])]
