@@ -5,7 +5,7 @@ PYTHON  ?= python3
 PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip -q --disable-pip-version-check
 
-.PHONY: setup tune-setup tools vllm-env control-plane helm test-prereqs tune test test-unit test-lowest test-vllm test-cluster lint figures smoke crd image clean
+.PHONY: setup tune-setup tools vllm-env control-plane helm prometheus-adapter test-prereqs tune test test-unit test-lowest test-vllm test-cluster lint figures smoke crd image clean
 
 ## Everything development and CI need: the test, dev, report, postgresql and tracing-grpc extras
 ## (tracing with the OTLP/gRPC exporter too, so the twin is tested over both OTLP transports).
@@ -45,6 +45,11 @@ control-plane:
 helm:
 	./scripts/build-helm.sh
 
+## prometheus-adapter, which serves kvpilot_desired_replicas to the real HPA in tests/cluster/test_hpa.py,
+## built from sigs.k8s.io/prometheus-adapter pinned in tools/prometheus-adapter and cached by version under ~/.cache.
+prometheus-adapter:
+	./scripts/build-prometheus-adapter.sh
+
 ## Both of the above side by side (real vLLM downloads while the control plane compiles), or from the cache.
 test-prereqs:
 	./scripts/build-test-prereqs.sh
@@ -67,7 +72,7 @@ test-lowest:
 test-vllm: setup vllm-env
 	$(PY) -m pytest -m vllm
 
-test-cluster: setup control-plane helm
+test-cluster: setup control-plane helm prometheus-adapter
 	$(PY) -m pytest -m cluster tests/cluster tests/e2e
 
 test-unit: setup

@@ -6,11 +6,13 @@ kube-controller-manager, kube-scheduler, kubectl and kwok and caches them by ver
 
 - etcd, one member, as kube-apiserver's storage;
 - kube-apiserver with RBAC (`--authorization-mode=RBAC`; its default would allow everything), a
-  static admin token (group system:masters), a TLS serving certificate from a throwaway CA, and a
-  service-account signing key, so a test can mint a token for a ServiceAccount and act as it;
+  static admin token (group system:masters), a TLS serving certificate from a throwaway CA, a
+  service-account signing key, so a test can mint a token for a ServiceAccount and act as it, and the
+  front-proxy (requestheader) credentials its aggregator needs to proxy an APIService to an extension
+  API server such as a metrics adapter (harness/metrics_adapter.py);
 - kube-controller-manager with the controllers the operator relies on: deployment, replicaset,
-  garbage collector, plus serviceaccount (pods need their namespace's "default" ServiceAccount)
-  and namespace;
+  garbage collector, plus serviceaccount (pods need their namespace's "default" ServiceAccount),
+  namespace, and the horizontal-pod-autoscaler (it acts only where an HPA exists);
 - kube-scheduler (kwok does not schedule);
 - kwok, which plays the kubelet of fake Nodes: it marks them Ready and, by its default stages,
   makes each pod bound to them Running and Ready at once. No container ever runs.
@@ -49,7 +51,10 @@ BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler
 ADMIN_TOKEN = "kvpilot-test-admin-token"  # noqa: S105 - a throwaway cluster on 127.0.0.1
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 CONTROLLERS = ("deployment-controller", "replicaset-controller", "garbage-collector-controller", "node-lifecycle-controller",
-               "serviceaccount-controller", "namespace-controller")
+               "serviceaccount-controller", "namespace-controller", "horizontal-pod-autoscaler-controller")
+# The client certificate kube-apiserver's aggregator presents to an extension API server (a metrics
+# adapter), and the only name that server accepts the requestheader identity from.
+FRONT_PROXY_CLIENT = "front-proxy-client"
 
 
 class ApiError(Exception):
@@ -230,6 +235,13 @@ class ControlPlane:
         # same file (a private key file also gives the public key).
         trustme.CA().private_key_pem.write_to_path(str(pki / "sa.key"))
         (pki / "tokens.csv").write_text(f'{ADMIN_TOKEN},admin,admin-uid,"system:masters"\n')
+        # A CA of its own, as kubeadm has: a client certificate of the cluster CA must not be able to
+        # claim any user through the X-Remote-User header.
+        front_proxy_ca = trustme.CA()
+        front_proxy_ca.cert_pem.write_to_path(str(pki / "front-proxy-ca.crt"))
+        client = front_proxy_ca.issue_cert(FRONT_PROXY_CLIENT, common_name=FRONT_PROXY_CLIENT)
+        client.private_key_pem.write_to_path(str(pki / "front-proxy-client.key"))
+        client.cert_chain_pems[0].write_to_path(str(pki / "front-proxy-client.crt"))
         self._ssl = ssl.create_default_context(cafile=str(self.ca_file))
         self._insecure = ssl.create_default_context()
         self._insecure.check_hostname = False
@@ -265,10 +277,23 @@ class ControlPlane:
             f"--service-account-signing-key-file={pki / 'sa.key'}",
             "--service-cluster-ip-range=10.96.0.0/16",
             "--profiling=false",
-            *self._audit_flags(), *self.apiserver_args,
+            *self._front_proxy_flags(pki), *self._audit_flags(), *self.apiserver_args,
         ])
         self.url = f"https://127.0.0.1:{self.api_port}"
         self._wait_healthy(apiserver, f"{self.url}/readyz", token=ADMIN_TOKEN, timeout=120)
+
+    @staticmethod
+    def _front_proxy_flags(pki: Path) -> list[str]:
+        """The aggregation layer's: without them an APIService's requests cannot be proxied (the extension
+        server would not know who asks). No --enable-aggregator-routing: an APIService's Service is then
+        dialled by its ClusterIP, or for an ExternalName Service by that name, which is how a test reaches
+        an adapter on 127.0.0.1 (EndpointSlices and Endpoints refuse loopback addresses)."""
+        return [f"--requestheader-client-ca-file={pki / 'front-proxy-ca.crt'}",
+                f"--requestheader-allowed-names={FRONT_PROXY_CLIENT}",
+                "--requestheader-username-headers=X-Remote-User", "--requestheader-group-headers=X-Remote-Group",
+                "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+                f"--proxy-client-cert-file={pki / 'front-proxy-client.crt'}",
+                f"--proxy-client-key-file={pki / 'front-proxy-client.key'}"]
 
     def _audit_flags(self) -> list[str]:
         if not self.audit:
@@ -300,6 +325,8 @@ class ControlPlane:
             # node-lifecycle controller marks the node and every pod on it not Ready, and rollouts
             # stall for reasons no test is about. It still lifts the not-ready taint at start.
             "--node-monitor-grace-period=1h",
+            # An HPA decides every 15 s by default; a test watching one scale need not wait that long.
+            "--horizontal-pod-autoscaler-sync-period=2s",
             f"--root-ca-file={self.ca_file}",
         ])
         scheduler = self._spawn("kube-scheduler", [

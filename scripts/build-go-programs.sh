@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
-for name in control-plane helm prometheus-operator otelcol; do
+for name in control-plane helm prometheus-operator otelcol prometheus-adapter; do
   script="scripts/build-$name.sh"
   [ -x "$script" ] || continue
   t0=$(date +%s)

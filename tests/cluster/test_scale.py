@@ -3,8 +3,7 @@ spec.replicas through it, the real operator scales the Deployment and says who d
 (from the API server's own managedFields), the real Deployment controller and kwok bring the pods, and the
 subresource reports status.selector to an autoscaler, counting the stable track's pods and not a canary's.
 
-The control plane's kube-controller-manager runs no horizontal-pod-autoscaler controller (harness/cluster.py
-CONTROLLERS): an HPA scaling through this subresource on kvpilot's metric is later work (issue 36, part 5)."""
+A real HorizontalPodAutoscaler scaling through this subresource on kvpilot's metric is test_hpa.py's."""
 
 from __future__ import annotations
 
