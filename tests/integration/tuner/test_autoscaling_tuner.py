@@ -120,9 +120,11 @@ def test_load_rising_scales_up_through_the_scale_subresource_and_external_only_p
             return True
 
         # At the low load one replica carries it: both published, nothing written.
+        def at_demand(name: str) -> bool:
+            return alive() and desired(port, name) == 1 and reason_of(port, name) == "AtDemand"
+
         for name in engines:
-            wait_for(lambda n=name: alive() and desired(port, n) == 1 and reason_of(port, n) == "AtDemand",
-                     timeout=90, interval=0.5, what=f"{name}: 1 replica desired, AtDemand")
+            wait_for(lambda: at_demand(name), timeout=90, interval=0.5, what=f"{name}: 1 replica desired, AtDemand")  # noqa: B023
         assert api.get_isvc(NS, "acting")["spec"]["replicas"] == 1
         assert planner_events(api, "acting") == []
 
