@@ -100,6 +100,7 @@ class Scaler:
         assert self.isvc.spec.autoscaling is not None
         self.planner = Planner(policy_from_spec(self.isvc.spec.autoscaling), startup_s=startup_seconds(self.isvc))
         self.reporter = Reporter()
+        self._logged: tuple[int, int, str] | None = None
         self._stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"scale-{self.namespace}/{self.name}", daemon=True)
 
@@ -171,9 +172,15 @@ class Scaler:
                                          itl_p99_s=readings.itl_p99_s)
         except NoCapacityModel as exc:
             return held(current, NO_CAPACITY_MODEL, str(exc))
+        except Exception as exc:  # a config the twin cannot run: no capacity is no reason to move the count
+            log.exception("scaling %s/%s: the twin's capacity failed", self.namespace, self.name)
+            return held(current, NO_CAPACITY_MODEL, f"the engine twin failed on the config in force: {exc}"[:1024])
         decision = self.planner.plan(now, current, cap.per_replica_rps, readings.burn())
-        log.info("scaling %s/%s: %d -> %d (%s): %s", self.namespace, self.name, current, decision.desired,
-                 decision.reason, decision.message)
+        # Every read at DEBUG; a new count or reason at INFO (a read every 30 s per service is noise).
+        level = logging.INFO if (current, decision.desired, decision.reason) != self._logged else logging.DEBUG
+        self._logged = (current, decision.desired, decision.reason)
+        log.log(level, "scaling %s/%s: %d -> %d (%s): %s", self.namespace, self.name, current, decision.desired,
+                decision.reason, decision.message)
         return decision
 
     def act(self, obj: dict[str, Any], current: int, actions: Actions) -> None:
