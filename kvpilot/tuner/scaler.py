@@ -124,6 +124,7 @@ class Scaler:
         if isvc.spec.autoscaling != self.isvc.spec.autoscaling:
             self.planner.policy = policy_from_spec(isvc.spec.autoscaling)
         self.isvc = isvc
+        self.planner.startup_s = startup_seconds(isvc)  # a new engine or model starts in another time
 
     def _run(self) -> None:
         try:
