@@ -12,6 +12,11 @@ bodies exactly as sent and so misses what an API server adds; `KvpilotEmulator` 
 4. list responses carry `kind` and `apiVersion`;
 5. `metadata.generateName` works on create.
 
+InferenceServices have the `scale` subresource as the CRD declares it: GET and PATCH
+`.../inferenceservices/NAME/scale` read and write an autoscaling/v1 Scale (spec.replicas; status.replicas
+and status.selector from the object's status), and a write records its `fieldManager` as the owner of
+spec.replicas in `metadata.managedFields` with `subresource: scale`, as the API server does.
+
 Besides, for resources with a `status` subresource, a write to the main resource ignores
 `status` and a write to `/status` changes only `status`, as a real API server does.
 
@@ -326,7 +331,9 @@ class KvpilotEmulator(kmock.KubernetesEmulator):
         current = (self.objects[key].raw.get("metadata") or {}).get("resourceVersion")
         if expected is not None and str(expected) != str(current):
             raise ResourceVersionConflict()
-        if self._has_status_subresource(request.resource):
+        if request.subresource == "scale":
+            self._scale_to_update(request, self.objects[key].raw)
+        elif self._has_status_subresource(request.resource):
             if request.subresource == "status":
                 for k in list(data):
                     if k != "status":
@@ -344,6 +351,41 @@ class KvpilotEmulator(kmock.KubernetesEmulator):
         if {k: v for k, v in old.items() if k not in strip} != {k: v for k, v in new.items() if k not in strip}:
             meta["generation"] = int(old.get("metadata", {}).get("generation", 1)) + 1
 
+    def _scale_to_update(self, request: Any, old: dict[str, Any]) -> None:
+        """A write to `/scale` (an autoscaling/v1 Scale) as the API server applies it: only
+        spec.replicas of the object changes, and `metadata.managedFields` records the writer's
+        field manager with `subresource: scale` as the owner of spec.replicas (taken from whoever held
+        it), which the operator's Scaled Event names."""
+        replicas = ((request.data or {}).get("spec") or {}).get("replicas")
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+            raise kmock.KubernetesError(status=422, reason="Invalid",
+                                        message=f"spec.replicas: Invalid value: {replicas!r}: must be an integer >= 0")
+        manager = request.params.get("fieldManager", "unknown")
+        fields = []
+        for entry in (old.get("metadata") or {}).get("managedFields") or []:
+            entry = copy.deepcopy(entry)
+            spec = (entry.get("fieldsV1") or {}).get("f:spec") or {}
+            spec.pop("f:replicas", None)
+            if entry.get("manager") != manager or entry.get("subresource") != "scale":
+                if not spec and (entry.get("fieldsV1") or {}).get("f:spec") is not None:
+                    entry["fieldsV1"].pop("f:spec")
+                if entry.get("fieldsV1"):
+                    fields.append(entry)
+        fields.append({"manager": manager, "operation": "Update", "apiVersion": "autoscaling/v1", "time": _now(),
+                       "fieldsType": "FieldsV1", "fieldsV1": {"f:spec": {"f:replicas": {}}}, "subresource": "scale"})
+        request.data.clear()
+        request.data.update({"spec": {"replicas": replicas}, "metadata": {"managedFields": fields}})
+
+    @staticmethod
+    def _scale_of(obj: dict[str, Any]) -> dict[str, Any]:
+        meta = obj.get("metadata") or {}
+        status = obj.get("status") or {}
+        return {"apiVersion": "autoscaling/v1", "kind": "Scale",
+                "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp")
+                             if k in meta},
+                "spec": {"replicas": (obj.get("spec") or {}).get("replicas", 1)},
+                "status": {"replicas": status.get("replicas", 0), "selector": status.get("selector", "")}}
+
     # KMock finds an object by scanning every stored object (events included) on each request;
     # at a thousand InferenceServices that is most of the server's time.  Look it up by key instead.
     def _stored(self, request: Any, namespace: str | None = None, name: str | None = None) -> Any:
@@ -357,14 +399,15 @@ class KvpilotEmulator(kmock.KubernetesEmulator):
         obj = self._stored(request)
         if obj.deleted:
             raise kmock.KubernetesObjectNotFoundError()
-        return obj.raw
+        return self._scale_of(obj.raw) if request.subresource == "scale" else obj.raw
 
     async def _serve_create(self, request: Any) -> Any:
         meta = request.data.get("metadata", {}) if isinstance(request.data, dict) else {}
         return self._stored(request, request.namespace or meta.get("namespace"), meta.get("name")).raw
 
     async def _serve_update(self, request: Any) -> Any:
-        return self._stored(request).last.raw
+        raw = self._stored(request).last.raw
+        return self._scale_of(raw) if request.subresource == "scale" else raw
 
     async def _serve_delete(self, request: Any) -> Any:
         return self._stored(request).last.raw
@@ -423,7 +466,7 @@ def register_resources(emulator: kmock.KubernetesEmulator, *, monitoring_crds: b
     emulator.resources[f"{ISVC_GROUP}/{ISVC_VERSION}/{ISVC_PLURAL}"] = kmock.ResourceInfo(
         kind="InferenceService", singular="inferenceservice", namespaced=True, shortnames={"kvis"},
         verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
-        subresources={"status"},
+        subresources={"status", "scale"},
     )
     if monitoring_crds:
         verbs = {"get", "list", "watch", "create", "update", "patch", "delete"}

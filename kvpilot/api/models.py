@@ -560,7 +560,7 @@ class _Status(_Wire):
 
 
 class Condition(_Status):
-    type: str = Field(..., description="Ready, Progressing, Degraded, SLOBurning or Tuning.")
+    type: str = Field(..., description="Ready, Progressing, Degraded, SLOBurning, Tuning, Canary or Scaling.")
     status: Literal["True", "False", "Unknown"]
     reason: str = Field("", description="CamelCase reason for the last transition.")
     message: str = Field("", description="Human-readable details.")

@@ -241,8 +241,9 @@ def replicas_outside_bounds(spec: InferenceServiceSpec) -> str | None:
                f"{bounds.max_replicas}]")
     if bounds.actor == "external":
         return f"{outside}; the external autoscaler moves it inside at its next decision, as a HorizontalPodAutoscaler does"
-    # kvpilot's planner does not act on spec.replicas yet (issue 36): say so rather than promise it.
-    return f"{outside}; kvpilot does not scale replicas yet (actor: kvpilot), so it stays at {spec.replicas}"
+    # The planner in the tuner clamps its decision to the bounds (kvpilot.fleet.planner); with no demand
+    # data it holds the count where it is, so "next decision", not "at once".
+    return f"{outside}; kvpilot's planner (actor: kvpilot) moves it inside at its next decision"
 
 
 def _engine_inside_space(spec: InferenceServiceSpec) -> bool:

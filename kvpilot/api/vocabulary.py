@@ -72,6 +72,9 @@ CANARY_SUFFIX = "-canary"
 
 # The tuner's server-side-apply field manager: a GitOps tool ignores exactly this manager's fields.
 FIELD_MANAGER_TUNER = "kvpilot-tuner"
+# The tuner's replica planner writes spec.replicas (scale subresource) and the Scaling condition under its
+# own name, so the operator's Scaled Event says who scaled: the planner, not a trial.
+FIELD_MANAGER_PLANNER = "kvpilot-planner"
 
 # ---- configuration from the environment ---------------------------------------------------------
 # The tuner's study storage URL.  A PostgreSQL URL carries a password: the chart puts it here from a
@@ -127,6 +130,10 @@ class ConditionType(StrEnum):
     # CanaryProgressing, Unschedulable, EngineStartupFailed, CrashLoopBackOff, ProgressDeadlineExceeded or
     # InvalidCanary.
     CANARY = "Canary"
+    # Written by the tuner's planner for spec.autoscaling.actor kvpilot: True while it sizes the fleet from
+    # live demand (reason: its last decision's, e.g. LoadRising, AtDemand); False while it holds the count
+    # (NoDemandData, NoCapacityModel, ScaleFailed).
+    SCALING = "Scaling"
 
 
 class Reason(StrEnum):
@@ -196,6 +203,10 @@ METRIC_TUNING_TRIALS_TOTAL = "kvpilot_tuning_trials_total"
 METRIC_TUNING_BEST_VALUE = "kvpilot_tuning_best_value"
 METRIC_TUNING_CURRENT_TRIAL = "kvpilot_tuning_current_trial"
 METRIC_TUNING_PAUSED = "kvpilot_tuning_paused"
+# The planner's replica count for an InferenceService with spec.autoscaling (a contract: an HPA reads it
+# through prometheus-adapter), and its last decision's reason as an enum (1 on the reason in force).
+METRIC_DESIRED_REPLICAS = "kvpilot_desired_replicas"
+METRIC_AUTOSCALING_DECISION = "kvpilot_autoscaling_decision"
 # Trials by strategy (rolling|canary): started; promoted (the trial engine became the stable one); pruned
 # (a fast burn cut it short); rolled back (its engine taken out of service unpromoted after a failure).
 METRIC_TUNING_TRIALS_STARTED_TOTAL = "kvpilot_tuning_trials_started_total"

@@ -178,7 +178,10 @@ def _register_tuner(subparsers: Any) -> None:
             "The in-cluster tuner: a process of its own (apart from the operator) that tunes every "
             "InferenceService with spec.tuning.enabled, one trial at a time per service, by patching "
             "only the tuned spec.engine fields (field manager kvpilot-tuner).  Writes status.tuning, an "
-            "Event per trial, and serves its metrics on --metrics-port."
+            "Event per trial, and serves its metrics on --metrics-port.  For every InferenceService with "
+            "spec.autoscaling it also runs the replica planner: kvpilot_desired_replicas on --metrics-port, and "
+            "for actor kvpilot spec.replicas through the scale subresource (field manager kvpilot-planner), "
+            "an Event and the Scaling condition when the count or its reason changes."
         ),
     )
     t.add_argument("--prometheus", required=True, metavar="URL", help="the cluster's Prometheus")
@@ -190,7 +193,22 @@ def _register_tuner(subparsers: Any) -> None:
     t.add_argument("--metrics-port", type=int, default=9109, help="default %(default)s; 0 disables")
     t.add_argument("--resync", type=float, default=30.0, help="seconds between scans for services")
     t.add_argument("--poll", type=float, default=15.0, help="burn-rate poll interval, seconds")
+    t.add_argument("--scrape-interval", type=_seconds, default=30.0, metavar="S",
+                   help="seconds between the replica planner's reads of Prometheus for each InferenceService "
+                        "with spec.autoscaling (default %(default)s; set it to Prometheus' scrape interval: its "
+                        "rate windows span four reads)")
     t.set_defaults(handler=_tuner)
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a positive, finite number of seconds."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a number of seconds above 0")
+    return v
 
 
 def _setup_logging(verbose: bool = False) -> None:

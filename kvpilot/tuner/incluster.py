@@ -8,7 +8,8 @@ out) without touching serving; and its RBAC is narrower (patch InferenceServices
 status and Events; no Deployments).  The operator stays the only writer of Deployments: the
 tuner speaks to it through the InferenceService, like a user would.
 
-One worker thread per InferenceService with `spec.tuning.enabled`; a scan every `--resync`
+One worker thread per InferenceService with `spec.tuning.enabled`, and one replica planner thread
+(`kvpilot.tuner.scaler`) per InferenceService with `spec.autoscaling`, tuned or not; a scan every `--resync`
 seconds starts workers for new services and stops those whose tuning was switched off (between
 trials: one engine change at a time, always finished).  A worker whose loop fails is started
 again with back-off, not dropped (see `Worker`); the tuner's API client rides out transient
@@ -26,6 +27,7 @@ from typing import Any, cast
 
 from kvpilot.api.rest import ApiError
 from kvpilot.api.vocabulary import TrialStrategy, TuningPhase
+from kvpilot.tuner.capacity import TwinCapacity
 from kvpilot.tuner.core.loop import LiveSettings, LiveTuner
 from kvpilot.tuner.core.objective import SLO, Goal
 from kvpilot.tuner.core.space import EngineParams, SearchSpace, SpaceError
@@ -334,6 +336,8 @@ def run_tuner(args: Namespace) -> int:
     if args.metrics_port:
         start_http_server(args.metrics_port)
     workers: dict[tuple[str, str], Worker] = {}
+    scalers: dict[tuple[str, str], Any] = {}
+    capacity = TwinCapacity()
     stopping = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -341,6 +345,8 @@ def run_tuner(args: Namespace) -> int:
         stopping.set()
         for w in workers.values():
             w.stop()
+        for s in scalers.values():
+            s.stop()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -376,11 +382,43 @@ def run_tuner(args: Namespace) -> int:
                     w.observe(obj)
             for key in set(workers) - seen:
                 workers.pop(key).stop()
+            _scan_scalers(api_client, items, scalers, args, metrics, capacity)
         stopping.wait(args.resync)
     deadline = time.monotonic() + 60
     for w in workers.values():
         w.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    for s in scalers.values():
+        s.thread.join(timeout=max(0.0, deadline - time.monotonic()))
     return 0
+
+
+def _scan_scalers(api_client: Any, items: list[dict[str, Any]], scalers: dict[tuple[str, str], Any],
+                  args: Namespace, metrics: Any, capacity: TwinCapacity) -> None:
+    """A scaler per service with spec.autoscaling, whether or not it is tuned; stopped when the field or
+    the service goes.  The scaler reads its spec afresh on each tick; the scan only starts and stops."""
+    from kvpilot.tuner.scaler import Scaler
+
+    wanted = set()
+    for obj in items:
+        meta = obj.get("metadata") or {}
+        key = (meta.get("namespace", ""), meta.get("name", ""))
+        if not (obj.get("spec") or {}).get("autoscaling"):
+            continue
+        wanted.add(key)
+        if key in scalers:
+            continue
+        try:
+            scalers[key] = Scaler(api_client, obj, prometheus=args.prometheus, interval_s=args.scrape_interval,
+                                  metrics=metrics, capacity=capacity)
+        except Exception as exc:  # an invalid object: the operator reports it; skip
+            log.warning("not scaling %s/%s: %s", *key, exc)
+            continue
+        log.info("scaling %s/%s (actor %s) every %gs", *key, scalers[key].isvc.spec.autoscaling.actor,
+                 args.scrape_interval)
+        scalers[key].start()
+    for key in set(scalers) - wanted:
+        log.info("no longer scaling %s/%s", *key)
+        scalers.pop(key).stop()
 
 
 def _changed(w: Worker, obj: dict[str, Any]) -> bool:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
 from kvpilot.api.vocabulary import (
+    METRIC_AUTOSCALING_DECISION,
+    METRIC_DESIRED_REPLICAS,
     METRIC_TUNING_BEST_VALUE,
     METRIC_TUNING_CURRENT_TRIAL,
     METRIC_TUNING_PAUSED,
@@ -22,6 +25,7 @@ from kvpilot.tuner.core.loop import Observer, TrialEvent
 from kvpilot.tuner.core.objective import Outcome
 from kvpilot.tuner.core.space import EngineParams
 from kvpilot.tuner.core.study import Incumbent
+from kvpilot.tuner.scaling import REASONS as SCALING_REASONS
 
 log = logging.getLogger("kvpilot.tuner")
 
@@ -118,8 +122,31 @@ class TunerMetrics:
                                             by, registry=reg),
         }
 
+        # The planner's (kvpilot.tuner.scaler): labelled inferenceservice, as prometheus-adapter maps a
+        # series to the object an HPA scales (`resources: {overrides: {inferenceservice: ...}}`).
+        scaling = ("namespace", "inferenceservice")
+        self.desired = Gauge(METRIC_DESIRED_REPLICAS, "Replicas the planner asks for (spec.autoscaling); an "
+                             "external autoscaler reads it", scaling, registry=reg)
+        self.decision = Gauge(METRIC_AUTOSCALING_DECISION, "1 on the reason of the planner's last decision, "
+                              "0 on the others", (*scaling, "reason"), registry=reg)
+
     def observer(self, namespace: str, name: str) -> Observer:
         return _MetricsObserver(self, namespace, name)
+
+    def publish_scaling(self, namespace: str, name: str, desired: int, reason: str) -> None:
+        self.desired.labels(namespace, name).set(desired)
+        # Every reason has its series (an enum, as kube-state-metrics writes them): a query for one
+        # reason reads 0, not nothing, while another holds.
+        for r in SCALING_REASONS:
+            self.decision.labels(namespace, name, r).set(1.0 if r == reason else 0.0)
+
+    def forget_scaling(self, namespace: str, name: str) -> None:
+        """No series for a service the planner no longer sizes: an HPA must not act on a stale count."""
+        with contextlib.suppress(KeyError):
+            self.desired.remove(namespace, name)
+        for r in SCALING_REASONS:
+            with contextlib.suppress(KeyError):
+                self.decision.remove(namespace, name, r)
 
 
 class _MetricsObserver(Observer):

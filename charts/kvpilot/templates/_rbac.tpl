@@ -62,16 +62,20 @@ rbac.scope=namespace needs no ClusterRole at all. */}}
 {{- end }}
 {{- end -}}
 
-{{/* The tuner (kvpilot/tuner/incluster.py, adapters/kubernetes.py): list InferenceServices to find
-those with tuning enabled, read one, server-side apply its tuned engine fields (field manager
-kvpilot-tuner), write status.tuning, and post an Event per trial. No Deployments: the operator
-stays their only writer. */}}
+{{/* The tuner (kvpilot/tuner/incluster.py, adapters/kubernetes.py, scaler.py): list InferenceServices to
+find those with tuning enabled or spec.autoscaling, read one, server-side apply its tuned engine fields
+(field manager kvpilot-tuner), write status.tuning and the Scaling condition, post an Event per trial and
+per scaling decision, and (autoscaling actor kvpilot) write spec.replicas through the scale subresource
+(field manager kvpilot-planner). No Deployments: the operator stays their only writer. */}}
 {{- define "kvpilot.tunerRules" -}}
 - apiGroups: [kvpilot.dev]
   resources: [inferenceservices]
   verbs: [get, list, patch]
 - apiGroups: [kvpilot.dev]
   resources: [inferenceservices/status]
+  verbs: [patch]
+- apiGroups: [kvpilot.dev]
+  resources: [inferenceservices/scale]
   verbs: [patch]
 - apiGroups: [""]
   resources: [events]

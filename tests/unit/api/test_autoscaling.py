@@ -62,7 +62,7 @@ def test_replicas_outside_the_bounds_is_a_warning_not_an_error(replicas: int, wa
     warnings = [str(w) for w in result.warnings]
     if warned:
         assert warnings == [f"spec.replicas: {replicas} is outside autoscaling [minReplicas 2, maxReplicas 8]; "
-                            f"kvpilot does not scale replicas yet (actor: kvpilot), so it stays at {replicas}"]
+                            "kvpilot's planner (actor: kvpilot) moves it inside at its next decision"]
     else:
         assert warnings == []
 

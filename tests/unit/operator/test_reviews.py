@@ -138,8 +138,8 @@ def test_replicas_outside_the_autoscaling_bounds_are_admitted_with_a_warning_and
                           "name": "llama-8b-chat", "namespace": "inference"}}
     response = json.loads(Reviewer().answer(json.dumps(review).encode()).body)["response"]
     assert response["allowed"] is True
-    assert response["warnings"] == ["spec.replicas: 12 is outside autoscaling [minReplicas 2, maxReplicas 8]; kvpilot "
-                                    "does not scale replicas yet (actor: kvpilot), so it stays at 12"]
+    assert response["warnings"] == ["spec.replicas: 12 is outside autoscaling [minReplicas 2, maxReplicas 8]; kvpilot's "
+                                    "planner (actor: kvpilot) moves it inside at its next decision"]
     obj["spec"]["autoscaling"]["maxReplicas"] = 1
     response = json.loads(Reviewer().answer(json.dumps(review).encode()).body)["response"]
     assert response["allowed"] is False

@@ -401,8 +401,9 @@ TUNER_NEEDS: set[Permission] = {
     ("kvpilot.dev", "inferenceservices", "list"),  # the scan for services with tuning enabled
     ("kvpilot.dev", "inferenceservices", "get"),
     ("kvpilot.dev", "inferenceservices", "patch"),  # server-side apply of the tuned fields
-    ("kvpilot.dev", "inferenceservices/status", "patch"),  # status.tuning
-    ("", "events", "create"),  # one Event per trial
+    ("kvpilot.dev", "inferenceservices/status", "patch"),  # status.tuning, the Scaling condition
+    ("kvpilot.dev", "inferenceservices/scale", "patch"),  # the planner's spec.replicas (actor kvpilot)
+    ("", "events", "create"),  # one Event per trial, and per scaling decision
 }
 
 
@@ -437,6 +438,8 @@ def test_every_call_of_the_real_tuner_is_granted(tmp_path: Path) -> None:
     isvc = yaml.safe_load((ROOT / "examples" / "twin.yaml").read_text())
     isvc["metadata"]["namespace"] = "team-a"
     isvc["spec"]["tuning"]["enabled"] = False  # the scan sees it; no study starts (that needs Prometheus)
+    # The scan starts its planner, which holds the count (Prometheus is not there) and says so.
+    isvc["spec"]["autoscaling"] = {"actor": "kvpilot", "minReplicas": 2, "maxReplicas": 4}
     name = isvc["metadata"]["name"]
     tuner = next(r.obj for r in render("default") if r.kind == "Deployment" and r.name.endswith("-tuner"))
     chart_args = tuner["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -488,6 +491,19 @@ def test_every_call_of_the_real_tuner_is_granted(tmp_path: Path) -> None:
             with pytest.raises(ApplyFailed):  # no operator here to complete the rollout
                 applier.apply(EngineParams(8192, 0.92, 1024), 0)
             observer.trial_finished(0, params, "infeasible", None)
+            # One scale-up's writes, through the planner's own code.
+            from prometheus_client import CollectorRegistry
+
+            from kvpilot.tuner.capacity import TwinCapacity
+            from kvpilot.tuner.observe import TunerMetrics
+            from kvpilot.tuner.scaler import Scaler
+            from kvpilot.tuner.scaling import Actions
+
+            obj = api.get_isvc("team-a", name)
+            scaler = Scaler(client, obj, prometheus="http://127.0.0.1:9", interval_s=30.0,
+                            metrics=TunerMetrics(CollectorRegistry()), capacity=TwinCapacity())
+            scaler.act(obj, 2, Actions(replicas=3, event=("Normal", "LoadRising", "up"),
+                                       condition=("True", "LoadRising", "up")))
         finally:
             client.close()
         trial_calls = api.calls[before_trial:]
