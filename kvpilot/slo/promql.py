@@ -286,6 +286,13 @@ def observations_rate(hist: Histogram, selector: Selector, window: str = "5m") -
     return _either(f"sum(rate({series(name + '_count', selector)}[{window}]))" for name in _names(hist))
 
 
+def histogram_mean(hist: Histogram, selector: Selector, window: str = "5m") -> str:
+    """The mean of a histogram's observations over `window` (its sum over its count)."""
+    validate_duration(window)
+    return _either(f"sum(rate({series(name + '_sum', selector)}[{window}])) / "
+                   f"sum(rate({series(name + '_count', selector)}[{window}]))" for name in _names(hist))
+
+
 def observations(hist: Histogram, selector: Selector, window: str = "5m") -> str:
     """How many observations a histogram took in `window` (the sample count behind a quantile)."""
     validate_duration(window)

@@ -82,7 +82,8 @@ class PrometheusScalingReader:
         return Readings(at=at, rate=rate, prompt_tokens=self._scalar(q.prompt_tokens),
                         output_tokens=self._scalar(q.output_tokens), ttft_p99_s=self._scalar(q.ttft_p99),
                         itl_p99_s=self._scalar(q.itl_p99), fast_burn=self._firing(q.fast_burn),
-                        slow_burn=self._firing(q.slow_burn), budget_left=self._scalar(q.budget_left))
+                        slow_burn=self._firing(q.slow_burn), budget_left=self._scalar(q.budget_left),
+                        in_flight=self._scalar(q.in_flight), e2e_mean_s=self._scalar(q.e2e_mean))
 
 
 class Scaler:

@@ -49,10 +49,23 @@ FAST_BURN_ALERTS = BURN_ALERTS[:1]
 SLOW_BURN_ALERTS = BURN_ALERTS[1:]
 
 
+# A model the twin has no preset for (or a config map it cannot read here): vLLM's start-up of a
+# mid-sized model from a node cache, cold compile (the twin's model gives 61 s for an 8B, 107 s for a 34B).
+FALLBACK_STARTUP_S = 120.0
+
+
 def startup_seconds(isvc: InferenceService) -> float:
-    """How long a new replica of `isvc` takes to serve (weights, CUDA-graph capture): the planner's
-    forecast horizon.  A constant until the twin's start-up model is wired in here."""
-    return 120.0
+    """How long a new replica of `isvc` takes to serve, the planner's forecast horizon: the twin's
+    start-up model (`kvpilot twin startup`: process, weights, torch.compile, profiling, CUDA graphs,
+    the startup probe) for its model and tensor-parallel size."""
+    from kvpilot.twin.coldstart import predict_cold_start
+    from kvpilot.twin.models import resolve_model
+
+    try:
+        model = resolve_model(isvc.spec.model)
+    except ValueError:
+        return FALLBACK_STARTUP_S
+    return predict_cold_start(model, tensor_parallel_size=isvc.spec.engine.tensor_parallel_size or 1).total_s
 
 
 def demand_window_s(interval_s: float) -> float:
@@ -71,6 +84,8 @@ class ScalingQueries:
     fast_burn: str  # non-empty while the fast-burn alert's condition holds (either SLI)
     slow_burn: str
     budget_left: str
+    in_flight: str  # requests running + waiting over the service's engines, now
+    e2e_mean: str  # mean request latency over the window (seconds)
 
     @classmethod
     def for_target(cls, target: SloTarget, window_s: float) -> ScalingQueries:
@@ -89,6 +104,8 @@ class ScalingQueries:
             fast_burn=any_of(FAST_BURN_ALERTS),
             slow_burn=any_of(SLOW_BURN_ALERTS),
             budget_left=worst_budget_left(target.identity_selector),
+            in_flight=f"{promql.requests_running(sel)} + {promql.requests_waiting(sel)}",
+            e2e_mean=promql.histogram_mean("e2e", sel, w),
         )
 
 
@@ -109,6 +126,16 @@ class Readings:
     fast_burn: bool = False
     slow_burn: bool = False
     budget_left: float | None = None
+    in_flight: float | None = None
+    e2e_mean_s: float | None = None
+
+    def in_flight_rate(self) -> float | None:
+        """The arrival rate the requests in flight imply now (Little's law: in flight over the mean
+        latency), which sees a step in the load before a rate over the window does; None unknown."""
+        in_flight, e2e = _finite(self.in_flight), _finite(self.e2e_mean_s)
+        if in_flight is None or e2e is None or in_flight < 0 or e2e <= 0:
+            return None
+        return in_flight / e2e
 
     def demand(self) -> Demand | None:
         """The demand, or None when there is none to trust: no rate series (no engine scraped, no
@@ -117,7 +144,7 @@ class Readings:
         if rate is None or rate < 0:
             return None
         return Demand(at=self.at, rate=rate, prompt_tokens=_finite(self.prompt_tokens) or 0.0,
-                      output_tokens=_finite(self.output_tokens) or 0.0)
+                      output_tokens=_finite(self.output_tokens) or 0.0, in_flight_rate=self.in_flight_rate())
 
     def burn(self) -> Burn:
         return Burn(fast=self.fast_burn, slow=self.slow_burn, budget_left=_finite(self.budget_left))

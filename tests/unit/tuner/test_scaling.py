@@ -21,6 +21,7 @@ from kvpilot.tuner.scaling import (
     demand_window_s,
     mix_bucket,
     policy_from_spec,
+    startup_seconds,
 )
 
 SEL = 'namespace="prod",kvpilot_dev_inferenceservice="llama"'
@@ -62,6 +63,36 @@ def test_demand_and_burn_from_readings() -> None:
     assert Readings(at=0.0, rate=0.0).demand() is not None  # no traffic, measured: a demand of 0
     b = r.burn()
     assert (b.fast, b.slow, b.budget_left) == (True, False, None)
+
+
+def test_the_requests_in_flight_give_the_rate_now_by_littles_law() -> None:
+    q = ScalingQueries.for_target(SloTarget("prod", "llama"), 120.0)
+    assert q.in_flight == (f"sum(vllm:num_requests_running{{{SEL}}}) + sum(vllm:num_requests_waiting{{{SEL}}})")
+    assert q.e2e_mean == (f"sum(rate(vllm:e2e_request_latency_seconds_sum{{{SEL}}}[120s])) / "
+                          f"sum(rate(vllm:e2e_request_latency_seconds_count{{{SEL}}}[120s]))")
+    d = Readings(at=5.0, rate=20.0, in_flight=160.0, e2e_mean_s=4.0).demand()
+    assert d is not None and d.in_flight_rate == 40.0
+    for in_flight, e2e in ((None, 4.0), (160.0, None), (160.0, 0.0), (math.nan, 4.0)):
+        d = Readings(at=5.0, rate=20.0, in_flight=in_flight, e2e_mean_s=e2e).demand()
+        assert d is not None and d.in_flight_rate is None
+
+
+def test_the_forecast_horizon_is_the_twins_start_up_of_the_model() -> None:
+    from kvpilot.api import InferenceService
+    from kvpilot.twin.coldstart import predict_cold_start
+    from kvpilot.twin.models import resolve_model
+
+    def isvc(model: str, tp: int) -> InferenceService:
+        return InferenceService.model_validate({
+            "apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService",
+            "metadata": {"name": "llama", "namespace": "prod"},
+            "spec": {"model": model, "engine": {"tensorParallelSize": tp},
+                     "resources": {"gpus": tp, "gpuType": "H100-80GB"}}})
+
+    small = startup_seconds(isvc("meta-llama/Llama-3.1-8B-Instruct", 1))
+    assert small == predict_cold_start(resolve_model("Llama-3.1-8B")).total_s
+    assert startup_seconds(isvc("meta-llama/Llama-3.1-70B-Instruct", 4)) > small
+    assert startup_seconds(isvc("acme/unknown-model", 1)) == 120.0
 
 
 def test_policy_from_hpa_defaults_and_from_disabled_directions() -> None:
