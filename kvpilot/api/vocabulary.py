@@ -207,6 +207,8 @@ METRIC_TUNING_PAUSED = "kvpilot_tuning_paused"
 # through prometheus-adapter), and its last decision's reason as an enum (1 on the reason in force).
 METRIC_DESIRED_REPLICAS = "kvpilot_desired_replicas"
 METRIC_AUTOSCALING_DECISION = "kvpilot_autoscaling_decision"
+# GPUs one replica of the service holds (its tensor-parallel size): replicas times this is the bill.
+METRIC_REPLICA_GPUS = "kvpilot_replica_gpus"
 # Trials by strategy (rolling|canary): started; promoted (the trial engine became the stable one); pruned
 # (a fast burn cut it short); rolled back (its engine taken out of service unpromoted after a failure).
 METRIC_TUNING_TRIALS_STARTED_TOTAL = "kvpilot_tuning_trials_started_total"

@@ -31,8 +31,11 @@ TUNING_BY_STRATEGY = (
     (vocabulary.METRIC_TUNING_PRUNED_TOTAL, "pruned"),
     (vocabulary.METRIC_TUNING_ROLLBACKS_TOTAL, "rolled back"),
 )
+DESIRED_REPLICAS = vocabulary.METRIC_DESIRED_REPLICAS
+AUTOSCALING_DECISION = vocabulary.METRIC_AUTOSCALING_DECISION
+REPLICA_GPUS = vocabulary.METRIC_REPLICA_GPUS
 KVPILOT_METRICS = (ENGINE_INFO, TUNING_TRIALS, TUNING_BEST, TUNING_CURRENT, TUNING_PAUSED,
-                   *(m for m, _ in TUNING_BY_STRATEGY))
+                   *(m for m, _ in TUNING_BY_STRATEGY), DESIRED_REPLICAS, AUTOSCALING_DECISION, REPLICA_GPUS)
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 NS_VAR, ISVC_VAR = "$namespace", "$inferenceservice"
@@ -182,6 +185,7 @@ def _panels(src: _Source) -> list[dict[str, Any]]:
     lay = _Layout()
     _service_level_panels(lay, src)
     _engine_panels(lay, src)
+    _fleet_panels(lay, src)
     _tuning_panels(lay, src)
     return lay.panels
 
@@ -246,6 +250,32 @@ def _engine_panels(lay: _Layout, src: _Source) -> None:
     lay.add(_timeseries("End-to-end latency", [
         _target(promql.quantile("e2e", q, pods, rate), f"p{round(q * 100)}", chr(ord("A") + i))
         for i, q in enumerate((0.5, 0.9, 0.99))], "s"), 12, 8)
+
+
+def _fleet_panels(lay: _Layout, src: _Source) -> None:
+    """The fleet against its load, and why the planner asked for the count it did (spec.autoscaling)."""
+    pods = src.pods
+    scaling = src.ident.render()  # the planner's series: namespace, inferenceservice
+    serving = f"count({vllm.METRIC_RUNNING}{{{pods.render()}}})"
+    gpus = f"max({REPLICA_GPUS}{{{scaling}}})"
+    lay.row("Fleet")
+    rate_axis = [{"matcher": {"id": "byName", "options": "requests/s"},
+                  "properties": [{"id": "custom.axisPlacement", "value": "right"}, {"id": "unit", "value": "reqps"}]}]
+    lay.add(_timeseries("GPUs against load", [
+        _target(f"{serving} * {gpus}", "GPUs serving", "A"),
+        _target(f"max({DESIRED_REPLICAS}{{{scaling}}}) * {gpus}", "GPUs the planner asks for", "B"),
+        _target(promql.request_rate(pods, "$__rate_interval"), "requests/s", "C")], "short",
+        "GPUs of the replicas serving (engines Prometheus scrapes, times kvpilot_replica_gpus) and of the count "
+        "kvpilot's planner asks for, against the request rate (right axis). A service without spec.autoscaling "
+        "has no planner series: only the rate shows.", rate_axis, min=0), 12, 8)
+    lay.add(_timeseries("Planner decisions", [
+        _target(f"max by (reason) ({AUTOSCALING_DECISION}{{{scaling}}}) > 0", "{{reason}}", "A"),
+        _target(f"max({DESIRED_REPLICAS}{{{scaling}}})", "desired replicas", "B"),
+        _target(serving, "serving replicas", "C")], "short",
+        "The reason of the planner's last decision (LoadRising, FastBurn, LoadFell, ScaleDownStabilizing, "
+        "BudgetLow, NoDemandData, ...: a line at 1 while it holds), with the replicas it asks for and those "
+        "serving. The Scaling condition and the Events on the InferenceService carry the same reasons with "
+        "their messages.", min=0), 12, 8)
 
 
 def _tuning_panels(lay: _Layout, src: _Source) -> None:

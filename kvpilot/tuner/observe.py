@@ -9,6 +9,7 @@ from typing import Any
 from kvpilot.api.vocabulary import (
     METRIC_AUTOSCALING_DECISION,
     METRIC_DESIRED_REPLICAS,
+    METRIC_REPLICA_GPUS,
     METRIC_TUNING_BEST_VALUE,
     METRIC_TUNING_CURRENT_TRIAL,
     METRIC_TUNING_PAUSED,
@@ -129,12 +130,15 @@ class TunerMetrics:
                              "external autoscaler reads it", scaling, registry=reg)
         self.decision = Gauge(METRIC_AUTOSCALING_DECISION, "1 on the reason of the planner's last decision, "
                               "0 on the others", (*scaling, "reason"), registry=reg)
+        self.replica_gpus = Gauge(METRIC_REPLICA_GPUS, "GPUs one replica holds (tensorParallelSize): replicas "
+                                  "times this is the GPUs the service uses", scaling, registry=reg)
 
     def observer(self, namespace: str, name: str) -> Observer:
         return _MetricsObserver(self, namespace, name)
 
-    def publish_scaling(self, namespace: str, name: str, desired: int, reason: str) -> None:
+    def publish_scaling(self, namespace: str, name: str, desired: int, reason: str, replica_gpus: int = 1) -> None:
         self.desired.labels(namespace, name).set(desired)
+        self.replica_gpus.labels(namespace, name).set(replica_gpus)
         # Every reason has its series (an enum, as kube-state-metrics writes them): a query for one
         # reason reads 0, not nothing, while another holds.
         for r in SCALING_REASONS:
@@ -142,8 +146,9 @@ class TunerMetrics:
 
     def forget_scaling(self, namespace: str, name: str) -> None:
         """No series for a service the planner no longer sizes: an HPA must not act on a stale count."""
-        with contextlib.suppress(KeyError):
-            self.desired.remove(namespace, name)
+        for gauge in (self.desired, self.replica_gpus):
+            with contextlib.suppress(KeyError):
+                gauge.remove(namespace, name)
         for r in SCALING_REASONS:
             with contextlib.suppress(KeyError):
                 self.decision.remove(namespace, name, r)

@@ -153,7 +153,8 @@ class Scaler:
         current = int((obj.get("spec") or {}).get("replicas", self.isvc.spec.replicas))
         now = self.clock()
         decision = self.decide(now, current)
-        self.metrics.publish_scaling(self.namespace, self.name, decision.desired, decision.reason)
+        self.metrics.publish_scaling(self.namespace, self.name, decision.desired, decision.reason,
+                                     self.isvc.spec.engine.tensor_parallel_size or 1)
         if autoscaling.actor == "kvpilot":
             written = find_condition((obj.get("status") or {}).get("conditions"), ConditionType.SCALING.value)
             actions = self.reporter.step(now, current, decision,

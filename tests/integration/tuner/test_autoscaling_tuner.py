@@ -127,6 +127,8 @@ def test_load_rising_scales_up_through_the_scale_subresource_and_external_only_p
             wait_for(lambda: at_demand(name), timeout=90, interval=0.5, what=f"{name}: 1 replica desired, AtDemand")  # noqa: B023
         assert api.get_isvc(NS, "acting")["spec"]["replicas"] == 1
         assert planner_events(api, "acting") == []
+        # The GPUs one replica holds, for the dashboard's GPUs against load (tensorParallelSize 1 here).
+        assert gauges(port).get(("kvpilot_replica_gpus", (("inferenceservice", "acting"), ("namespace", NS)))) == 1
 
         for engine in engines.values():
             engine.set_rate(HIGH)

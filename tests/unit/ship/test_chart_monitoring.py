@@ -245,7 +245,9 @@ def test_the_chart_monitor_gives_kvpilot_series_every_label_the_alerts_and_dashb
     operator.set_engine("team-a", "chat", {k: "1" for k in ("max_num_batched_tokens", "gpu_memory_utilization",
                                                             "max_num_seqs", "config_hash")})
     tuner_registry = CollectorRegistry()
-    tuner = TunerMetrics(tuner_registry).observer("team-a", "chat")
+    tuner_metrics = TunerMetrics(tuner_registry)
+    tuner_metrics.publish_scaling("team-a", "chat", 3, "LoadRising", 2)  # the planner's, for spec.autoscaling
+    tuner = tuner_metrics.observer("team-a", "chat")
     tuner.trial_started(0, None, "current")  # type: ignore[arg-type]
     tuner.trial_finished(0, None, "COMPLETE", None)  # type: ignore[arg-type]
     tuner.best_changed(SimpleNamespace(value=0.5))  # type: ignore[arg-type]

@@ -30,7 +30,7 @@ def test_panels_cover_what_sres_and_the_tuner_look_at() -> None:
     titles = " | ".join(p["title"] for p in board["panels"])
     for want in ("TTFT p50 / p90 / p99 vs SLO", "ITL p50 / p90 / p99 vs SLO", "TTFT burn rate", "ITL burn rate",
                  "error budget left", "KV cache usage", "Requests running / waiting", "Preemptions/s",
-                 "Tokens/s", "Engine config in force", "Tuning trials"):
+                 "Tokens/s", "Engine config in force", "Tuning trials", "GPUs against load", "Planner decisions"):
         assert want in titles, want
     exprs = "\n".join(expressions(board))
     assert "vector(1)" in exprs and "vector(0.1)" in exprs  # the SLO lines of this service
