@@ -11,6 +11,7 @@ The planner reads every --scrape-interval (30 s by default): a first read must f
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -22,12 +23,15 @@ from kvpilot.tuner.capacity import TwinCapacity  # noqa: E402
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="a coarser envelope (4 rates of 30 s): the same path")
+    args = parser.parse_args()
     isvc = InferenceService.model_validate({
         "apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "b", "namespace": "b"},
         "spec": {"model": "meta-llama/Meta-Llama-3-8B-Instruct", "replicas": 2,
                  "engine": {"maxNumBatchedTokens": 2048, "maxNumSeqs": 256, "gpuMemoryUtilization": 0.9},
                  "autoscaling": {"maxReplicas": 10}}})
-    cap = TwinCapacity()
+    cap = TwinCapacity(points=4, duration_s=30.0, flood_requests=300) if args.smoke else TwinCapacity()
     print(f"{'read':<34} {'seconds':>8} {'twin req/s':>11} {'corrected':>10}")
     for label, mix, measured in (("first read, mix 512/128", (512.0, 128.0), (None, None)),
                                  ("cached, same mix", (530.0, 125.0), (None, None)),

@@ -27,6 +27,7 @@ PRINTS = {
     "live_tuning": r"(?m)^warm start\s+\d+\.\d%",
     "operator_failover": r'"sigkill_takeover_max_s": \d',
     "operator_scale": r"operator peak RSS \(VmHWM\):\s+\d",
+    "planner_read": r"(?m)^first read, mix 2000/150\s+\d+\.\d+\s+\d",
     "tune_kills": r"answers that differ from the uninterrupted run: \d+ of \d+ \(goal 0\)",
     "tune_workers": r"(?m)^workers\s+2\s+\d",
     "tuner_quality": r"goal tuner median regret <= 5% on every scenario: (met|NOT met)",
