@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from harness.cluster import ROOT
@@ -72,3 +73,16 @@ class TunerProcess:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
+
+
+def stop_cleanly(proc: subprocess.Popen[bytes], log: Callable[[], str], timeout_s: float = 30.0) -> None:
+    """SIGTERM a tuner a test started, which must obey promptly and exit 0 (whatever the test found);
+    killed, with its log's tail in the error, where it does not."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+        raise AssertionError(f"tuner ignored SIGTERM:\n{log()[-3000:]}") from None
+    assert rc == 0, log()[-3000:]

@@ -145,6 +145,15 @@ class StartupFailed:
                                            activation=exc.activation, non_torch=exc.non_torch))
 
 
+def _p99s_at_capacity(res: CapacityResult) -> tuple[float, float]:
+    """The p99 TTFT and ITL at the capacity found; where none was (no rate met the SLO), the lightest
+    probe's, which says how far the config is from it."""
+    if res.at_capacity is not None:
+        return res.at_capacity
+    _, ttft, itl, _ = min(res.probes, key=lambda p: p[0])
+    return ttft, itl
+
+
 class TwinEvaluator:
     """Capacity of configs on one target and workload, or their latency at a given rate.  Results
     are cached by (config, rate)."""
@@ -252,10 +261,7 @@ class TwinEvaluator:
         res = self.capacity(params)
         if isinstance(res, StartupFailed):
             return infeasible(Goal.CAPACITY, "StartupFailed", res.message.splitlines()[0][:300], memory=res.memory)
-        if res.at_capacity is not None:
-            ttft, itl = res.at_capacity
-        else:
-            _, ttft, itl, _ = min(res.probes, key=lambda p: p[0])
+        ttft, itl = _p99s_at_capacity(res)
         m = Measurement(ttft_p99=ttft, itl_p99=itl, request_rate=res.capacity, capacity=res.capacity,
                         extra={"simulations": float(res.simulations)})
         return score(Goal.CAPACITY, m, self.slo)
@@ -268,10 +274,7 @@ class TwinEvaluator:
         res = self.capacity(params)
         if isinstance(res, StartupFailed):
             return infeasible(Goal.GPUS, "StartupFailed", res.message.splitlines()[0][:300], memory=res.memory)
-        if res.at_capacity is not None:
-            ttft, itl = res.at_capacity
-        else:
-            _, ttft, itl, _ = min(res.probes, key=lambda p: p[0])
+        ttft, itl = _p99s_at_capacity(res)
         need = gpus_needed(rate, res.capacity, tensor_parallel_size=self.target.tensor_parallel_size,
                            target_utilization=target_utilization) if res.capacity > 0 else None
         m = Measurement(ttft_p99=ttft, itl_p99=itl, request_rate=rate, capacity=res.capacity, gpus=need,

@@ -10,7 +10,6 @@ the published count moves and spec.replicas does not.  Before any load is scrape
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import urllib.error
@@ -26,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from harness.kmock_api import KMockAPI, OperatorProcess, free_port, wait_for
 from harness.prometheus import PrometheusServer, require_prometheus
 from harness.synthetic_vllm import SyntheticVllm
+from harness.tuner_process import stop_cleanly
 from kvpilot.api import vllm
 from kvpilot.api.vocabulary import SERIES_LABEL_INFERENCESERVICE
 
@@ -64,14 +64,7 @@ def tuner(api: KMockAPI, prom: PrometheusServer, tmp_path: Path) -> Iterator[tup
     try:
         yield proc, port, log_path
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            rc = proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-            raise AssertionError(f"tuner ignored SIGTERM:\n{log_path.read_text()[-3000:]}") from None
-    assert rc == 0, log_path.read_text()[-3000:]
+        stop_cleanly(proc, log_path.read_text)
 
 
 def gauges(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -9,7 +9,6 @@ stop promptly on SIGTERM while paused.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import urllib.request
@@ -23,6 +22,7 @@ import pytest
 
 from harness.kmock_api import KMockAPI, OperatorProcess, free_port, wait_for
 from harness.prometheus import PrometheusServer, require_prometheus
+from harness.tuner_process import stop_cleanly
 
 pytestmark = pytest.mark.integration
 
@@ -74,14 +74,7 @@ def tuner_process(api: KMockAPI, prom: PrometheusServer, tmp_path: Path, poll: f
     try:
         yield tuner
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            rc = proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-            raise AssertionError(f"tuner ignored SIGTERM:\n{tuner.log()[-3000:]}") from None
-    assert rc == 0, tuner.log()[-3000:]
+        stop_cleanly(proc, tuner.log)
 
 
 def test_tuner_process_pauses_without_traffic_and_leaves_the_engine_alone(
