@@ -37,7 +37,7 @@ import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 import yaml
@@ -72,11 +72,16 @@ class ApiError(Exception):
         super().__init__(f"{status} {self.reason}: {self.message}")
 
 
-def binary_dir() -> Path:
-    """Where the build script caches this version's binaries (built or not)."""
-    out = subprocess.run(["bash", str(BUILD_SCRIPT), "--print-dir"], capture_output=True, text=True,
+def print_dir(build_script: Path) -> Path:
+    """Where a build script (scripts/build-<name>.sh) caches its version's output, built or not."""
+    out = subprocess.run(["bash", str(build_script), "--print-dir"], capture_output=True, text=True,
                          check=True, timeout=30)
     return Path(out.stdout.strip())
+
+
+def binary_dir() -> Path:
+    """Where the build script caches this version's binaries (built or not)."""
+    return print_dir(BUILD_SCRIPT)
 
 
 def missing_binaries(bin_dir: Path) -> list[str]:
@@ -87,17 +92,22 @@ def in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+def not_built(reason: str) -> NoReturn:
+    """A program a test needs is not built: skip, saying how to build it; in CI (where `make test`
+    builds every one first) fail."""
+    if in_ci():
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
 def built_binaries() -> Path:
     """The control plane's binary directory; without the binaries a test skips, saying how to build
-    them, and in CI (where `make test` builds them first) fails."""
+    them, and in CI fails."""
     bin_dir = binary_dir()
     missing = missing_binaries(bin_dir)
     if missing:
-        reason = (f"control plane not built: {', '.join(missing)} missing in {bin_dir}; "
+        not_built(f"control plane not built: {', '.join(missing)} missing in {bin_dir}; "
                   "run `make control-plane` (needs Go >= 1.25 and the Go module proxy)")
-        if in_ci():
-            pytest.fail(reason)
-        pytest.skip(reason)
     return bin_dir
 
 

@@ -13,31 +13,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
-from harness.cluster import in_ci
+from harness.cluster import not_built, print_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD_SCRIPT = ROOT / "scripts" / "build-helm.sh"
 CHART_README = ROOT / "charts" / "kvpilot" / "README.md"
 
 
-def helm_dir() -> Path:
-    """Where the build script caches this version's helm (built or not)."""
-    out = subprocess.run(["bash", str(BUILD_SCRIPT), "--print-dir"], capture_output=True, text=True,
-                         check=True, timeout=30)
-    return Path(out.stdout.strip())
-
-
 def built_helm() -> Path:
     """The helm binary; without it a test skips, saying how to build it, and in CI fails."""
-    binary = helm_dir() / "helm"
+    binary = print_dir(BUILD_SCRIPT) / "helm"
     if not os.access(binary, os.X_OK):
-        reason = (f"helm CLI not built: {binary} missing; run `make helm` "
+        not_built(f"helm CLI not built: {binary} missing; run `make helm` "
                   "(scripts/build-helm.sh; needs Go >= 1.26 and the Go module proxy)")
-        if in_ci():
-            pytest.fail(reason)
-        pytest.skip(reason)
     return binary
 
 

@@ -30,10 +30,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
-from harness.cluster import ApiError, ControlPlane, built_binaries, in_ci, wait_for
+from harness.cluster import ApiError, ControlPlane, built_binaries, not_built, print_dir, wait_for
 from harness.kmock_api import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,22 +42,12 @@ API_SERVICE = "v1beta1.external.metrics.k8s.io"
 API_SERVICES = "/apis/apiregistration.k8s.io/v1/apiservices"
 
 
-def adapter_dir() -> Path:
-    """Where the build script caches this version's binary (built or not)."""
-    out = subprocess.run(["bash", str(BUILD_SCRIPT), "--print-dir"], capture_output=True, text=True,
-                         check=True, timeout=30)
-    return Path(out.stdout.strip())
-
-
 def built_adapter() -> Path:
     """The adapter binary; without it a test skips, saying how to build it, and in CI fails."""
-    binary = adapter_dir() / "adapter"
+    binary = print_dir(BUILD_SCRIPT) / "adapter"
     if not os.access(binary, os.X_OK):
-        reason = (f"prometheus-adapter not built: {binary} missing; run `make prometheus-adapter` "
+        not_built(f"prometheus-adapter not built: {binary} missing; run `make prometheus-adapter` "
                   "(scripts/build-prometheus-adapter.sh; needs Go >= 1.26 and the Go module proxy)")
-        if in_ci():
-            pytest.fail(reason)
-        pytest.skip(reason)
     built_binaries()  # and the control plane it registers with
     return binary
 

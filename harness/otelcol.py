@@ -28,7 +28,7 @@ from typing import Any, Self
 import pytest
 import yaml
 
-from harness.cluster import in_ci
+from harness.cluster import in_ci, not_built, print_dir
 from harness.prometheus import free_port
 from harness.server_process import ServerProcess
 
@@ -46,22 +46,12 @@ class CollectorStartError(RuntimeError):
     pass
 
 
-def binary_dir() -> Path:
-    """Where the build script caches this release's binary (built or not)."""
-    out = subprocess.run(["bash", str(BUILD_SCRIPT), "--print-dir"], capture_output=True, text=True,
-                         check=True, timeout=30)
-    return Path(out.stdout.strip())
-
-
 def built_collector() -> Path:
     """The collector binary; without it a test skips, saying how to build it, and in CI fails."""
-    binary = binary_dir() / BINARY
+    binary = print_dir(BUILD_SCRIPT) / BINARY
     if not os.access(binary, os.X_OK):
-        reason = (f"OpenTelemetry Collector not built: {binary} missing; run scripts/build-otelcol.sh "
+        not_built(f"OpenTelemetry Collector not built: {binary} missing; run scripts/build-otelcol.sh "
                   "(needs Go >= 1.26 and the Go module proxy)")
-        if in_ci():
-            pytest.fail(reason)
-        pytest.skip(reason)
     return binary
 
 

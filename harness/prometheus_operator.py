@@ -20,10 +20,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
-from harness.cluster import ROOT, ApiError, ControlPlane, in_ci, wait_for
+from harness.cluster import ROOT, ApiError, ControlPlane, not_built, print_dir, wait_for
 from harness.kmock_api import free_port
 
 BUILD_SCRIPT = ROOT / "scripts" / "build-prometheus-operator.sh"
@@ -44,16 +43,11 @@ def prometheus_version(directory: Path) -> str:
 def built_operator() -> Path:
     """The directory holding `operator`, `prometheus` and `crds/`; without them a test skips, saying
     how to build them, and in CI fails."""
-    out = subprocess.run(["bash", str(BUILD_SCRIPT), "--print-dir"], capture_output=True, text=True,
-                         check=True, timeout=30)
-    directory = Path(out.stdout.strip())
+    directory = print_dir(BUILD_SCRIPT)
     crds = sorted((directory / "crds").glob(f"{CRD_GROUP}_*.yaml"))
     if not all(os.access(directory / b, os.X_OK) for b in ("operator", "prometheus")) or not crds:
-        reason = (f"Prometheus Operator not built: operator, prometheus or crds/ missing in {directory}; run "
+        not_built(f"Prometheus Operator not built: operator, prometheus or crds/ missing in {directory}; run "
                   f"scripts/build-prometheus-operator.sh (needs Go >= 1.26 and the Go module proxy)")
-        if in_ci():
-            pytest.fail(reason)
-        pytest.skip(reason)
     return directory
 
 
