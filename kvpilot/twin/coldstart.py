@@ -7,8 +7,9 @@ vLLM's start-up, as its log shows it (V1 engine, one line per part):
 
     process   Python imports, the engine core process, the device and distributed set-up, up to
               "Starting to load model";
-    weights   "Loading weights took X seconds": the checkpoint's bytes read at the node's bandwidth from
-              wherever the model lives (a per-rank shard with tensor parallelism, read in parallel);
+    weights   "Loading weights took X seconds": one rank's shard of the weights (the memory plan's
+              `weight_bytes_per_rank`), the ranks reading in parallel at the node's bandwidth from
+              wherever the model lives;
     compile   "torch.compile takes X s in total": Dynamo's bytecode transform (the whole model traced:
               grows with the layers) and Inductor compiling the piecewise graph (about the same for
               every dense decoder); from vLLM's compile cache Inductor's part is a load, Dynamo's is not;
@@ -31,6 +32,8 @@ import re
 from dataclasses import dataclass
 from datetime import datetime
 
+from kvpilot.twin.hardware import GiB
+from kvpilot.twin.memory import weight_bytes_per_rank
 from kvpilot.twin.models import ModelSpec
 
 # From the two logs (means of the two runs; see the module docstring).
@@ -66,15 +69,6 @@ class ColdStart:
                 "profile": self.profile_s, "graphs": self.graphs_s, "server": self.server_s}
 
 
-def checkpoint_bytes(model: ModelSpec) -> int:
-    """The checkpoint's size: every parameter at its stored width (fp8 decoder weights are one byte)."""
-    params = model.num_params()
-    if model.weight_bytes == model.dtype_bytes:
-        return params * model.dtype_bytes
-    embed = model.vocab_size * model.hidden_size * (1 if model.tie_word_embeddings else 2)
-    return embed * model.dtype_bytes + (params - embed) * model.weight_bytes
-
-
 def predict_cold_start(model: ModelSpec, *, tensor_parallel_size: int = 1, enforce_eager: bool = False,
                        compile_cached: bool = False, weights_gib_per_s: float = WEIGHTS_GIB_PER_S,
                        capture_sizes: int = DEFAULT_CAPTURE_SIZES,
@@ -84,7 +78,8 @@ def predict_cold_start(model: ModelSpec, *, tensor_parallel_size: int = 1, enfor
         raise ValueError(f"tensor_parallel_size must be >= 1 (got {tensor_parallel_size})")
     if weights_gib_per_s <= 0:
         raise ValueError(f"weights_gib_per_s must be > 0 (got {weights_gib_per_s})")
-    weights = checkpoint_bytes(model) / tensor_parallel_size / 2**30 / weights_gib_per_s
+    # What one rank loads is what it holds (vLLM's "Model loading took X GiB"): the memory plan's figure.
+    weights = weight_bytes_per_rank(model, tensor_parallel_size) / GiB / weights_gib_per_s
     if enforce_eager:
         compile_s, graphs = 0.0, 0.0  # --enforce-eager: neither torch.compile nor CUDA graphs
     else:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpilot.twin.coldstart import checkpoint_bytes, predict_cold_start, read_startup_log
+from kvpilot.twin.coldstart import predict_cold_start, read_startup_log
+from kvpilot.twin.memory import weight_bytes_per_rank
 from kvpilot.twin.models import resolve_model
 
 # The start-up lines of a real vLLM 0.11.0 server log (CodeLlama-34B on an H100, shared/data/gpu-serving).
@@ -32,7 +33,7 @@ def test_a_log_cut_before_the_server_started_names_what_is_missing():
 
 def test_the_model_reproduces_the_calibration_start_up():
     model = resolve_model("codellama/CodeLlama-34b-Instruct-hf")
-    assert checkpoint_bytes(model) / 2**30 == pytest.approx(62.86, abs=0.05)  # "Model loading took 62.8571 GiB"
+    assert weight_bytes_per_rank(model, 1) / 2**30 == pytest.approx(62.86, abs=0.05)  # "Model loading took 62.8571 GiB"
     predicted = predict_cold_start(model, startup_probe_period_s=0.0)
     assert predicted.total_s == pytest.approx(read_startup_log(LOG.read_text()).total_s, rel=0.05)
 
@@ -41,14 +42,14 @@ def test_the_parts_move_as_vllm_does():
     small, big = resolve_model("Llama-3.1-8B"), resolve_model("Llama-3.1-70B")
     assert predict_cold_start(big).weights_s > 8 * predict_cold_start(small).weights_s
     assert predict_cold_start(big, tensor_parallel_size=4).weights_s == pytest.approx(
-        predict_cold_start(big).weights_s / 4)
+        predict_cold_start(big).weights_s / 4, rel=1e-3)  # vLLM pads the vocabulary per rank
     assert predict_cold_start(small, compile_cached=True).compile_s < predict_cold_start(small).compile_s
     eager = predict_cold_start(small, enforce_eager=True)
     assert eager.compile_s == 0 and eager.graphs_s == 0
     assert predict_cold_start(small, weights_gib_per_s=2.16).weights_s == pytest.approx(
         predict_cold_start(small).weights_s / 2)
     fp8 = resolve_model("Llama-3.1-8B").quantized("fp8")
-    assert checkpoint_bytes(fp8) < 0.6 * checkpoint_bytes(small)
+    assert weight_bytes_per_rank(fp8, 1) < 0.6 * weight_bytes_per_rank(small, 1)
 
 
 def test_bad_arguments_name_the_argument():
