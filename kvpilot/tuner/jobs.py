@@ -405,8 +405,7 @@ def _offline_objective(args: argparse.Namespace, goal: Goal, slo: SLO,
         if goal is Goal.CAPACITY:
             return evaluator.evaluate(params)
         if goal is Goal.GPUS:
-            gpus: Outcome = evaluator.gpus(params, args.rate)
-            return gpus
+            return evaluator.gpus(params, args.rate)
         try:
             s = evaluator.run(params, args.rate)
         except EngineStartupError as exc:
